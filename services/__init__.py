@@ -1,0 +1,1 @@
+"""DistServe mesh: prefill/decode-disaggregated LLM serving as independent gRPC services."""

@@ -1,0 +1,1 @@
+"""What every service may share: errors, sampling parameters, the tokenizer (no torch here)."""

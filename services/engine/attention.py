@@ -1,0 +1,197 @@
+"""Attention over the paged KV cache: flash-attn on CUDA when it imports, torch otherwise.
+
+Both backends compute the same thing. Prefill attends within each prompt (causal) using the K and
+V just computed; decode attends from each sequence's one new token over its cached context. Every
+new token's K and V are first written into the cache at its slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.kv_cache import KvCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit, built once per step and shared by every layer."""
+
+    slots: torch.Tensor  # (T,) int64 cache slot of each new token's K and V
+    is_prefill: bool
+    # prefill: token offsets of each sequence in the packed batch, len = num_seqs + 1
+    cu_seqlens: list[int] | None = None
+    max_seqlen: int = 0
+    # decode, torch backend: per sequence the (first slot, length) spans of its context
+    spans: list[list[tuple[int, int]]] | None = None
+    # decode, flash backend: (B, max_blocks) int32 block tables and (B,) int32 context lengths
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    cu_seqlens_t: torch.Tensor | None = None  # prefill, flash backend: cu_seqlens on device
+
+
+class TorchAttention:
+    """Attention with torch ops: SDPA for prefill, in-place reads of cache runs for decode."""
+
+    name = "torch"
+    needs_block_tables = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (T, H, D), k and v (T, KV, D), packed prompts -> (T, H, D)."""
+        out = torch.empty_like(q)
+        cu = meta.cu_seqlens
+        gqa = self.group > 1
+        for a, b in itertools.pairwise(cu):
+            o = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1),  # (H, L, D)
+                k[a:b].transpose(0, 1),  # (KV, L, D)
+                v[a:b].transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[a:b] = o.transpose(0, 1)
+        return out
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (B, H, D), one token per sequence; k_cache, v_cache (slots, KV, D) -> (B, H, D).
+
+        Each sequence's context is read in place from its runs of blocks: no gather, no padding.
+        The query heads that share a KV head are folded into the query axis, (KV, G, D), so one
+        matmul per run serves the whole group.
+        """
+        B = q.shape[0]
+        qg = q.view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
+        out = torch.empty_like(qg)
+        for i, spans in enumerate(meta.spans):
+            if len(spans) == 1:
+                a, n = spans[0]
+                k = k_cache[a : a + n].permute(1, 2, 0)  # (KV, D, L)
+                v = v_cache[a : a + n].transpose(0, 1)  # (KV, L, D)
+                s = torch.matmul(qg[i], k).mul_(self.scale)  # (KV, G, L)
+                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                torch.matmul(p, v, out=out[i])
+            else:
+                ks = [k_cache[a : a + n].permute(1, 2, 0) for a, n in spans]
+                s = torch.cat([torch.matmul(qg[i], k) for k in ks], dim=-1).mul_(self.scale)
+                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                o = out[i].zero_()
+                off = 0
+                for a, n in spans:
+                    o.add_(torch.matmul(p[..., off : off + n], v_cache[a : a + n].transpose(0, 1)))
+                    off += n
+        return out.view(B, self.num_heads, -1)
+
+
+class FlashAttention(TorchAttention):
+    """flash-attn kernels on CUDA: varlen for prefill, paged KV for decode.
+
+    flash-attn reads paged KV only for block sizes that are multiples of 256; with smaller blocks
+    decode falls back to the torch backend's in-place reads, which compute the same thing.
+    """
+
+    name = "flash"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._paged = flash_attn_with_kvcache
+        self.block_size = block_size
+        self.needs_block_tables = block_size % 256 == 0
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self._varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q=meta.cu_seqlens_t,
+            cu_seqlens_k=meta.cu_seqlens_t,
+            max_seqlen_q=meta.max_seqlen,
+            max_seqlen_k=meta.max_seqlen,
+            softmax_scale=self.scale,
+            causal=True,
+        )
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if not self.needs_block_tables:
+            return super().decode(q, k_cache, v_cache, meta)
+        shape = (-1, self.block_size, *k_cache.shape[1:])  # (num_blocks, block_size, KV, D)
+        out = self._paged(
+            q[:, None],
+            k_cache.view(shape),
+            v_cache.view(shape),
+            cache_seqlens=meta.context_lens,
+            block_table=meta.block_tables,
+            softmax_scale=self.scale,
+            causal=True,
+        )
+        return out[:, 0]
+
+
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(
+    choice: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> TorchAttention:
+    """The attention backend for `choice` (auto | torch | flash)."""
+    use_flash = choice == "flash" or (
+        choice == "auto" and flash_available(device) and dtype in (torch.float16, torch.bfloat16)
+    )
+    if use_flash:
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
+    return TorchAttention(num_heads, num_kv_heads, head_dim)
+
+
+class AttentionContext:
+    """What every attention layer of one forward pass needs: cache, metadata, backend."""
+
+    def __init__(self, cache: KvCache, meta: AttentionMetadata, backend: TorchAttention) -> None:
+        self.cache = cache
+        self.meta = meta
+        self.backend = backend
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's K and V of `layer` in the cache, then attend: (T, H, D)."""
+        k_cache, v_cache = self.cache.layer(layer)
+        k_cache.index_copy_(0, self.meta.slots, k)
+        v_cache.index_copy_(0, self.meta.slots, v)
+        if self.meta.is_prefill:
+            return self.backend.prefill(q, k, v, self.meta)
+        return self.backend.decode(q, k_cache, v_cache, self.meta)

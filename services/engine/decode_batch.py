@@ -1,0 +1,54 @@
+"""The running set of a continuous-batching decode: sequences join and leave between steps."""
+
+from __future__ import annotations
+
+from services.common.errors import OutOfKvBlocks
+from services.engine.block_pool import BlockPool
+from services.engine.sequence import Sequence
+
+
+class DecodeBatch:
+    """Sequences that hold KV and get one token per step, in the order they joined."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.seqs: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def free_seats(self) -> int:
+        return self.max_num_seqs - len(self.seqs)
+
+    def join(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+
+    def leave(self, seq: Sequence) -> None:
+        self.seqs.remove(seq)
+
+    def reserve_next_slots(self) -> list[Sequence]:
+        """Give every sequence a cache slot for the token it decodes next.
+
+        When the pool runs dry, the most recently joined sequences are preempted (their blocks
+        freed) until the rest fit; they are returned so the caller can queue them for recompute.
+        """
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.seqs):
+            seq = self.seqs[i]
+            need = seq.blocks_needed(seq.num_tokens, self.block_size)
+            if need == 0:
+                i += 1
+                continue
+            try:
+                seq.block_table.extend(self.pool.allocate(need, after=seq.block_table.last))
+                i += 1
+            except OutOfKvBlocks:
+                victim = self.seqs.pop()
+                self.pool.free(victim.block_table.blocks)
+                victim.block_table = type(victim.block_table)()
+                preempted.append(victim)
+        return preempted

@@ -1,0 +1,244 @@
+"""The in-process LLM engine: prefill batches, continuous-batching decode, sampling.
+
+`step()` is schedule, run, postprocess, collect. Prefill has priority: when waiting prompts fit,
+a step prefills them (one batch up to L_m tokens); otherwise it decodes one token for every
+running sequence. The prefill and decode services use the same pieces on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingParams
+from services.common.tokenizer import Tokenizer
+from services.engine.attention import make_backend
+from services.engine.block_pool import BlockPool, BlockTable
+from services.engine.config import EngineConfig, ModelConfig
+from services.engine.decode_batch import DecodeBatch
+from services.engine.kv_cache import KvCache
+from services.engine.model_runner import ModelRunner
+from services.engine.prefill_batcher import PrefillBatcher
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
+from services.engine.weights import load_model
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class LLMEngine:
+    """A model replica with a paged KV cache that serves many requests at once."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        mc = self.model_config
+        if self.tokenizer.vocab_size > mc.vocab_size:
+            raise InvalidRequest(
+                f"tokenizer has {self.tokenizer.vocab_size} ids but the model only {mc.vocab_size}"
+            )
+        self.device = _device(config.device)
+        self.dtype = _dtype(config.dtype, mc.dtype, self.device)
+        model = load_model(self.model_dir, mc, self.dtype, self.device)
+        num_blocks = config.num_blocks or max(
+            1,
+            config.kv_cache_bytes
+            // KvCache.bytes_per_block(
+                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            ),
+        )
+        cache = KvCache(
+            num_layers=mc.num_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        backend = make_backend(
+            config.attention,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.pool = BlockPool(num_blocks)
+        self.runner = ModelRunner(model, cache, backend, config.max_num_seqs)
+        self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
+        self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
+        self.waiting: deque[Sequence] = deque()
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises InvalidRequest with the reason."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequest("prompt is empty: give at least one character")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seq = Sequence(
+            request_id,
+            ids,
+            params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_context=self.model_config.max_position_embeddings,
+            tokenizer=self.tokenizer,
+            default_seed=_stable_seed(self.config.seed, request_id),
+        )
+        self._requests[request_id] = seq
+        self.waiting.append(seq)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        max_ctx = self.model_config.max_position_embeddings
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequest("prompt is empty: give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= max_ctx:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens; the model's context is {max_ctx} tokens, "
+                "shorten the prompt"
+            )
+        if len(ids) + params.max_tokens > max_ctx:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {max_ctx} tokens; set max_tokens <= {max_ctx - len(ids)}"
+            )
+        blocks = -(-(len(ids) + 1) // self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise InvalidRequest(
+                f"prompt needs {blocks} KV blocks; this instance has {self.pool.num_blocks} in all"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; frees its blocks. False if it is not here."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.leave(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running.seqs)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One iteration: a prefill batch if prompts are waiting and fit, else a decode step."""
+        seqs = self.batcher.next_batch(self.waiting, self._admit, self.running.free_seats)
+        if seqs:
+            logits = self.runner.prefill(seqs)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                self.running.join(seq)
+        else:
+            for seq in self.running.reserve_next_slots():
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            seqs = list(self.running.seqs)
+            if not seqs:
+                return []
+            logits = self.runner.decode(seqs)
+        tokens = self.runner.sample(logits, seqs)
+        return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+
+    def _admit(self, seq: Sequence) -> bool:
+        need = seq.blocks_needed(seq.num_tokens, self.config.block_size)
+        if not self.pool.can_allocate(need):
+            return False
+        growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
+        seq.block_table.extend(self.pool.allocate(need, reserve=growth))
+        return True
+
+    def _postprocess(self, seq: Sequence, token: int) -> StepOutput:
+        delta = seq.append(token)
+        finished = seq.finish_reason is not None
+        if finished:
+            seq.status = SequenceStatus.FINISHED
+            self.running.leave(seq)
+            self._free(seq)
+            self._requests.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table.blocks)
+        seq.block_table = BlockTable()
+
+    # -- convenience -----------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts together to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs = {rid: self._requests[rid] for rid in ids}
+        while self.has_unfinished():
+            self.step()
+        return [
+            Completion(
+                rid, s.token_ids[: s.num_prompt_tokens], s.output_ids, s.text, s.finish_reason
+            )
+            for rid, s in seqs.items()
+        ]
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(choice: str, stored: str, device: torch.device) -> torch.dtype:
+    if choice != "auto":
+        return _TORCH_DTYPES[choice]
+    if device.type == "cpu":
+        return torch.float32
+    return _TORCH_DTYPES[stored]
+
+
+def _stable_seed(seed: int, request_id: str) -> int:
+    """A per-request seed that is the same in every process (unlike hash())."""
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

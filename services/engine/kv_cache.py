@@ -1,0 +1,69 @@
+"""Storage of the paged KV cache.
+
+One tensor of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim): for each layer, all
+K blocks and then all V blocks. A run of consecutive blocks is therefore one contiguous byte
+range per layer and per K/V, which the decode step reads in place and the KV-transfer service
+sends and receives without reshuffling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KvCache:
+    """The KV blocks of every layer; block ids come from the BlockPool."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.data = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        tokens = num_blocks * block_size
+        # Per layer: K and V as (num_blocks * block_size, kv_heads, head_dim) views, i.e. indexed
+        # by cache slot = block * block_size + offset.
+        self._flat = [
+            (
+                self.data[i, 0].view(tokens, num_kv_heads, head_dim),
+                self.data[i, 1].view(tokens, num_kv_heads, head_dim),
+            )
+            for i in range(num_layers)
+        ]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i, each (num_blocks * block_size, kv_heads, head_dim)."""
+        return self._flat[i]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.data.element_size()
+
+    def region(self, layer: int, kv: int, first_block: int, num_blocks: int) -> torch.Tensor:
+        """A contiguous view of `num_blocks` blocks from `first_block` of one layer's K (kv=0)
+        or V (kv=1): (num_blocks, block_size, kv_heads, head_dim)."""
+        return self.data[layer, kv, first_block : first_block + num_blocks]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * item

@@ -1,0 +1,146 @@
+"""Runs the model for a batch of sequences: builds the step's tensors, forwards, samples.
+
+The hot paths are `prefill` and `decode`. Per step, Python touches each sequence once to gather
+its token, position and cache slot (into buffers allocated once); everything per layer or per
+token of context is tensor work.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
+from services.engine.kv_cache import KvCache
+from services.engine.model import CausalLM
+from services.engine.sampler import SamplingBatch, sample
+from services.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """The model, its KV cache and attention backend, and the per-step input buffers."""
+
+    def __init__(
+        self, model: CausalLM, cache: KvCache, backend: TorchAttention, max_num_seqs: int
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.block_size = cache.block_size
+        self.device = cache.data.device
+        # Decode inputs, reused every step: numpy arrays sharing memory with CPU tensors.
+        self._ids = np.zeros(max_num_seqs, dtype=np.int64)
+        self._pos = np.zeros(max_num_seqs, dtype=np.int64)
+        self._slots = np.zeros(max_num_seqs, dtype=np.int64)
+        self._ctx = np.zeros(max_num_seqs, dtype=np.int32)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run whole prompts (packed) -> logits of each prompt's last token (N, vocab)."""
+        bs = self.block_size
+        ids: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        for seq in seqs:
+            n = seq.num_tokens
+            ids.extend(seq.token_ids)
+            for first, count in seq.block_table.runs:
+                slots.extend(range(first * bs, min(first * bs + count * bs, first * bs + n)))
+                n -= count * bs
+                if n <= 0:
+                    break
+            cu.append(len(ids))
+        positions = np.concatenate([np.arange(b - a) for a, b in itertools.pairwise(cu)])
+        meta = AttentionMetadata(
+            slots=self._to_device(np.asarray(slots, dtype=np.int64)),
+            is_prefill=True,
+            cu_seqlens=cu,
+            max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
+        )
+        if self.backend.name == "flash":
+            meta.cu_seqlens_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        hidden = self.model(
+            self._to_device(np.asarray(ids, dtype=np.int64)),
+            self._to_device(positions),
+            AttentionContext(self.cache, meta, self.backend),
+        )
+        last = torch.tensor([b - 1 for b in cu[1:]], device=self.device)
+        return self.model.logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for every sequence -> logits (B, vocab).
+
+        Each sequence's last token has no KV yet: it is written at position num_tokens - 1,
+        whose block the scheduler has allocated.
+        """
+        bs = self.block_size
+        B = len(seqs)
+        spans: list[list[tuple[int, int]]] = []
+        for i, seq in enumerate(seqs):
+            n = seq.num_tokens
+            pos = n - 1
+            self._ids[i] = seq.token_ids[-1]
+            self._pos[i] = pos
+            self._slots[i] = seq.block_table.blocks[pos // bs] * bs + pos % bs
+            self._ctx[i] = n
+            runs = seq.block_table.runs
+            if len(runs) == 1:
+                spans.append([(runs[0][0] * bs, n)])
+            else:
+                spans.append(_spans(runs, n, bs))
+        meta = AttentionMetadata(
+            slots=self._to_device(self._slots[:B]), is_prefill=False, spans=spans
+        )
+        if self.backend.needs_block_tables:
+            width = max(len(s.block_table) for s in seqs)
+            table = np.zeros((B, width), dtype=np.int32)
+            for i, seq in enumerate(seqs):
+                table[i, : len(seq.block_table)] = seq.block_table.blocks
+            meta.block_tables = self._to_device(table)
+            meta.context_lens = self._to_device(self._ctx[:B])
+        hidden = self.model(
+            self._to_device(self._ids[:B]),
+            self._to_device(self._pos[:B]),
+            AttentionContext(self.cache, meta, self.backend),
+        )
+        return self.model.logits(hidden)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Pick the next token of each sequence (uses one draw of its stream if not greedy)."""
+        temps = [s.params.temperature for s in seqs]
+        all_greedy = not any(temps)
+        if all_greedy:
+            return logits.argmax(dim=-1).tolist()
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        # 1 - random() lies in (0, 1]: inverse-CDF sampling never picks a zero-probability id.
+        uniform = [1.0 - s.rng.random() if t > 0 else 1.0 for s, t in zip(seqs, temps, strict=True)]
+        batch = SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=logits.device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=logits.device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=logits.device),
+            uniform=torch.tensor(uniform, dtype=torch.float32, device=logits.device),
+            all_greedy=False,
+            any_top_k=any(top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+        )
+        return sample(logits, batch).tolist()
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
+def _spans(runs: list[list[int]], n: int, bs: int) -> list[tuple[int, int]]:
+    """(first slot, length) of each run of blocks holding the first n tokens."""
+    out = []
+    for first, count in runs:
+        take = min(count * bs, n)
+        out.append((first * bs, take))
+        n -= take
+        if n <= 0:
+            break
+    return out

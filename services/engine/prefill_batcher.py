@@ -1,0 +1,38 @@
+"""Packing of waiting prompts into prefill batches under a token budget (L_m)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from services.engine.sequence import Sequence
+
+
+class PrefillBatcher:
+    """First come, first served: take waiting prompts in order while their tokens fit the budget.
+
+    `max_batch_tokens` is L_m, the batch size in tokens past which prefill stops gaining
+    throughput; a prompt longer than L_m runs alone. `admit` says whether a sequence's KV fits now
+    (and reserves it); the first sequence that does not fit ends the batch, so order is kept.
+    """
+
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+
+    def next_batch(
+        self, waiting: deque[Sequence], admit: Callable[[Sequence], bool], max_seqs: int
+    ) -> list[Sequence]:
+        batch: list[Sequence] = []
+        tokens = 0
+        limit = min(self.max_batch_seqs, max_seqs)
+        while waiting and len(batch) < limit:
+            seq = waiting[0]
+            if batch and tokens + seq.num_tokens > self.max_batch_tokens:
+                break
+            if not admit(seq):
+                break
+            waiting.popleft()
+            batch.append(seq)
+            tokens += seq.num_tokens
+        return batch

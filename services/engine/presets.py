@@ -1,0 +1,227 @@
+"""Embedded models: real Llama-family architectures with random weights from a fixed seed.
+
+`tiny` keeps CPU tests fast; `small` (about 100M parameters) keeps each phase's character in
+benchmarks: prefill compute-bound, decode memory-bound. Both use a byte-level BPE tokenizer trained
+here, deterministically, on a short embedded text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from services.common.errors import InvalidRequest
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID = 0, 1
+TOKENIZER_VOCAB = 1024
+PRESET_VERSION = 1  # bump when a preset's files change, so cached copies are made anew
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+    },
+    "small": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+    },
+}
+
+_ARCH_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained on the embedded corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = (Path(__file__).parent / "data" / "corpus.txt").read_text()
+    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL_TOKENS[BOS_ID]} $A",
+        pair=f"{SPECIAL_TOKENS[BOS_ID]} $A $B",
+        special_tokens=[(SPECIAL_TOKENS[BOS_ID], BOS_ID)],
+    )
+    return tok
+
+
+def model_config(
+    preset: str,
+    *,
+    architecture: str = "LlamaForCausalLM",
+    vocab_size: int,
+    dtype: str = "float32",
+    **overrides: object,
+) -> dict:
+    """config.json of a preset, with overrides (rope_scaling, tie_word_embeddings...)."""
+    if preset not in PRESETS:
+        raise InvalidRequest(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if architecture not in _ARCH_MODEL_TYPE:
+        raise InvalidRequest(f"unknown architecture {architecture!r}")
+    cfg = {
+        "architectures": [architecture],
+        "model_type": _ARCH_MODEL_TYPE[architecture],
+        "vocab_size": vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": dtype,
+        **PRESETS[preset],
+        **overrides,
+    }
+    cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg
+
+
+def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread."""
+    from services.engine.config import ModelConfig
+    from services.engine.weights import checkpoint_names
+
+    mc = ModelConfig.from_dict(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    shapes = {
+        "q_proj": (mc.num_heads * d, h),
+        "k_proj": (mc.num_kv_heads * d, h),
+        "v_proj": (mc.num_kv_heads * d, h),
+        "o_proj": (h, mc.num_heads * d),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name in checkpoint_names(mc):
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shape = (mc.vocab_size, h)
+            t = torch.randn(shape, generator=gen) * (1.0 if "embed" in name else h**-0.5)
+        elif parts[-2].endswith("norm"):
+            t = 1.0 + 0.1 * torch.randn((h,), generator=gen)
+        elif parts[-1] == "bias":
+            t = 0.1 * torch.randn((shapes[parts[-2]][0],), generator=gen)
+        else:
+            shape = shapes[parts[-2]]
+            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+        out[name] = t.to(_DTYPES[mc.dtype]).contiguous()
+    return out
+
+
+def create_model(
+    preset: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    architecture: str = "LlamaForCausalLM",
+    dtype: str = "float32",
+    shards: int = 1,
+    **overrides: object,
+) -> Path:
+    """Write a Hugging Face-format model folder for `preset`; returns its path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    cfg = model_config(
+        preset, architecture=architecture, vocab_size=tok.get_vocab_size(), dtype=dtype, **overrides
+    )
+    tok.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, indent=2) + "\n"
+    )
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL_TOKENS[BOS_ID],
+                "eos_token": SPECIAL_TOKENS[EOS_ID],
+                "model_max_length": cfg["max_position_embeddings"],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    tensors = random_weights(cfg, seed)
+    if shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        _save_sharded(tensors, out, shards)
+    return out
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * per : (i + 1) * per]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def cache_dir() -> Path:
+    """Where embedded models are generated: $DISTSERVE_CACHE, else ~/.cache/distserve."""
+    root = os.environ.get("DISTSERVE_CACHE") or Path.home() / ".cache" / "distserve"
+    return Path(root)
+
+
+def default_model(preset: str = "tiny") -> Path:
+    """The embedded `preset`, generated on first use into the cache directory."""
+    if preset not in PRESETS:
+        raise InvalidRequest(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    key = json.dumps([PRESET_VERSION, PRESETS[preset]], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    path = cache_dir() / "models" / f"{preset}-{digest}"
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so a concurrent or interrupted creation never
+    # leaves a half-written model behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=path.parent))
+    try:
+        create_model(preset, tmp)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

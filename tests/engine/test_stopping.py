@@ -1,0 +1,69 @@
+"""How generation ends: max_tokens, EOS, stop token ids, stop strings."""
+
+from __future__ import annotations
+
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.sequence import FinishReason
+
+PROMPT = "The prefill phase"
+
+
+def run(
+    engine: LLMEngine, params: SamplingParams
+) -> tuple[list[int], str, list[str], FinishReason]:
+    rid = engine.add_request(PROMPT, params)
+    ids, deltas, reason = [], [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id == rid
+            ids += o.new_token_ids
+            deltas.append(o.text_delta)
+            reason = o.finish_reason
+    return ids, "".join(deltas), deltas, reason
+
+
+def test_max_tokens_and_ignore_eos(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64))
+    ids, text, _, reason = run(engine, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    assert len(ids) == 7 and reason is FinishReason.LENGTH
+    assert text == engine.tokenizer.decode(ids)
+
+
+def test_stop_token_ids_and_eos_end_generation(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64))
+    full, *_ = run(engine, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    stop_at = full[10]
+    first = full.index(stop_at)
+    ids, _, _, reason = run(
+        engine, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at])
+    )
+    assert ids == full[: first + 1] and reason is FinishReason.STOP
+    # The same token as the model's EOS (via a config that names it) ends generation unless
+    # ignore_eos is set.
+    engine.model_config = engine.model_config.__class__(
+        **{**engine.model_config.__dict__, "eos_token_ids": (stop_at,)}
+    )
+    ids, _, _, reason = run(engine, SamplingParams(max_tokens=30, temperature=0))
+    assert ids == full[: first + 1] and reason is FinishReason.STOP
+
+
+def test_stop_string_split_across_tokens_is_never_streamed(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ids, full_text, _, _ = run(engine, greedy)
+    # A stop string that starts inside one token and ends inside a later one.
+    pieces = [engine.tokenizer.decode(ids[:k]) for k in range(len(ids))]
+    start = len(pieces[12]) - 1
+    stop = full_text[start : start + 6]
+    assert stop and full_text.index(stop) == start
+    _, text, deltas, reason = run(
+        engine,
+        SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True, stop=["zzzz-not-there", stop]
+        ),
+    )
+    assert reason is FinishReason.STOP
+    assert text == full_text[:start]
+    assert stop not in text and all(stop not in d for d in deltas)
