@@ -54,14 +54,15 @@ class TorchAttention:
         cu = meta.cu_seqlens
         gqa = self.group > 1
         for a, b in itertools.pairwise(cu):
+            # 4-D inputs: with 3-D ones torch picks the slow math kernel on CPU.
             o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1),  # (H, L, D)
-                k[a:b].transpose(0, 1),  # (KV, L, D)
-                v[a:b].transpose(0, 1),
+                q[a:b].transpose(0, 1)[None],  # (1, H, L, D)
+                k[a:b].transpose(0, 1)[None],  # (1, KV, L, D)
+                v[a:b].transpose(0, 1)[None],
                 is_causal=True,
                 scale=self.scale,
                 enable_gqa=gqa,
-            )
+            )[0]
             out[a:b] = o.transpose(0, 1)
         return out
 
@@ -75,24 +76,25 @@ class TorchAttention:
         matmul per run serves the whole group.
         """
         B = q.shape[0]
-        qg = q.view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
+        qg = (q * self.scale).view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
         out = torch.empty_like(qg)
+        exact = q.dtype == torch.float32  # else softmax in float32, then back
+        # Few ops per sequence: this loop runs layers x sequences times per step.
         for i, spans in enumerate(meta.spans):
             if len(spans) == 1:
                 a, n = spans[0]
-                k = k_cache[a : a + n].permute(1, 2, 0)  # (KV, D, L)
-                v = v_cache[a : a + n].transpose(0, 1)  # (KV, L, D)
-                s = torch.matmul(qg[i], k).mul_(self.scale)  # (KV, G, L)
-                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-                torch.matmul(p, v, out=out[i])
+                s = torch.bmm(qg[i], k_cache[a : a + n].permute(1, 2, 0))  # (KV, G, L)
+                p = torch.softmax(s, -1) if exact else _softmax32(s)
+                torch.bmm(p, v_cache[a : a + n].transpose(0, 1), out=out[i])  # (KV, G, D)
             else:
-                ks = [k_cache[a : a + n].permute(1, 2, 0) for a, n in spans]
-                s = torch.cat([torch.matmul(qg[i], k) for k in ks], dim=-1).mul_(self.scale)
-                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                s = torch.cat(
+                    [torch.bmm(qg[i], k_cache[a : a + n].permute(1, 2, 0)) for a, n in spans], -1
+                )
+                p = torch.softmax(s, -1) if exact else _softmax32(s)
                 o = out[i].zero_()
                 off = 0
                 for a, n in spans:
-                    o.add_(torch.matmul(p[..., off : off + n], v_cache[a : a + n].transpose(0, 1)))
+                    o.add_(torch.bmm(p[..., off : off + n], v_cache[a : a + n].transpose(0, 1)))
                     off += n
         return out.view(B, self.num_heads, -1)
 
@@ -146,6 +148,10 @@ class FlashAttention(TorchAttention):
             causal=True,
         )
         return out[:, 0]
+
+
+def _softmax32(s: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
 
 
 def flash_available(device: torch.device) -> bool:

@@ -139,10 +139,13 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {max_ctx} tokens; set max_tokens <= {max_ctx - len(ids)}"
             )
-        blocks = -(-(len(ids) + 1) // self.config.block_size)
+        # A request must fit the whole pool on its own: then preemption always makes progress.
+        blocks = -(-(len(ids) + params.max_tokens) // self.config.block_size)
         if blocks > self.pool.num_blocks:
+            most = self.pool.num_blocks * self.config.block_size
             raise InvalidRequest(
-                f"prompt needs {blocks} KV blocks; this instance has {self.pool.num_blocks} in all"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV "
+                f"blocks; this instance holds {self.pool.num_blocks} ({most} tokens) in all"
             )
 
     def abort(self, request_id: str) -> bool:

@@ -139,3 +139,12 @@ def test_corrupt_config(tiny_model, tmp_path):
     (path / "config.json").write_text("{ not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
         LLMEngine(path)
+
+
+def test_a_request_larger_than_the_whole_kv_pool_is_refused(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=4, block_size=16))
+    with pytest.raises(
+        InvalidRequest, match=r"needs 5 KV blocks; this instance holds 4 \(64 tokens\)"
+    ):
+        engine.add_request([5] * 60, SamplingParams(max_tokens=10))
+    engine.add_request([5] * 54, SamplingParams(max_tokens=10))  # 64 tokens: fits exactly

@@ -1,0 +1,274 @@
+"""Engine benchmark: prefill and decode throughput beside Hugging Face transformers.
+
+On the `small` preset (~100M parameters, float32, CPU) in one run:
+  * prefill tokens/s for one prompt of 128, 512 and 2048 tokens (ours: one prefill batch;
+    transformers: one forward with use_cache), medians of several runs;
+  * decode tokens/s at batch 1, 8 and 32 with mixed context lengths, 32 new tokens each: ours
+    with paged KV and continuous batching, transformers `generate` on the same left-padded batch
+    (its usual batched use); rates from the median step. Two mixes: prompts uniform in
+    [64, 1024] (the headline: KV read per step is as large as the weights, so decode stays
+    memory-bound as it is on real hardware) and in [32, 512] (at batch 32 on two cores this mix is
+    bound by the same GEMMs in both engines);
+  * the decode step at batch 1 beside the memory-bandwidth floor: bytes of weights and KV read per
+    step divided by memcpy bandwidth measured in the same run.
+Prints a table, then one JSON line. Run: `make bench-engine` (or .venv/bin/python bench/engine.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.presets import default_model
+from services.engine.sequence import Sequence
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memcpy_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
+    """Bytes copied per second (each byte counted once) for a buffer far larger than caches."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def random_prompt(n: int, gen: torch.Generator, vocab: int) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=gen).tolist()
+
+
+# -- prefill -------------------------------------------------------------------------------------
+
+
+def ours_prefill_seconds(engine: LLMEngine, prompt: list[int], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        seq = Sequence(
+            "bench",
+            prompt,
+            SamplingParams(max_tokens=1),
+            eos_token_ids=(),
+            max_context=engine.model_config.max_position_embeddings,
+            tokenizer=None,
+            default_seed=0,
+        )
+        assert engine._admit(seq)
+        t = time.perf_counter()
+        engine.runner.prefill([seq])
+        times.append(time.perf_counter() - t)
+        engine._free(seq)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def hf_prefill_seconds(hf, prompt: list[int], reps: int) -> float:
+    ids = torch.tensor([prompt])
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        hf(ids, use_cache=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# -- decode --------------------------------------------------------------------------------------
+
+
+def ours_decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> list[float]:
+    """Times of the decode steps (every sequence running) after all prompts are prefilled."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.waiting:
+        engine.step()  # prefill batches (each also samples its first token)
+    steps = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    return steps[:-1]  # the last step also retires every sequence
+
+
+class _StepClock:
+    """A transformers streamer that only notes when each generated token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompts: list[list[int]], new: int) -> list[float]:
+    """transformers generate on the left-padded batch: times of its decode steps."""
+    width = max(len(p) for p in prompts)
+    ids = torch.ones(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    clock = _StepClock()
+    hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=1,
+        streamer=clock,
+    )
+    # put() receives the prompt, then each generated token; the first one ends prefill.
+    tokens = clock.times[1:-1]
+    return [b - a for a, b in itertools.pairwise(tokens)]
+
+
+def weight_bytes_read_per_token(engine: LLMEngine) -> int:
+    """Bytes of parameters a decode step reads: all but the embedding table (one row read)."""
+    model = engine.runner.model
+    emb = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.config.tie_word_embeddings:
+        return total  # the table is read whole as the LM head
+    return total - emb.numel() * emb.element_size()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small", choices=("tiny", "small"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-lengths", default="128,512,2048")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument(
+        "--context",
+        default="64,1024;32,512",
+        help="context mixes 'lo,hi;lo,hi': prompt lengths uniform in [lo, hi]; the first is "
+        "the headline",
+    )
+    ap.add_argument("--json-out", type=Path, help="also write the JSON result here")
+    args = ap.parse_args()
+
+    import transformers
+
+    torch.manual_seed(0)
+    path = default_model(args.preset)
+    log(f"model {path}")
+    engine = LLMEngine(path, EngineConfig(kv_cache_bytes=2 * 2**30, max_num_seqs=64))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = engine.model_config
+    params = cfg.num_params
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = memcpy_bandwidth()
+    log(f"{params / 1e6:.1f}M params; memcpy {bandwidth / 1e9:.1f} GB/s")
+
+    rows = []
+    prefill_ratios = {}
+    for n in (int(x) for x in args.prefill_lengths.split(",")):
+        prompt = random_prompt(n, gen, cfg.vocab_size)
+        ours_prefill_seconds(engine, prompt, 1)  # warm-up
+        hf_prefill_seconds(hf, prompt, 1)
+        ours = n / ours_prefill_seconds(engine, prompt, args.reps)
+        ref = n / hf_prefill_seconds(hf, prompt, args.reps)
+        prefill_ratios[n] = ours / ref
+        rows.append((f"prefill {n} tokens", ours, ref))
+        log(f"prefill {n}: ours {ours:.0f} tok/s, transformers {ref:.0f} tok/s")
+
+    decode_ratios: dict[str, float] = {}
+    step_b1 = ctx_b1 = None
+    for mix in args.context.split(";"):
+        lo, hi = (int(x) for x in mix.split(","))
+        for b in (int(x) for x in args.batches.split(",")):
+            lengths = torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+            prompts = [random_prompt(k, gen, cfg.vocab_size) for k in lengths]
+            # Rates from the median step: robust to a noisy neighbour on a shared machine.
+            ours_steps = ours_decode(engine, prompts, args.new_tokens)
+            ours = b / statistics.median(ours_steps)
+            ref = b / statistics.median(hf_decode(hf, prompts, args.new_tokens))
+            key = f"b{b}_ctx{lo}-{hi}"
+            decode_ratios[key] = ours / ref
+            rows.append((f"decode b{b} ctx {lo}-{hi}", ours, ref))
+            log(f"decode {key}: ours {ours:.1f} tok/s, transformers {ref:.1f} tok/s")
+            if b == 1 and step_b1 is None:
+                step_b1 = statistics.median(ours_steps)
+                ctx_b1 = lengths[0] + args.new_tokens // 2
+
+    floor_b1 = None
+    if step_b1 is not None:
+        kv = ctx_b1 * cfg.kv_bytes_per_token(engine.runner.cache.data.element_size())
+        floor_b1 = (weight_bytes_read_per_token(engine) + kv) / bandwidth
+
+    print(
+        f"\nengine benchmark: {args.preset} preset, {params / 1e6:.1f}M params, float32, "
+        f"{cpu_name()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
+    print(f"{'measure':<26}{'ours tok/s':>12}{'transformers':>14}{'ratio':>8}")
+    for name, ours, ref in rows:
+        print(f"{name:<26}{ours:>12.1f}{ref:>14.1f}{ours / ref:>8.2f}")
+    if step_b1 is not None:
+        print(
+            f"decode step b1: {step_b1 * 1e3:.2f} ms; bandwidth floor {floor_b1 * 1e3:.2f} ms "
+            f"(memcpy {bandwidth / 1e9:.1f} GB/s); ratio {step_b1 / floor_b1:.2f}"
+        )
+    result = {
+        "bench": "engine",
+        "preset": args.preset,
+        "params": params,
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "memcpy_gb_s": round(bandwidth / 1e9, 2),
+        "rows": [
+            {"measure": name, "ours_tok_s": round(o, 1), "transformers_tok_s": round(r, 1)}
+            for name, o, r in rows
+        ],
+        "prefill_ratio_by_length": {str(n): round(r, 3) for n, r in prefill_ratios.items()},
+        "prefill_ratio_vs_transformers": round(min(prefill_ratios.values()), 3)
+        if prefill_ratios
+        else None,
+        "decode_ratio_vs_transformers": {k: round(r, 3) for k, r in decode_ratios.items()},
+        "decode_ratio_vs_transformers_b32": next(
+            (round(r, 3) for k, r in decode_ratios.items() if k.startswith("b32_")), None
+        ),
+        "decode_step_ms_b1": round(step_b1 * 1e3, 3) if step_b1 else None,
+        "bandwidth_floor_ms_b1": round(floor_b1 * 1e3, 3) if floor_b1 else None,
+        "decode_step_over_floor_b1": round(step_b1 / floor_b1, 3) if step_b1 else None,
+    }
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
