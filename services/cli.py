@@ -102,7 +102,7 @@ def _stream(engine, prompt: str, params, out) -> dict:
     """Run one request, writing text deltas to `out` as they come; returns the summary."""
     start = time.perf_counter()
     rid = engine.add_request(prompt, params)
-    prompt_tokens = engine._requests[rid].num_prompt_tokens
+    prompt_tokens = engine.sequence(rid).num_prompt_tokens
     token_ids: list[int] = []
     text = []
     first = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.common.errors import InvalidRequest
 from services.engine.kv_cache import KvCache
 
 
@@ -175,6 +176,8 @@ def make_backend(
     dtype: torch.dtype,
 ) -> TorchAttention:
     """The attention backend for `choice` (auto | torch | flash)."""
+    if choice == "flash" and not flash_available(device):
+        raise InvalidRequest("attention 'flash' needs a CUDA device and the flash_attn package")
     use_flash = choice == "flash" or (
         choice == "auto" and flash_available(device) and dtype in (torch.float16, torch.bfloat16)
     )

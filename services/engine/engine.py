@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, ModelLoadError
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine.attention import make_backend
@@ -53,8 +53,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
         if self.tokenizer.vocab_size > mc.vocab_size:
-            raise InvalidRequest(
-                f"tokenizer has {self.tokenizer.vocab_size} ids but the model only {mc.vocab_size}"
+            raise ModelLoadError(
+                f"tokenizer.json has {self.tokenizer.vocab_size} ids but config.json's vocab_size "
+                f"is {mc.vocab_size}: they do not belong to the same model"
             )
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
@@ -161,6 +162,10 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
         return True
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The state of a request that is still queued or running."""
+        return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running.seqs)

@@ -148,3 +148,18 @@ def test_a_request_larger_than_the_whole_kv_pool_is_refused(tiny_model):
     ):
         engine.add_request([5] * 60, SamplingParams(max_tokens=10))
     engine.add_request([5] * 54, SamplingParams(max_tokens=10))  # 64 tokens: fits exactly
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(tiny_model, tmp_path):
+    path = copy_model(tiny_model, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["vocab_size"] = 500
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="do not belong to the same model"):
+        LLMEngine(path)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU refusal")
+def test_flash_attention_without_cuda_is_refused(tiny_model):
+    with pytest.raises(InvalidRequest, match="needs a CUDA device and the flash_attn package"):
+        LLMEngine(tiny_model, EngineConfig(attention="flash"))
