@@ -6,8 +6,10 @@ STAMP  := $(VENV)/.installed
 # CPU installs pin torch (a newer or unpinned torch pulls a multi-GB CUDA build); a torch already
 # in the venv (e.g. a CUDA build on a GPU host) is kept.
 TORCH_SPEC ?= torch==2.13.0
+GEN    := services/common/gen/.built
+PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine clean
+.PHONY: serve test lint bench-engine protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,10 +19,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-serve: $(STAMP)
+# gRPC stubs, generated from protos/ (never edited by hand).
+$(GEN): $(PROTOS) services/common/build_protos.py $(STAMP)
+	$(BIN)/python -m services.common.build_protos
+	touch $@
+
+protos: $(GEN)
+
+serve: $(GEN)
 	$(BIN)/distserve chat
 
-test: $(STAMP)
+test: $(GEN)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -28,8 +37,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-bench-engine: $(STAMP)
+bench-engine: $(GEN)
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen

@@ -45,8 +45,13 @@ class Completion:
 class LLMEngine:
     """A model replica with a paged KV cache that serves many requests at once."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig | None = None, *, detokenize: bool = True
+    ) -> None:
+        """detokenize: track each request's text (workers that only return ids turn it off;
+        requests with stop strings are detokenized regardless)."""
         config = config or EngineConfig()
+        self.detokenize = detokenize
         self.config = config
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -90,6 +95,7 @@ class LLMEngine:
         self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
+        self.pull_waiting: deque[Sequence] = deque()
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -107,7 +113,11 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty: give at least one character")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        seq = self._new_sequence(ids, params, request_id or f"req-{next(self._ids)}")
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seq = Sequence(
@@ -116,12 +126,11 @@ class LLMEngine:
             params,
             eos_token_ids=self.model_config.eos_token_ids,
             max_context=self.model_config.max_position_embeddings,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer if (self.detokenize or params.stop) else None,
             default_seed=_stable_seed(self.config.seed, request_id),
         )
         self._requests[request_id] = seq
-        self.waiting.append(seq)
-        return request_id
+        return seq
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         max_ctx = self.model_config.max_position_embeddings
@@ -156,39 +165,65 @@ class LLMEngine:
             return False
         if seq.status is SequenceStatus.RUNNING:
             self.running.leave(seq)
-        elif seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PULL_WAITING:
+            self.pull_waiting.remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
         return True
 
     def sequence(self, request_id: str) -> Sequence | None:
-        """The state of a request that is still queued or running."""
+        """The state of a request that is still queued, held, pulling or running."""
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether a step would do work (held and pulling requests wait on others)."""
         return bool(self.waiting or self.running.seqs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
 
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         """One iteration: a prefill batch if prompts are waiting and fit, else a decode step."""
-        seqs = self.batcher.next_batch(self.waiting, self._admit, self.running.free_seats)
-        if seqs:
-            logits = self.runner.prefill(seqs)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-                self.running.join(seq)
-        else:
-            for seq in self.running.reserve_next_slots():
-                seq.status = SequenceStatus.WAITING
-                self.waiting.appendleft(seq)
-            seqs = list(self.running.seqs)
-            if not seqs:
-                return []
-            logits = self.runner.decode(seqs)
-        tokens = self.runner.sample(logits, seqs)
+        return self.prefill_step(hold=False) or self.decode_step()
+
+    def prefill_step(self, *, hold: bool) -> list[StepOutput]:
+        """Prefill one batch of waiting prompts and sample their first tokens.
+
+        hold=False: the sequences join the decode batch. hold=True (a prefill instance): their
+        KV stays in place, untouched, until `release`.
+        """
+        seats = self.config.max_num_seqs if hold else self.running.free_seats
+        seqs = self.batcher.next_batch(self.waiting, self._admit, seats)
+        if not seqs:
+            return []
+        tokens = self.runner.sample(self.runner.prefill(seqs), seqs)
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            out = self._postprocess(seq, token)
+            if not out.finished:
+                if hold:
+                    seq.status = SequenceStatus.HELD
+                else:
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.join(seq)
+            outputs.append(out)
+        return outputs
+
+    def decode_step(self) -> list[StepOutput]:
+        """One token for every running sequence."""
+        for seq in self.running.reserve_next_slots():
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        seqs = list(self.running.seqs)
+        if not seqs:
+            return []
+        tokens = self.runner.sample(self.runner.decode(seqs), seqs)
         return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 
     def _admit(self, seq: Sequence) -> bool:
@@ -203,8 +238,9 @@ class LLMEngine:
         delta = seq.append(token)
         finished = seq.finish_reason is not None
         if finished:
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.leave(seq)
             seq.status = SequenceStatus.FINISHED
-            self.running.leave(seq)
             self._free(seq)
             self._requests.pop(seq.request_id, None)
         return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason)
@@ -212,6 +248,67 @@ class LLMEngine:
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table.blocks)
         seq.block_table = BlockTable()
+
+    # -- prefill instance: held KV -----------------------------------------------------------------
+
+    def release(self, request_id: str) -> int:
+        """Free the KV a prefill instance holds for a request; returns the blocks freed."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.HELD:
+            return 0
+        freed = len(seq.block_table)
+        del self._requests[request_id]
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        return freed
+
+    # -- decode instance: KV pulled from elsewhere -------------------------------------------------
+
+    def add_prefilled(
+        self,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+    ) -> str:
+        """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls)."""
+        self._validate(prompt_ids, params)
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        seq.append(first_token)
+        if seq.finish_reason is not None:
+            del self._requests[request_id]
+            raise InvalidRequest(f"request {request_id} already ended at its first token")
+        seq.status = SequenceStatus.PULL_WAITING
+        self.pull_waiting.append(seq)
+        return request_id
+
+    def admit_pulls(self) -> list[Sequence]:
+        """Give queued prefilled requests blocks for their prompt KV, in order, while they fit.
+
+        Returns the sequences whose KV can now be pulled into `seq.block_table`.
+        """
+        admitted = []
+        while self.pull_waiting:
+            seq = self.pull_waiting[0]
+            need = seq.blocks_needed(seq.num_prompt_tokens, self.config.block_size)
+            # Keep room for every running sequence's next block, so admission never preempts.
+            if not self.pool.can_allocate(need + len(self.running)):
+                break
+            growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
+            seq.block_table.extend(self.pool.allocate(need, reserve=growth))
+            self.pull_waiting.popleft()
+            seq.status = SequenceStatus.PULLING
+            admitted.append(seq)
+        return admitted
+
+    def start_decoding(self, request_id: str) -> bool:
+        """The KV of a pulled request is in place: it joins the decode batch at the next step."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.PULLING:
+            return False
+        seq.status = SequenceStatus.RUNNING
+        self.running.join(seq)
+        return True
 
     # -- convenience -----------------------------------------------------------------------------
 

@@ -7,12 +7,16 @@ import random
 from dataclasses import dataclass
 
 from services.common.sampling import SamplingParams
-from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.common.text_stream import TextStream
+from services.common.tokenizer import Tokenizer
 from services.engine.block_pool import BlockTable
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # queued for prefill (or re-prefill after preemption)
+    WAITING = "waiting"  # queued for prefill here (or re-prefill after preemption)
+    HELD = "held"  # prefilled; its KV is held for a decode instance to pull
+    PULL_WAITING = "pull_waiting"  # decode: its KV is elsewhere; waiting for room here
+    PULLING = "pulling"  # decode: blocks allocated, KV being pulled into them
     RUNNING = "running"  # has KV and takes part in decode steps
     FINISHED = "finished"
 
@@ -63,13 +67,10 @@ class Sequence:
         # One uniform draw per sampled token, from the request's own stream: reproducible for a
         # seed whatever else shares the batch.
         self.rng = random.Random(params.seed if params.seed is not None else default_seed)
-        self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        # Text is tracked when a tokenizer is given (stop strings need one).
+        self.text_stream = (
+            TextStream(tokenizer, prompt_ids, params.stop) if tokenizer is not None else None
         )
-        self.max_stop_chars = max((len(s) for s in params.stop), default=0)
-        self._emitted = 0  # characters of text handed out as deltas
-        self._searched = 0  # characters of text already searched for stop strings
-        self._text_end: int | None = None  # where a stop string cut the text
 
     @property
     def num_tokens(self) -> int:
@@ -84,55 +85,25 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def text(self) -> str:
         """The generated text so far, without a stop string that ended it."""
-        if self.detokenizer is None:
-            return ""
-        return self.detokenizer.text[: self._text_end]
+        return self.text_stream.text if self.text_stream is not None else ""
 
     def blocks_needed(self, num_tokens: int, block_size: int) -> int:
         """Blocks to add so that KV for `num_tokens` tokens fits."""
         return max(0, -(-num_tokens // block_size) - len(self.block_table))
 
     def append(self, token_id: int) -> str:
-        """Add a sampled token, decide whether the sequence is finished; return new text.
-
-        While stop strings are set, the last (longest stop string - 1) characters are held back,
-        so that a stop string split across tokens is never partly streamed.
-        """
+        """Add a sampled token, decide whether the sequence is finished; return new text."""
         self.token_ids.append(token_id)
-        detok = self.detokenizer
-        if detok is not None:
-            detok.add((token_id,))
-        if token_id in self.stop_token_ids:
+        stream = self.text_stream
+        delta = stream.add((token_id,)) if stream is not None else ""
+        if (stream is not None and stream.stopped) or token_id in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
         elif (
             self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_context
         ):
             self.finish_reason = FinishReason.LENGTH
-        if detok is None:
-            return ""
-        if self.finish_reason is not None:
-            detok.flush()
-        if self.params.stop:
-            cut = self._find_stop(detok.text)
-            if cut is not None:
-                self.finish_reason = FinishReason.STOP
-                self._text_end = cut
-        end = len(detok.text) if self._text_end is None else self._text_end
-        if self.finish_reason is None and self.params.stop:
-            end -= self.max_stop_chars - 1
-        delta = detok.text[self._emitted : end] if end > self._emitted else ""
-        self._emitted = max(self._emitted, end)
+        if self.finish_reason is not None and stream is not None:
+            delta += stream.finish()
         return delta
-
-    def _find_stop(self, text: str) -> int | None:
-        """Index of the first stop string in the text not yet searched, if any."""
-        start = max(0, self._searched - self.max_stop_chars + 1)
-        self._searched = len(text)
-        hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None

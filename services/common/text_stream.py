@@ -1,0 +1,61 @@
+"""The text of a token stream: incremental detokenization plus stop strings.
+
+Used by the engine (to stop generation at a stop string) and by the gateway (to stream text).
+While stop strings are set, the last (longest stop string - 1) characters are held back, so that
+a stop string split across tokens is never partly streamed; the stop string itself is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    """Text deltas of generated ids, cut at the first stop string."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._emitted = 0  # characters handed out
+        self._searched = 0  # characters already searched for stop strings
+        self._end: int | None = None  # where a stop string cut the text
+        self.stopped = False  # a stop string was found
+
+    @property
+    def text(self) -> str:
+        """All text so far, without a stop string that ended it."""
+        return self._detok.text[: self._end]
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Append generated ids; return the text that can be streamed now."""
+        self._detok.add(ids)
+        return self._take(final=False)
+
+    def finish(self) -> str:
+        """At the end of generation: the rest of the text, incomplete characters included."""
+        if not self.stopped:
+            self._detok.flush()
+        return self._take(final=True)
+
+    def _take(self, *, final: bool) -> str:
+        text = self._detok.text
+        if self._stop and not self.stopped:
+            start = max(0, self._searched - self._holdback)
+            self._searched = len(text)
+            hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                self._end = min(hits)
+                self.stopped = True
+        end = len(text) if self._end is None else self._end
+        if not (final or self.stopped):
+            end -= self._holdback
+        if end <= self._emitted:
+            return ""
+        delta = text[self._emitted : end]
+        self._emitted = end
+        return delta
