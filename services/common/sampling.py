@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -10,6 +11,14 @@ from services.common.errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request stopped."""
+
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,17 @@ from pathlib import Path
 import torch
 
 from services.common.errors import InvalidRequest, ModelLoadError
-from services.common.sampling import SamplingParams
+from services.common.model_config import ModelConfig
+from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine.attention import make_backend
 from services.engine.block_pool import BlockPool, BlockTable
-from services.engine.config import EngineConfig, ModelConfig
+from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.kv_cache import KvCache
 from services.engine.model_runner import ModelRunner
 from services.engine.prefill_batcher import PrefillBatcher
-from services.engine.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
+from services.engine.sequence import Sequence, SequenceStatus, StepOutput
 from services.engine.weights import load_model
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

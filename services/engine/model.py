@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.model_config import ModelConfig
 from services.engine.attention import AttentionContext
-from services.engine.config import ModelConfig
 from services.engine.rope import apply_rope, cos_sin, inverse_frequencies
 
 

@@ -108,7 +108,7 @@ def model_config(
 
 def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread."""
-    from services.engine.config import ModelConfig
+    from services.common.model_config import ModelConfig
     from services.engine.weights import checkpoint_names
 
     mc = ModelConfig.from_dict(cfg)

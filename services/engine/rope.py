@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine.config import RopeConfig
+from services.common.model_config import RopeConfig
 
 
 def _default(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -6,7 +6,7 @@ import enum
 import random
 from dataclasses import dataclass
 
-from services.common.sampling import SamplingParams
+from services.common.sampling import FinishReason, SamplingParams
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.engine.block_pool import BlockTable
@@ -19,12 +19,6 @@ class SequenceStatus(enum.Enum):
     PULLING = "pulling"  # decode: blocks allocated, KV being pulled into them
     RUNNING = "running"  # has KV and takes part in decode steps
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    LENGTH = "length"  # max_tokens reached, or the model's context is full
-    STOP = "stop"  # EOS, a stop token id, or a stop string
-    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass

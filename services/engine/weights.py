@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.config import ModelConfig
+from services.common.model_config import ModelConfig
 from services.engine.model import CausalLM
 from services.engine.rope import inverse_frequencies
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from services.common.sampling import SamplingParams
+from services.common.sampling import FinishReason, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sequence import FinishReason
 
 PROMPT = "The prefill phase"
 

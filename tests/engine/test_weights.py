@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.common.errors import ModelLoadError
-from services.engine.config import EngineConfig, ModelConfig
+from services.common.model_config import ModelConfig
+from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.weights import load_model
 
@@ -59,7 +60,7 @@ def test_bfloat16_compute_stays_close_to_float32(model_factory):
 
 LOAD_AND_MEASURE = """
 import sys, torch
-from services.engine.config import ModelConfig
+from services.common.model_config import ModelConfig
 from services.engine.model import CausalLM
 from services.engine.weights import load_model
 

@@ -1,0 +1,218 @@
+"""The model a folder describes (its Hugging Face config.json), validated once, without torch.
+
+Shared by the engine and by services that must not load the model runtime (the gateway).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.errors import ModelLoadError, UnsupportedModel
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base `theta` and an optional scaling of its frequencies."""
+
+    theta: float = 10000.0
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class Biases:
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
+def _llama_biases(raw: dict) -> Biases:
+    bias = bool(raw.get("attention_bias", False))
+    return Biases(qkv=bias, o=bias, mlp=bool(raw.get("mlp_bias", False)))
+
+
+def _qwen2_biases(raw: dict) -> Biases:
+    return Biases(qkv=True)
+
+
+def _mistral_biases(raw: dict) -> Biases:
+    return Biases()
+
+
+# The architectures we build, and how each one's config says which linears carry a bias.
+ARCHITECTURES: dict[str, Callable[[dict], Biases]] = {
+    "LlamaForCausalLM": _llama_biases,
+    "Qwen2ForCausalLM": _qwen2_biases,
+    "MistralForCausalLM": _mistral_biases,
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder as described by config.json, validated once."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int  # the longest context we serve (prompt + output)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    biases: Biases = field(default_factory=Biases)
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # the dtype the weights are stored in
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelLoadError(f"model folder {path} does not exist")
+        file = path / "config.json"
+        if not file.exists():
+            raise ModelLoadError(
+                f"{file} is missing: a model folder needs a Hugging Face config.json"
+            )
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+        generation = path / "generation_config.json"
+        if generation.exists():
+            try:
+                gen = json.loads(generation.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{generation} is not valid JSON: {e}") from e
+            for key in ("eos_token_id", "bos_token_id"):
+                if gen.get(key) is not None:
+                    raw = {**raw, key: gen[key]}
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModel(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModel(f"unsupported hidden_act {act!r}; supported: silu")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            cfg = cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=_max_context(raw),
+                rope=_rope(raw),
+                biases=ARCHITECTURES[arch](raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                dtype=_dtype(raw),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_ids(raw.get("eos_token_id")),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json has a field of the wrong type: {e}") from e
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config.json: {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope(raw: dict) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(
+            f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params.get("factor", 1.0))
+    if factor < 1.0:
+        raise UnsupportedModel(f"rope scaling factor must be >= 1, got {factor}")
+    if kind == "linear":
+        return RopeConfig(theta=theta, type=kind, factor=factor)
+    return RopeConfig(
+        theta=theta,
+        type=kind,
+        factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _max_context(raw: dict) -> int:
+    n = int(raw.get("max_position_embeddings", 2048))
+    # We do not implement sliding-window attention; below the window it is full attention, so
+    # serve contexts up to the window and the outputs stay exact.
+    window = raw.get("sliding_window")
+    active = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
+    if window and active:
+        n = min(n, int(window))
+    return n
+
+
+def _dtype(raw: dict) -> str:
+    name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if name not in DTYPES:
+        raise UnsupportedModel(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+    return name
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
