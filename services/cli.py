@@ -44,6 +44,30 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(chat)
     chat.set_defaults(func=_chat)
 
+    up = sub.add_parser("up", help="start the mesh (gateway and workers) on this host")
+    up.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    up.add_argument("--decode", type=int, default=1, help="decode instances")
+    up.add_argument("--colocated", type=int, default=0, help="colocated instances")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
+    up.add_argument("--pin", action="store_true", help="one CPU core, one thread per worker")
+    up.set_defaults(func=_up)
+
+    client = sub.add_parser("client", help="send one request to the gateway and stream it")
+    client.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
+    client.add_argument("--max-tokens", type=int, default=32)
+    client.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    client.add_argument("--top-p", type=float, default=1.0)
+    client.add_argument("--top-k", type=int, default=0)
+    client.add_argument("--seed", type=int)
+    client.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    client.add_argument("--ignore-eos", action="store_true")
+    client.add_argument("--timeout", type=float, default=120.0, help="seconds")
+    client.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    client.add_argument("prompt")
+    client.set_defaults(func=_client)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -156,6 +180,84 @@ def _chat(args: argparse.Namespace) -> int:
         except DistServeError as e:
             print(f"error: {e}", end="")
         print(flush=True)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.launcher import MeshSpec, run_until_signal
+
+    if args.model is None:
+        from services.engine.presets import default_model
+
+        args.model = default_model("tiny")
+    spec = MeshSpec(
+        model=args.model,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
+        host=args.host,
+        gateway_port=args.port,
+        pin=args.pin,
+    )
+    return run_until_signal(spec)
+
+
+def _client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = gateway_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+    start = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    text: list[str] = []
+    last = None
+    with grpc.insecure_channel(args.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            for reply in stub.Generate(request, timeout=args.timeout):
+                first = first or time.perf_counter()
+                ids += reply.token_ids
+                text.append(reply.text)
+                last = reply
+                if not args.json:
+                    sys.stdout.write(reply.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as e:
+            print(f"distserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    end = time.perf_counter()
+    if args.json:
+        reason = common_pb2.FinishReason.Name(last.finish_reason) if last else ""
+        print(
+            json.dumps(
+                {
+                    "request_id": last.request_id if last else "",
+                    "token_ids": ids,
+                    "text": "".join(text),
+                    "finish_reason": reason.removeprefix("FINISH_REASON_").lower(),
+                    "usage": {
+                        "prompt_tokens": last.usage.prompt_tokens if last else 0,
+                        "completion_tokens": last.usage.completion_tokens if last else 0,
+                    },
+                    "ttft_ms": round(((first or end) - start) * 1000, 3),
+                    "latency_ms": round((end - start) * 1000, 3),
+                }
+            )
+        )
+    else:
+        print()
     return 0
 
 

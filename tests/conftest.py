@@ -25,3 +25,28 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory) -> Path:
     return model_factory("tiny")
+
+
+@pytest.fixture(scope="session")
+def mesh_factory(tiny_model):
+    """start(prefill=, decode=, colocated=, **MeshSpec fields) -> a running Mesh (stopped at the
+    end of the session, or by the test)."""
+    from services.launcher import Mesh, MeshSpec
+
+    meshes: list[Mesh] = []
+
+    def start(**kwargs) -> Mesh:
+        spec = MeshSpec(
+            model=tiny_model,
+            gateway_port=0,
+            worker_args=("--kv-cache-mb", "16"),
+            **kwargs,
+        )
+        mesh = Mesh(spec)
+        mesh.start()
+        meshes.append(mesh)
+        return mesh
+
+    yield start
+    for mesh in meshes:
+        mesh.stop()

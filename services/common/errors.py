@@ -40,3 +40,35 @@ class OutOfKvBlocks(DistServeError):
         super().__init__(f"KV cache full: {needed} blocks needed, {free} free")
         self.needed = needed
         self.free = free
+
+
+class NotFound(DistServeError):
+    """The named thing (a KV handle, a request) does not exist, or no longer does."""
+
+    status = "NOT_FOUND"
+
+
+class PermissionDenied(DistServeError):
+    """The caller lacks the right to it (e.g. a wrong KV access token)."""
+
+    status = "PERMISSION_DENIED"
+
+
+class Unavailable(DistServeError):
+    """A dependency is down or gone (no worker, a KV source that vanished); retry may help."""
+
+    status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(DistServeError):
+    """The request's deadline passed before it could finish."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
+class RemoteError(DistServeError):
+    """A downstream service answered with an error; its status is passed on unchanged."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
@@ -39,3 +41,36 @@ class EngineConfig:
             raise InvalidRequest(f"dtype must be auto or one of {', '.join(DTYPES)}")
         if self.attention not in ("auto", "torch", "flash"):
             raise InvalidRequest("attention must be auto, torch or flash")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_mb * 2**20,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            device=args.device,
+            dtype=args.dtype,
+        )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options every worker's command line takes."""
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="memory for the KV pool")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="prefill budget L_m")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="largest decode batch")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--cpu", type=int, help="pin this process to one CPU core")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+
+
+def configure_process(args: argparse.Namespace) -> None:
+    """Pin the process to its core and set torch's thread count, as the options ask."""
+    import torch
+
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    if args.threads:
+        torch.set_num_threads(args.threads)

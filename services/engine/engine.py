@@ -97,6 +97,8 @@ class LLMEngine:
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.pull_waiting: deque[Sequence] = deque()
+        # (kind, sequences, tokens) of the last step, for the services' timing and traces.
+        self.last_step: tuple[str, int, int] = ("none", 0, 0)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -203,6 +205,7 @@ class LLMEngine:
         seqs = self.batcher.next_batch(self.waiting, self._admit, seats)
         if not seqs:
             return []
+        self.last_step = ("prefill", len(seqs), sum(s.num_tokens for s in seqs))
         tokens = self.runner.sample(self.runner.prefill(seqs), seqs)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
@@ -224,6 +227,7 @@ class LLMEngine:
         seqs = list(self.running.seqs)
         if not seqs:
             return []
+        self.last_step = ("decode", len(seqs), len(seqs))
         tokens = self.runner.sample(self.runner.decode(seqs), seqs)
         return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 

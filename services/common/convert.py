@@ -1,0 +1,52 @@
+"""Protobuf <-> domain objects, at the servicer boundary."""
+
+from __future__ import annotations
+
+from services.common.gen.distserve.v1 import common_pb2
+from services.common.sampling import FinishReason, SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequest on bad values); unset fields take defaults."""
+    return SamplingParams(
+        max_tokens=pb.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        pb.seed = p.seed
+    return pb
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PB.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB.get(value)

@@ -1,0 +1,135 @@
+"""gRPC server helpers shared by every service: errors to status codes, health, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import DistServeError
+
+log = logging.getLogger("distserve")
+
+# Large enough for any KV handle or prompt we accept; chunks of KV never travel over gRPC.
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def status_code(error: DistServeError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """The one place where exceptions become gRPC statuses.
+
+    A DistServeError becomes its status with its message; anything else is logged with its
+    traceback and becomes INTERNAL. Cancellation passes through untouched.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _unary(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except DistServeError as e:
+            await context.abort(status_code(e), str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+    return wrapper
+
+
+def _stream(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except DistServeError as e:
+            await context.abort(status_code(e), str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+    return wrapper
+
+
+async def start_server(
+    host: str,
+    port: int,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start a grpc.aio server with the servicers, health checking and reflection.
+
+    Returns the server, its health servicer (to mark NOT_SERVING when draining) and the bound
+    port (port 0 picks a free one).
+    """
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, bound
+
+
+def announce_ready(service: str, **fields: object) -> None:
+    """Print the one line `distserve up` waits for: this service is serving, and where."""
+    print(json.dumps({"event": "ready", "service": service, **fields}), flush=True)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; returns the signal number."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[int] = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s))
+    return await got

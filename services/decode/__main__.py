@@ -1,0 +1,90 @@
+"""`python -m services.decode`: run one decode (or colocated) instance."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from services.common.announcer import Announcer
+from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
+from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
+from services.decode.config import ROLES, DecodeConfig
+from services.decode.servicer import DecodeServicer, role_pb, worker_load
+from services.decode.worker import DecodeWorker
+from services.engine.config import EngineConfig, add_engine_args, configure_process
+
+log = logging.getLogger("distserve.decode")
+
+
+def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m services.decode", description=__doc__)
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    p.add_argument("--gateway", help="gateway host:port to register with")
+    p.add_argument("--role", choices=ROLES, default="decode")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--chunk-kb", type=int, default=4096, help="largest KV chunk per message")
+    p.add_argument("--pull-window", type=int, default=4, help="KV chunks in flight per pull")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from services.engine.presets import default_model
+
+        args.model = default_model("tiny")
+    config = DecodeConfig(
+        model=args.model,
+        gateway=args.gateway,
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        worker_id=args.worker_id,
+        chunk_bytes=args.chunk_kb * 1024,
+        pull_window=args.pull_window,
+        engine=EngineConfig.from_args(args),
+    )
+    return config, args
+
+
+async def serve(config: DecodeConfig) -> None:
+    worker = DecodeWorker(config)
+
+    def add(server) -> None:
+        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+
+    names = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+    server, health, port = await start_server(config.host, config.port, add, names)
+    address = f"{config.host}:{port}"
+    await worker.start()
+    announcer = None
+    if config.gateway:
+        announcer = Announcer(
+            config.gateway,
+            worker_id=config.worker_id,
+            role=role_pb(worker),
+            address=address,
+            model=config.model.name,
+            load=lambda: worker_load(worker),
+        )
+        await announcer.start()
+    announce_ready(config.role, address=address, worker_id=config.worker_id)
+    await wait_for_signal()
+    log.info("stopping %s", config.worker_id)
+    await health.enter_graceful_shutdown()
+    if announcer is not None:
+        await announcer.stop()
+    await server.stop(grace=5)
+    await worker.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    config, args = parse(argv)
+    configure_process(args)
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

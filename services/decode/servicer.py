@@ -1,0 +1,68 @@
+"""gRPC servicer of the decode service: decode the request, one worker call, encode."""
+
+from __future__ import annotations
+
+from services.common.convert import finish_to_pb, sampling_from_pb
+from services.common.errors import InvalidRequest
+from services.common.gen.distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.kv_handle import KvHandle
+from services.decode.worker import DecodeWorker
+
+_ROLES = {"decode": common_pb2.WORKER_ROLE_DECODE, "colocated": common_pb2.WORKER_ROLE_COLOCATED}
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Decode(self, request, context):
+        handle = KvHandle.from_pb(request.kv) if request.HasField("kv") else None
+        if handle is not None and not request.HasField("first_token_id"):
+            raise InvalidRequest("a request with a KV handle needs first_token_id")
+        events = self.worker.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_from_pb(request.sampling),
+            request.first_token_id if handle is not None else None,
+            handle,
+        )
+        async for event in events:
+            yield decode_pb2.DecodeResponse(
+                token_ids=event.token_ids,
+                finish_reason=finish_to_pb(event.finish_reason),
+                queue_ms=event.queue_ms,
+                pull_ms=event.pull_ms,
+                pull_bytes=event.pull_bytes,
+            )
+
+    async def Stats(self, request, context):
+        return worker_stats(self.worker)
+
+
+def role_pb(worker: DecodeWorker) -> int:
+    return _ROLES[worker.config.role]
+
+
+def worker_load(worker: DecodeWorker) -> common_pb2.WorkerLoad:
+    load = worker.loop.load
+    return common_pb2.WorkerLoad(
+        queued_prompt_tokens=load.queued_prompt_tokens,
+        running_seqs=load.running_seqs,
+        waiting_seqs=load.waiting_seqs,
+        free_kv_blocks=load.free_blocks,
+        total_kv_blocks=load.total_blocks,
+        pending_pulls=worker.pulling,
+    )
+
+
+def worker_stats(worker: DecodeWorker) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(
+        worker_id=worker.config.worker_id,
+        role=role_pb(worker),
+        load=worker_load(worker),
+        requests_total=worker.requests_total,
+        requests_aborted=worker.requests_aborted,
+        pulls_total=worker.pulls_total,
+        pull_bytes_total=worker.pull_bytes_total,
+        pulls_failed=worker.pulls_failed,
+    )

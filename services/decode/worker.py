@@ -1,0 +1,141 @@
+"""A decode instance: pull KV when there is room, then decode with continuous batching.
+
+Requests with a KV handle wait in the engine's pull queue until their prompt's KV fits (prefill
+memory is the buffer between the pools); their KV is then pulled over UCX straight into the
+blocks allocated for them, the handle is released, and they join the batch at the next step.
+Requests without a handle are prefilled here (colocated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.common.errors import DistServeError, Unavailable
+from services.common.kv_handle import KvHandle
+from services.common.sampling import FinishReason, SamplingParams
+from services.decode.config import DecodeConfig
+from services.engine.engine import LLMEngine
+from services.engine.loop import EngineFailed, EngineLoop
+from services.engine.sequence import Sequence
+from services.kvtransfer.puller import KvPuller
+
+log = logging.getLogger("distserve.decode")
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    queue_ms: float = 0.0  # pulled requests, first event: waiting for KV room
+    pull_ms: float = 0.0  # pulled requests, first event: the pull itself
+    pull_bytes: int = 0
+
+
+class DecodeWorker:
+    """Serves Decode calls on one engine."""
+
+    def __init__(self, config: DecodeConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.model, config.engine, detokenize=False)
+        self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
+        self.puller = KvPuller(config.chunk_bytes, config.pull_window)
+        self._admissions: dict[str, asyncio.Future] = {}
+        self.pulling = 0
+        self.requests_total = 0
+        self.requests_aborted = 0
+        self.pulls_total = 0
+        self.pull_bytes_total = 0
+        self.pulls_failed = 0
+
+    async def start(self) -> None:
+        self.loop.start()
+
+    async def stop(self) -> None:
+        await self.puller.close()
+        self.loop.stop()
+
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            future = self._admissions.pop(seq.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(list(seq.block_table.blocks))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        first_token: int | None,
+        handle: KvHandle | None,
+    ) -> AsyncIterator[DecodeEvent]:
+        self.requests_total += 1
+        queue = self.loop.subscribe(request_id)
+        finished = False
+        pending_handle = handle  # released once pulled; released on any exit before that
+        try:
+            if handle is None:
+                await self.loop.call(lambda e: e.add_request(prompt, params, request_id))
+            else:
+                yield await self._pull(request_id, prompt, params, first_token, handle)
+                await self.puller.release(handle)
+                pending_handle = None
+                await self.loop.call(lambda e: e.start_decoding(request_id))
+            while not finished:
+                out, _ = await queue.get()
+                if isinstance(out, EngineFailed):
+                    raise Unavailable(f"decode failed on {self.config.worker_id}: {out}")
+                finished = out.finished
+                yield DecodeEvent(out.new_token_ids, out.finish_reason)
+        finally:
+            self.loop.unsubscribe(request_id)
+            self._admissions.pop(request_id, None)
+            if not finished:
+                self.requests_aborted += 1
+                await asyncio.shield(self._forget(request_id, pending_handle))
+
+    async def _pull(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        first_token: int,
+        handle: KvHandle,
+    ) -> DecodeEvent:
+        admission = asyncio.get_running_loop().create_future()
+        self._admissions[request_id] = admission
+        queued = time.monotonic()
+        self.pulling += 1
+        try:
+            await self.loop.call(lambda e: e.add_prefilled(prompt, first_token, params, request_id))
+            blocks = await admission
+            started = time.monotonic()
+            try:
+                nbytes = await self.puller.pull(
+                    handle, blocks, self.engine.runner.cache.region_buffer
+                )
+            except DistServeError:
+                self.pulls_failed += 1
+                raise
+        finally:
+            self.pulling -= 1
+        self.pulls_total += 1
+        self.pull_bytes_total += nbytes
+        done = time.monotonic()
+        return DecodeEvent(
+            [],
+            queue_ms=(started - queued) * 1000,
+            pull_ms=(done - started) * 1000,
+            pull_bytes=nbytes,
+        )
+
+    async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
+        """Free everything a request that did not finish holds, here and at its KV source."""
+        await self.loop.call(lambda e: e.abort(request_id))
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                await self.puller.release(handle)

@@ -1,0 +1,182 @@
+"""Runs an engine on its own thread for a gRPC service on asyncio.
+
+All engine calls happen on the engine thread. The event loop sends commands (`call`), which run
+between steps; each step's outputs come back once per step (one `call_soon_threadsafe`) and are
+routed to the queue of each request. Torch releases the GIL in its kernels, so the event loop
+stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.engine.engine import LLMEngine
+from services.engine.sequence import Sequence, StepOutput
+
+log = logging.getLogger("distserve.engine")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One engine step: what kind, how big, when it started (monotonic s) and how long it took."""
+
+    kind: str  # "prefill" or "decode"
+    batch_size: int
+    batch_tokens: int
+    started: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's queues, taken by the engine thread after each iteration."""
+
+    queued_prompt_tokens: int = 0
+    waiting_seqs: int = 0
+    running_seqs: int = 0
+    pending_pulls: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    requests: int = 0
+
+
+class EngineFailed(Exception):
+    """Delivered to every request in flight when a step raised."""
+
+
+class EngineLoop:
+    """The engine's thread. `hold=True` is a prefill instance (prefill only, KV held)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        hold: bool = False,
+        on_admitted: Callable[[list[Sequence]], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.hold = hold
+        self._on_admitted = on_admitted
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.load = EngineLoad(
+            total_blocks=engine.pool.num_blocks, free_blocks=engine.pool.num_free
+        )
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps; its result or exception."""
+        future = self._loop.create_future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return await future
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            try:
+                self._iterate()
+            except Exception as e:  # a bug or a device error: fail what is in flight, go on
+                log.exception("engine step failed")
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._snapshot()
+            if self._commands.empty() and not self._busy():
+                self._wake.wait(timeout=0.1)
+
+    def _busy(self) -> bool:
+        e = self.engine
+        return bool(e.waiting) if self.hold else e.has_unfinished()
+
+    def _iterate(self) -> None:
+        engine = self.engine
+        if engine.pull_waiting and self._on_admitted is not None:
+            admitted = engine.admit_pulls()
+            if admitted:
+                self._loop.call_soon_threadsafe(self._on_admitted, admitted)
+        if not self._busy():
+            return
+        started = time.monotonic()
+        outputs = engine.prefill_step(hold=True) if self.hold else engine.step()
+        if not outputs:
+            return
+        kind, size, tokens = engine.last_step
+        info = StepInfo(kind, size, tokens, started, time.monotonic() - started)
+        self._loop.call_soon_threadsafe(self._dispatch, outputs, info)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result: Any = fn(self.engine)
+            except Exception as e:
+                self._loop.call_soon_threadsafe(_settle, future, None, e)
+            else:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _snapshot(self) -> None:
+        e = self.engine
+        self.load = EngineLoad(
+            queued_prompt_tokens=sum(s.num_tokens for s in e.waiting),
+            waiting_seqs=len(e.waiting),
+            running_seqs=len(e.running),
+            pending_pulls=len(e.pull_waiting),
+            free_blocks=e.pool.num_free,
+            total_blocks=e.pool.num_blocks,
+            requests=e.num_requests,
+        )
+
+    # -- on the event loop -----------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[StepOutput], info: StepInfo) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait((out, info))
+
+    def _fail_all(self, error: Exception) -> None:
+        for q in self._queues.values():
+            q.put_nowait((EngineFailed(str(error)), None))
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,96 @@
+"""The workers the gateway routes to, kept alive by heartbeats, and the routing rules."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.common.errors import Unavailable
+
+
+@dataclass
+class Load:
+    """A worker's last reported load (see common.proto WorkerLoad)."""
+
+    queued_prompt_tokens: int = 0
+    running_seqs: int = 0
+    waiting_seqs: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    pending_pulls: int = 0
+    held_kv_handles: int = 0
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    address: str
+    load: Load = field(default_factory=Load)
+    last_seen: float = field(default_factory=time.monotonic)
+    # Work the gateway sent since the last heartbeat, which the reported load does not show yet.
+    inflight_tokens: int = 0
+    inflight_requests: int = 0
+
+
+class Registry:
+    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing."""
+
+    def __init__(self, lease_s: float = 3.0) -> None:
+        self.lease_s = lease_s
+        self._workers: dict[str, Worker] = {}
+
+    def register(self, worker_id: str, role: str, address: str, load: Load) -> None:
+        self._workers[worker_id] = Worker(worker_id, role, address, load)
+
+    def heartbeat(self, worker_id: str, load: Load) -> bool:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.load = load
+        worker.last_seen = time.monotonic()
+        worker.inflight_tokens = worker.inflight_requests = 0  # the load now shows them
+        return True
+
+    def deregister(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def live(self, role: str | None = None) -> list[Worker]:
+        """Workers whose lease holds; lapsed ones are removed."""
+        now = time.monotonic()
+        for worker_id, w in list(self._workers.items()):
+            if now - w.last_seen > self.lease_s:
+                del self._workers[worker_id]
+        return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def pick_prefill(self) -> Worker:
+        """The prefill instance with the fewest queued prompt tokens (not requests)."""
+        workers = self.live("prefill")
+        if not workers:
+            raise Unavailable("no prefill instance is registered with the gateway")
+        return min(
+            workers, key=lambda w: (w.load.queued_prompt_tokens + w.inflight_tokens, w.worker_id)
+        )
+
+    def pick_decode(self, role: str = "decode") -> Worker:
+        """The least-loaded decode (or colocated) instance: fewest sequences running, waiting
+        or being pulled; then the most free KV blocks."""
+        workers = self.live(role)
+        if not workers:
+            raise Unavailable(f"no {role} instance is registered with the gateway")
+
+        def load(w: Worker) -> tuple:
+            busy = w.load.running_seqs + w.load.waiting_seqs + w.load.pending_pulls
+            return (busy + w.inflight_requests, -w.load.free_kv_blocks, w.worker_id)
+
+        return min(workers, key=load)
+
+    def mode(self) -> str:
+        """How requests are served now: disaggregated when both pools exist, else colocated."""
+        if self.live("prefill") and self.live("decode"):
+            return "disaggregated"
+        if self.live("colocated"):
+            return "colocated"
+        raise Unavailable(
+            "no complete serving path: register a prefill and a decode instance, or a colocated one"
+        )

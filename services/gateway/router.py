@@ -1,0 +1,166 @@
+"""One request's path through the mesh: prefill, then decode; or a colocated instance.
+
+The first token is streamed as soon as prefill returns it. Text is detokenized here, with stop
+strings held back and cut. Cancellation and deadlines reach every stage: a cancelled client
+cancels the downstream call, whose worker frees what it holds; KV held for a decode call that
+never took it is released here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.convert import finish_from_pb, sampling_to_pb
+from services.common.errors import DeadlineExceeded, RemoteError
+from services.common.gen.distserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kvtransfer_pb2,
+    kvtransfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from services.common.sampling import FinishReason
+from services.common.server import CHANNEL_OPTIONS
+from services.common.text_stream import TextStream
+from services.common.tokenizer import Tokenizer
+from services.gateway.registry import Registry
+from services.gateway.request import Request
+
+log = logging.getLogger("distserve.gateway")
+
+
+@dataclass
+class Piece:
+    """A part of the answer: new token ids and the text they completed; the last one has a
+    finish reason."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class Router:
+    """Routes requests to workers and streams their tokens back."""
+
+    def __init__(self, registry: Registry, tokenizer: Tokenizer) -> None:
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = ch
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def generate(self, req: Request) -> AsyncIterator[Piece]:
+        text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
+        try:
+            if self.registry.mode() == "disaggregated":
+                events = self._disaggregated(req)
+            else:
+                events = self._colocated(req)
+            async with contextlib.aclosing(events):
+                async for ids, reason in events:
+                    delta = text.add(ids) if ids else ""
+                    if reason is not None or text.stopped:
+                        reason = reason or FinishReason.STOP
+                        yield Piece(ids, delta + text.finish(), reason)
+                        return
+                    if ids:
+                        yield Piece(ids, delta)
+        except grpc.aio.AioRpcError as e:
+            raise _remote(e) from e
+
+    async def _disaggregated(
+        self, req: Request
+    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        prefill = self.registry.pick_prefill()
+        prefill.inflight_tokens += len(req.prompt_ids)
+        stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
+        reply = await stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.params),
+            ),
+            timeout=_timeout(req),
+        )
+        reason = finish_from_pb(reply.finish_reason)
+        handed_over = not reply.HasField("kv")
+        try:
+            yield [reply.first_token_id], reason
+            if reason is not None:
+                return
+            decode = self.registry.pick_decode()
+            decode.inflight_requests += 1
+            call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_ids,
+                    sampling=sampling_to_pb(req.params),
+                    first_token_id=reply.first_token_id,
+                    kv=reply.kv,
+                ),
+                timeout=_timeout(req),
+            )
+            try:
+                async for r in call:
+                    handed_over = True  # the decode instance has the KV (and releases it)
+                    yield list(r.token_ids), finish_from_pb(r.finish_reason)
+            finally:
+                call.cancel()
+        finally:
+            if not handed_over:
+                await self._release(reply.kv)
+
+    async def _colocated(
+        self, req: Request
+    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        worker = self.registry.pick_decode("colocated")
+        worker.inflight_requests += 1
+        worker.inflight_tokens += len(req.prompt_ids)
+        call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
+            decode_pb2.DecodeRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.params),
+            ),
+            timeout=_timeout(req),
+        )
+        try:
+            async for r in call:
+                yield list(r.token_ids), finish_from_pb(r.finish_reason)
+        finally:
+            call.cancel()
+
+    async def _release(self, kv) -> None:
+        """Free KV a decode instance never took (the request ended or failed in between)."""
+        stub = kvtransfer_pb2_grpc.KvTransferStub(self.channel(kv.control_address))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Release(
+                kvtransfer_pb2.KvAccess(handle_id=kv.handle_id, access_token=kv.access_token),
+                timeout=5,
+            )
+
+
+def _timeout(req: Request) -> float | None:
+    remaining = req.remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded(f"request {req.request_id} ran out of time")
+    return remaining
+
+
+def _remote(e: grpc.aio.AioRpcError) -> RemoteError:
+    return RemoteError(e.code().name, e.details() or e.code().name)

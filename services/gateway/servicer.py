@@ -1,0 +1,97 @@
+"""gRPC servicers of the gateway: the public Generate API and the worker registry."""
+
+from __future__ import annotations
+
+import time
+
+from services.common.convert import finish_to_pb
+from services.common.errors import InvalidRequest
+from services.common.gen.distserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+)
+from services.common.tokenizer import Tokenizer
+from services.gateway.registry import Load, Registry
+from services.gateway.request import Limits, validate
+from services.gateway.router import Router
+
+ROLE_NAMES = {
+    common_pb2.WORKER_ROLE_PREFILL: "prefill",
+    common_pb2.WORKER_ROLE_DECODE: "decode",
+    common_pb2.WORKER_ROLE_COLOCATED: "colocated",
+}
+ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, router: Router, tokenizer: Tokenizer, limits: Limits) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def Generate(self, request, context):
+        req = validate(request, self.tokenizer, self.limits, context.time_remaining())
+        completion = 0
+        async for piece in self.router.generate(req):
+            completion += len(piece.token_ids)
+            reply = gateway_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=piece.token_ids,
+                text=piece.text,
+                finish_reason=finish_to_pb(piece.finish_reason),
+            )
+            if piece.finish_reason is not None:
+                reply.usage.CopyFrom(
+                    common_pb2.Usage(
+                        prompt_tokens=len(req.prompt_ids), completion_tokens=completion
+                    )
+                )
+            yield reply
+
+
+class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def Register(self, request, context):
+        role = ROLE_NAMES.get(request.role)
+        if role is None or not request.worker_id or not request.address:
+            raise InvalidRequest("register with a worker_id, a role and an address")
+        self.registry.register(request.worker_id, role, request.address, _load(request.load))
+        return gateway_pb2.RegisterResponse(lease_ms=int(self.registry.lease_s * 1000))
+
+    async def Heartbeat(self, request, context):
+        known = self.registry.heartbeat(request.worker_id, _load(request.load))
+        return gateway_pb2.HeartbeatResponse(known=known)
+
+    async def Deregister(self, request, context):
+        self.registry.deregister(request.worker_id)
+        return gateway_pb2.DeregisterResponse()
+
+    async def ListWorkers(self, request, context):
+        now, wall = time.monotonic(), time.time()
+        return gateway_pb2.ListWorkersResponse(
+            workers=[
+                gateway_pb2.WorkerInfo(
+                    worker_id=w.worker_id,
+                    role=ROLE_VALUES[w.role],
+                    address=w.address,
+                    load=common_pb2.WorkerLoad(**vars(w.load)),
+                    last_heartbeat_unix_ms=int((wall - (now - w.last_seen)) * 1000),
+                )
+                for w in self.registry.live()
+            ]
+        )
+
+
+def _load(pb: common_pb2.WorkerLoad) -> Load:
+    return Load(
+        queued_prompt_tokens=pb.queued_prompt_tokens,
+        running_seqs=pb.running_seqs,
+        waiting_seqs=pb.waiting_seqs,
+        free_kv_blocks=pb.free_kv_blocks,
+        total_kv_blocks=pb.total_kv_blocks,
+        pending_pulls=pb.pending_pulls,
+        held_kv_handles=pb.held_kv_handles,
+    )

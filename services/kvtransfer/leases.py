@@ -1,0 +1,111 @@
+"""Leases on held KV: who may fetch it, until when."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from services.common.errors import NotFound, PermissionDenied
+from services.common.kv_handle import KvHandle
+
+
+@dataclass
+class Lease:
+    """Held KV of one request: its handle, when it lapses (monotonic seconds), and how many
+    chunk sends are reading its blocks right now (the blocks are freed only when none is)."""
+
+    request_id: str
+    handle: KvHandle
+    expires: float
+    blocks: list[int] = field(default_factory=list)
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.blocks = self.handle.blocks()
+        self.idle.set()
+
+    def begin_send(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def end_send(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
+
+
+class LeaseTable:
+    """Handles of held KV, checked by access token; lapsed leases are collected by `expired`."""
+
+    def __init__(self, default_s: float, max_s: float) -> None:
+        self.default_s = default_s
+        self.max_s = max_s
+        self._leases: dict[str, Lease] = {}
+        self.expired_total = 0
+        self.released_total = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def create(self, request_id: str, template: KvHandle) -> KvHandle:
+        """A fresh handle (new id, new token) for `template`'s KV, leased for default_s."""
+        expires = time.monotonic() + self.default_s
+        handle = replace(
+            template,
+            handle_id=uuid.uuid4().hex,
+            access_token=secrets.token_urlsafe(32),
+            lease_expiry_unix_ms=_unix_ms(expires),
+        )
+        self._leases[handle.handle_id] = Lease(request_id, handle, expires)
+        return handle
+
+    def get(self, handle_id: str, access_token: str) -> Lease:
+        """The live lease, if the token is right. NotFound if unknown or lapsed."""
+        lease = self._leases.get(handle_id)
+        if lease is None or lease.expires <= time.monotonic():
+            raise NotFound(f"KV handle {handle_id} does not exist or its lease lapsed")
+        if not hmac.compare_digest(lease.handle.access_token.encode(), access_token.encode()):
+            raise PermissionDenied(f"wrong access token for KV handle {handle_id}")
+        return lease
+
+    def renew(self, handle_id: str, access_token: str, extend_ms: int) -> KvHandle:
+        lease = self.get(handle_id, access_token)
+        extend = min(extend_ms / 1000 if extend_ms else self.default_s, self.max_s)
+        lease.expires = max(lease.expires, time.monotonic() + extend)
+        lease.handle = replace(lease.handle, lease_expiry_unix_ms=_unix_ms(lease.expires))
+        return lease.handle
+
+    def pop(self, handle_id: str, access_token: str) -> Lease:
+        """Remove a lease on release."""
+        lease = self.get(handle_id, access_token)
+        del self._leases[handle_id]
+        self.released_total += 1
+        return lease
+
+    def pop_request(self, request_id: str) -> Lease | None:
+        """Remove the lease of a request (its KV is freed for another reason)."""
+        for handle_id, lease in list(self._leases.items()):
+            if lease.request_id == request_id:
+                return self._leases.pop(handle_id)
+        return None
+
+    def expired(self) -> list[Lease]:
+        """Remove and return the leases that lapsed."""
+        now = time.monotonic()
+        # A lease whose blocks are being sent lapses once the send is over.
+        out = [
+            lease for lease in self._leases.values() if lease.expires <= now and not lease.inflight
+        ]
+        for lease in out:
+            del self._leases[lease.handle.handle_id]
+        self.expired_total += len(out)
+        return out
+
+
+def _unix_ms(monotonic_s: float) -> int:
+    return int((time.time() + (monotonic_s - time.monotonic())) * 1000)

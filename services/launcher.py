@@ -1,0 +1,220 @@
+"""`distserve up`: the mesh's processes on this host, started, watched and stopped together.
+
+Each service runs as its own process and prints one JSON "ready" line when it serves; the
+launcher waits for all of them and for every worker to appear in the gateway's registry. Stopping
+sends SIGTERM (workers first, then the gateway), and SIGKILL to any that outlive the grace
+period. Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """What to start: the model, how many instances of each role, where the gateway listens."""
+
+    model: Path
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    gateway_port: int = 50051  # 0 picks a free port
+    pin: bool = False  # one CPU core and one torch thread per worker
+    worker_args: tuple[str, ...] = ()  # extra options for every worker (engine options)
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 180.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    ready: dict | None = None
+    ready_event: threading.Event = field(default_factory=threading.Event)
+
+
+class Mesh:
+    """A running mesh; use as a context manager, or start() and stop()."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self.processes: list[Process] = []
+        self.gateway_address = ""
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def workers(self) -> list[Process]:
+        return [p for p in self.processes if p.name != "gateway"]
+
+    def start(self) -> None:
+        spec = self.spec
+        try:
+            gateway = self._spawn(
+                "gateway",
+                [
+                    "services.gateway",
+                    "--model",
+                    str(spec.model),
+                    "--host",
+                    spec.host,
+                    "--port",
+                    str(spec.gateway_port),
+                    *spec.gateway_args,
+                ],
+            )
+            self._wait_ready([gateway])
+            self.gateway_address = gateway.ready["address"]
+            cores = sorted(os.sched_getaffinity(0))
+            started = []
+            roles = [
+                ("prefill", spec.prefill),
+                ("decode", spec.decode),
+                ("colocated", spec.colocated),
+            ]
+            for role, count in roles:
+                for i in range(count):
+                    args = [
+                        "services.prefill" if role == "prefill" else "services.decode",
+                        "--model",
+                        str(spec.model),
+                        "--gateway",
+                        self.gateway_address,
+                        "--host",
+                        spec.host,
+                        "--worker-id",
+                        f"{role}-{i}",
+                        *spec.worker_args,
+                        *(spec.prefill_args if role == "prefill" else spec.decode_args),
+                    ]
+                    if role != "prefill":
+                        args += ["--role", role]
+                    if spec.pin:
+                        args += ["--cpu", str(cores[len(started) % len(cores)]), "--threads", "1"]
+                    started.append(self._spawn(f"{role}-{i}", args))
+            self._wait_ready(started)
+            self._wait_registered(len(started))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM workers, then the gateway; SIGKILL what outlives the grace period."""
+        for group in (self.workers, [p for p in self.processes if p.name == "gateway"]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+        self.processes = []
+
+    def _spawn(self, name: str, module_args: list[str]) -> Process:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
+        popen = subprocess.Popen(
+            [sys.executable, "-m", *module_args],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        proc = Process(name, popen)
+        self.processes.append(proc)
+        threading.Thread(target=_watch_stdout, args=(proc,), daemon=True).start()
+        return proc
+
+    def _wait_ready(self, procs: list[Process]) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        for p in procs:
+            while not p.ready_event.wait(timeout=0.2):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{p.name} exited with code {p.popen.returncode} before ready"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{p.name} was not ready within {self.spec.ready_timeout_s} s"
+                    )
+
+    def _wait_registered(self, count: int) -> None:
+        deadline = time.monotonic() + 30
+        with grpc.insecure_channel(self.gateway_address) as channel:
+            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+            while True:
+                workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+                if len(workers) >= count:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(workers)} of {count} workers registered")
+                time.sleep(0.1)
+
+
+def _watch_stdout(proc: Process) -> None:
+    """Find the ready line; pass everything else through to our stdout."""
+    for line in proc.popen.stdout:
+        if proc.ready is None and line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                event = {}
+            if event.get("event") == "ready":
+                proc.ready = event
+                proc.ready_event.set()
+                continue
+        sys.stdout.write(f"[{proc.name}] {line}")
+        sys.stdout.flush()
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_until_signal(spec: MeshSpec) -> int:
+    """`distserve up`: start the mesh, print its endpoints, stop it on SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Mesh(spec) as mesh:
+        print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
+        for p in mesh.workers:
+            print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
+        print("distserve: serving; Ctrl-C stops", flush=True)
+        while not stop.wait(timeout=0.5):
+            dead = [p for p in mesh.processes if p.popen.poll() is not None]
+            for p in dead:
+                print(f"distserve: {p.name} exited with code {p.popen.returncode}", flush=True)
+                mesh.processes.remove(p)
+        print("distserve: stopping", flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""The prefill service: runs prompts in batches and holds their KV for decode instances."""

@@ -1,0 +1,105 @@
+"""`python -m services.prefill`: run one prefill instance."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from services.common.announcer import Announcer
+from services.common.gen.distserve.v1 import (
+    common_pb2,
+    kvtransfer_pb2,
+    kvtransfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
+from services.engine.config import EngineConfig, add_engine_args, configure_process
+from services.kvtransfer.servicer import KvTransferServicer
+from services.prefill.config import PrefillConfig
+from services.prefill.servicer import PrefillServicer, worker_load
+from services.prefill.worker import PrefillWorker
+
+log = logging.getLogger("distserve.prefill")
+
+
+def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    p.add_argument("--gateway", help="gateway host:port to register with")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--ucx-port", type=int, default=0)
+    p.add_argument("--worker-id")
+    p.add_argument("--lease-s", type=float, default=30.0, help="how long held KV waits for a pull")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from services.engine.presets import default_model
+
+        args.model = default_model("tiny")
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    config = PrefillConfig(
+        model=args.model,
+        gateway=args.gateway,
+        host=args.host,
+        port=args.port,
+        ucx_port=args.ucx_port,
+        lease_s=args.lease_s,
+        max_lease_s=max(300.0, args.lease_s),
+        engine=EngineConfig.from_args(args),
+        **extra,
+    )
+    return config, args
+
+
+async def serve(config: PrefillConfig) -> None:
+    worker = PrefillWorker(config)
+
+    def add(server) -> None:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+        kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(
+            KvTransferServicer(worker.leases, worker.free), server
+        )
+
+    names = [
+        prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
+        kvtransfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name,
+    ]
+    server, health, port = await start_server(config.host, config.port, add, names)
+    address = f"{config.host}:{port}"
+    await worker.start(address)
+    announcer = None
+    if config.gateway:
+        announcer = Announcer(
+            config.gateway,
+            worker_id=config.worker_id,
+            role=common_pb2.WORKER_ROLE_PREFILL,
+            address=address,
+            model=config.model.name,
+            load=lambda: worker_load(worker),
+        )
+        await announcer.start()
+    announce_ready(
+        "prefill", address=address, worker_id=config.worker_id, ucx_port=worker.chunks.port
+    )
+    await wait_for_signal()
+    log.info("stopping %s", config.worker_id)
+    await health.enter_graceful_shutdown()
+    if announcer is not None:
+        await announcer.stop()
+    await server.stop(grace=5)
+    await worker.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    config, args = parse(argv)
+    configure_process(args)
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Configuration of a prefill instance, validated once at start-up."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    model: Path
+    gateway: str | None  # host:port of the gateway's registry; None runs standalone
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    ucx_port: int = 0
+    worker_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:8]}")
+    lease_s: float = 30.0  # how long held KV waits for a pull before it is freed
+    max_lease_s: float = 300.0  # the longest a renewal may extend a lease
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_s <= self.max_lease_s:
+            raise ValueError("need 0 < lease_s <= max_lease_s")

@@ -1,0 +1,59 @@
+"""gRPC servicer of the prefill service: decode the request, one worker call, encode."""
+
+from __future__ import annotations
+
+from services.common.convert import finish_to_pb, sampling_from_pb
+from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.prefill.worker import PrefillWorker
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Prefill(self, request, context):
+        result = await self.worker.prefill(
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_from_pb(request.sampling),
+            request.discard_kv,
+        )
+        reply = prefill_pb2.PrefillResponse(
+            request_id=request.request_id,
+            first_token_id=result.first_token,
+            finish_reason=finish_to_pb(result.finish_reason),
+            queue_ms=result.queue_ms,
+            compute_ms=result.compute_ms,
+            batch_size=result.batch_size,
+            batch_tokens=result.batch_tokens,
+        )
+        if result.handle is not None:
+            reply.kv.CopyFrom(result.handle.to_pb())
+        return reply
+
+    async def Stats(self, request, context):
+        return worker_stats(self.worker)
+
+
+def worker_load(worker: PrefillWorker) -> common_pb2.WorkerLoad:
+    load = worker.loop.load
+    return common_pb2.WorkerLoad(
+        queued_prompt_tokens=load.queued_prompt_tokens,
+        waiting_seqs=load.waiting_seqs,
+        free_kv_blocks=load.free_blocks,
+        total_kv_blocks=load.total_blocks,
+        held_kv_handles=len(worker.leases),
+    )
+
+
+def worker_stats(worker: PrefillWorker) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(
+        worker_id=worker.config.worker_id,
+        role=common_pb2.WORKER_ROLE_PREFILL,
+        load=worker_load(worker),
+        requests_total=worker.requests_total,
+        requests_aborted=worker.requests_aborted,
+        handles_released=worker.leases.released_total,
+        leases_expired=worker.leases.expired_total,
+        blocks_reclaimed=worker.blocks_reclaimed,
+    )

@@ -1,0 +1,136 @@
+"""A prefill instance: the engine in prefill-and-hold mode, leases on held KV, and the KV
+transfer server (control service and UCX chunk server) that decode instances pull from."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from services.common.errors import Unavailable
+from services.common.kv_handle import KvHandle
+from services.common.sampling import FinishReason, SamplingParams
+from services.engine.engine import LLMEngine
+from services.engine.loop import EngineFailed, EngineLoop
+from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.leases import Lease, LeaseTable
+from services.prefill.config import PrefillConfig
+
+log = logging.getLogger("distserve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    finish_reason: FinishReason | None
+    handle: KvHandle | None  # None when the request ended at its first token or KV is discarded
+    queue_ms: float
+    compute_ms: float
+    batch_size: int
+    batch_tokens: int
+
+
+class PrefillWorker:
+    """Runs prompts, samples their first token, holds their KV under a lease until released."""
+
+    def __init__(self, config: PrefillConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.model, config.engine, detokenize=False)
+        self.loop = EngineLoop(self.engine, hold=True)
+        self.leases = LeaseTable(config.lease_s, config.max_lease_s)
+        self.chunks = ChunkServer(
+            self.leases, self.engine.runner.cache.region_buffer, self.engine.model_config.num_layers
+        )
+        self.control_address = ""  # set once the gRPC server is bound
+        self.requests_total = 0
+        self.requests_aborted = 0
+        self.blocks_reclaimed = 0
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self, control_address: str) -> None:
+        self.control_address = control_address
+        self.loop.start()
+        self.chunks.start(self.config.ucx_port)
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self.chunks.close()
+        self.loop.stop()
+
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, discard_kv: bool
+    ) -> PrefillResult:
+        self.requests_total += 1
+        submitted = time.monotonic()
+        queue = self.loop.subscribe(request_id)
+        try:
+            await self.loop.call(lambda e: e.add_request(prompt, params, request_id))
+            out, info = await queue.get()
+        except asyncio.CancelledError:
+            self.requests_aborted += 1
+            await asyncio.shield(self._forget(request_id))
+            raise
+        finally:
+            self.loop.unsubscribe(request_id)
+        if isinstance(out, EngineFailed):
+            raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
+        result = dict(
+            first_token=out.new_token_ids[0],
+            finish_reason=out.finish_reason,
+            queue_ms=(info.started - submitted) * 1000,
+            compute_ms=info.seconds * 1000,
+            batch_size=info.batch_size,
+            batch_tokens=info.batch_tokens,
+        )
+        if out.finished:
+            return PrefillResult(handle=None, **result)
+        if discard_kv:
+            await self.loop.call(lambda e: e.release(request_id))
+            return PrefillResult(handle=None, **result)
+        runs = await self.loop.call(
+            lambda e: [tuple(r) for r in e.sequence(request_id).block_table.runs]
+        )
+        handle = self.leases.create(request_id, self._template(len(prompt), runs))
+        return PrefillResult(handle=handle, **result)
+
+    async def free(self, lease: Lease) -> int:
+        """Free a lease's blocks once no chunk of it is being sent."""
+        await lease.idle.wait()
+        return await self.loop.call(lambda e: e.release(lease.request_id))
+
+    async def _forget(self, request_id: str) -> None:
+        """A cancelled request: drop it from the engine wherever it is, and its lease."""
+        self.leases.pop_request(request_id)
+        await self.loop.call(lambda e: e.abort(request_id))
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for lease in self.leases.expired():
+                freed = await self.free(lease)
+                self.blocks_reclaimed += freed
+                log.info("lease of %s lapsed; freed %d blocks", lease.request_id, freed)
+
+    def _template(self, num_tokens: int, runs: list[tuple[int, int]]) -> KvHandle:
+        mc = self.engine.model_config
+        cache = self.engine.runner.cache
+        return KvHandle(
+            handle_id="",
+            source_instance=self.config.worker_id,
+            control_address=self.control_address,
+            ucx_host=self.config.host,
+            ucx_port=self.chunks.port,
+            num_tokens=num_tokens,
+            block_size=cache.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=str(cache.data.dtype).removeprefix("torch."),
+            runs=tuple(runs),
+            block_bytes=cache.block_bytes,
+            lease_expiry_unix_ms=0,
+            access_token="",
+        )

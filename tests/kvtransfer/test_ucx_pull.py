@@ -1,0 +1,96 @@
+"""KV pulled over real UCX into another engine's blocks decodes to the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from services.common.errors import NotFound, PermissionDenied
+from services.common.kv_handle import KvHandle
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.leases import LeaseTable
+from services.kvtransfer.puller import KvPuller, segments
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def handle_for(engine: LLMEngine, rid: str, port: int) -> KvHandle:
+    seq = engine.sequence(rid)
+    cache = engine.runner.cache
+    mc = engine.model_config
+    return KvHandle(
+        handle_id="",
+        source_instance="prefill-test",
+        control_address="",
+        ucx_host="127.0.0.1",
+        ucx_port=port,
+        num_tokens=seq.num_prompt_tokens,
+        block_size=cache.block_size,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype="float32",
+        runs=tuple((f, n) for f, n in seq.block_table.runs),
+        block_bytes=cache.block_bytes,
+        lease_expiry_unix_ms=0,
+        access_token="",
+    )
+
+
+def test_segments_split_where_either_side_breaks_and_at_the_chunk_size():
+    assert segments([4, 5, 6, 9, 10], [0, 1, 2, 3, 4], 8) == [(0, 0, 3), (3, 3, 2)]
+    assert segments([4, 5, 6, 7], [0, 1, 7, 8], 8) == [(0, 0, 2), (2, 7, 2)]
+    assert segments([0, 1, 2, 3, 4], [5, 6, 7, 8, 9], 2) == [(0, 5, 2), (2, 7, 2), (4, 9, 1)]
+
+
+def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
+    prompt = list(range(3, 70))
+    expected = LLMEngine(tiny_model, EngineConfig(num_blocks=64)).generate([prompt], PARAMS)[0]
+
+    async def scenario():
+        prefill = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8), detokenize=False)
+        decode = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8), detokenize=False)
+        decode.pool.allocate(5)  # destination blocks differ from the source's
+        prefill.add_request(prompt, PARAMS, request_id="r")
+        [first] = prefill.prefill_step(hold=True)
+        leases = LeaseTable(default_s=30, max_s=60)
+        server = ChunkServer(leases, prefill.runner.cache.region_buffer, num_layers=2)
+        port = server.start()
+        handle = leases.create("r", handle_for(prefill, "r", port))
+        puller = KvPuller(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3)
+        try:
+            decode.add_prefilled(prompt, first.new_token_ids[0], PARAMS, "r")
+            [seq] = decode.admit_pulls()
+            # A wrong token and an unknown handle are refused, and nothing is written.
+            with pytest.raises(PermissionDenied, match="wrong access token"):
+                await puller.pull(
+                    replace(handle, access_token="guess"),
+                    seq.block_table.blocks,
+                    decode.runner.cache.region_buffer,
+                )
+            with pytest.raises(NotFound):
+                await puller.pull(
+                    replace(handle, handle_id="nope"),
+                    seq.block_table.blocks,
+                    decode.runner.cache.region_buffer,
+                )
+            nbytes = await puller.pull(
+                handle, seq.block_table.blocks, decode.runner.cache.region_buffer
+            )
+            assert nbytes == handle.total_bytes
+            assert server.chunks_served >= 2 * 2 * 3  # layers x K/V x chunks per layer
+        finally:
+            await puller.close()
+            server.close()
+        decode.start_decoding("r")
+        tokens = list(first.new_token_ids)
+        while decode.has_unfinished():
+            tokens += [t for o in decode.step() for t in o.new_token_ids]
+        return tokens
+
+    assert asyncio.run(scenario()) == expected.token_ids

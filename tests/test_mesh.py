@@ -1,0 +1,241 @@
+"""The mesh end to end: real processes, real sockets, real UCX, the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from services.common.gen.distserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    kvtransfer_pb2,
+    kvtransfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+
+PROMPTS = [
+    "Hello",
+    "The decode phase adds one token at a time",
+    "A longer prompt: " + "prefill reads the whole prompt at once and writes the cache; " * 6,
+    "東京 café 🙂",
+]
+
+
+def expected(model, prompts, max_tokens=24):
+    engine = LLMEngine(model, EngineConfig(num_blocks=256))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [(c.token_ids, c.text) for c in engine.generate(prompts, params)]
+
+
+async def generate(address, prompt, max_tokens=24, **sampling):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+        ids, text, last = [], [], None
+        async for r in stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=params)):
+            ids += r.token_ids
+            text.append(r.text)
+            last = r
+        return ids, "".join(text), last
+
+
+def stats(address, service):
+    with grpc.insecure_channel(address) as channel:
+        stub = (
+            prefill_pb2_grpc.PrefillStub if service == "prefill" else decode_pb2_grpc.DecodeStub
+        )(channel)
+        return stub.Stats(common_pb2.StatsRequest(), timeout=5)
+
+
+def addresses(mesh, role):
+    return [p.ready["address"] for p in mesh.workers if p.name.startswith(role)]
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kv_all_free(mesh) -> bool:
+    for role in ("prefill", "decode"):
+        for a in addresses(mesh, role):
+            s = stats(a, role)
+            if s.load.free_kv_blocks != s.load.total_kv_blocks or s.load.held_kv_handles:
+                return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def mesh_1p1d(mesh_factory):
+    return mesh_factory(prefill=1, decode=1)
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 0), (2, 1, 0), (1, 2, 0), (0, 0, 1)], ids=["1P1D", "2P1D", "1P2D", "colocated"]
+)
+def test_greedy_output_through_the_mesh_equals_the_engine(
+    mesh_factory, mesh_1p1d, tiny_model, shape
+):
+    p, d, c = shape
+    mesh = mesh_1p1d if shape == (1, 1, 0) else mesh_factory(prefill=p, decode=d, colocated=c)
+
+    async def run_all():
+        # Concurrently, so that routing spreads requests over the instances of each pool.
+        return await asyncio.gather(*(generate(mesh.gateway_address, q) for q in PROMPTS * 2))
+
+    results = asyncio.run(run_all())
+    want = expected(tiny_model, PROMPTS) * 2
+    for (ids, text, last), (want_ids, want_text) in zip(results, want, strict=True):
+        assert ids == want_ids
+        assert text == want_text
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == len(want_ids)
+    for role in ("prefill", "decode"):
+        for address in addresses(mesh, role):
+            assert stats(address, role).requests_total > 0, f"a {role} instance got no traffic"
+    if c:
+        assert all(stats(a, "decode").requests_total > 0 for a in addresses(mesh, "colocated"))
+    wait_until(lambda: kv_all_free(mesh), what="KV blocks to be freed everywhere")
+
+
+def test_32_concurrent_requests_of_mixed_lengths(mesh_1p1d, tiny_model):
+    prompts = [f"request {i}: " + "word " * (i * 7 % 90) for i in range(32)]
+    lengths = [4 + (i * 5) % 29 for i in range(32)]
+
+    async def run_all():
+        return await asyncio.gather(
+            *(
+                generate(mesh_1p1d.gateway_address, q, n)
+                for q, n in zip(prompts, lengths, strict=True)
+            )
+        )
+
+    results = asyncio.run(run_all())
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=512))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    want = engine.generate(prompts, params)
+    assert [r[0] for r in results] == [w.token_ids for w in want]
+    wait_until(lambda: kv_all_free(mesh_1p1d), what="KV blocks to be freed everywhere")
+
+
+def test_cancel_mid_stream_frees_kv_on_prefill_and_decode(mesh_1p1d):
+    async def cancel_after_tokens():
+        async with grpc.aio.insecure_channel(mesh_1p1d.gateway_address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            params = common_pb2.SamplingParams(max_tokens=900, ignore_eos=True)
+            call = stub.Generate(gateway_pb2.GenerateRequest(text="cancel me", sampling=params))
+            got = 0
+            async for r in call:
+                got += len(r.token_ids)
+                if got >= 5:
+                    # The request is decoding: it holds blocks on the decode instance.
+                    d = stats(addresses(mesh_1p1d, "decode")[0], "decode")
+                    assert d.load.running_seqs == 1
+                    assert d.load.free_kv_blocks < d.load.total_kv_blocks
+                    call.cancel()
+                    break
+            return got
+
+    assert asyncio.run(cancel_after_tokens()) >= 5
+    wait_until(lambda: kv_all_free(mesh_1p1d), what="KV blocks to be freed after cancel")
+    d = stats(addresses(mesh_1p1d, "decode")[0], "decode")
+    assert d.requests_aborted >= 1 and d.load.running_seqs == 0
+
+
+def test_a_lapsed_lease_frees_kv_nobody_pulled(mesh_factory):
+    mesh = mesh_factory(prefill=1, decode=0, colocated=1, prefill_args=("--lease-s", "1"))
+    address = addresses(mesh, "prefill")[0]
+    with grpc.insecure_channel(address) as channel:
+        reply = prefill_pb2_grpc.PrefillStub(channel).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="orphan",
+                prompt_token_ids=list(range(5, 60)),
+                sampling=common_pb2.SamplingParams(max_tokens=10, ignore_eos=True),
+            ),
+            timeout=30,
+        )
+        assert reply.HasField("kv") and reply.kv.access_token
+        held = stats(address, "prefill")
+        assert held.load.held_kv_handles == 1
+        assert held.load.free_kv_blocks < held.load.total_kv_blocks
+        # A wrong access token is refused by the control plane.
+        control = kvtransfer_pb2_grpc.KvTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            control.Describe(
+                kvtransfer_pb2.KvAccess(handle_id=reply.kv.handle_id, access_token="x")
+            )
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    wait_until(
+        lambda: stats(address, "prefill").leases_expired == 1, timeout=10, what="lease lapse"
+    )
+    s = stats(address, "prefill")
+    assert s.load.held_kv_handles == 0 and s.blocks_reclaimed > 0
+    assert s.load.free_kv_blocks == s.load.total_kv_blocks
+
+
+def test_a_silent_worker_is_dropped_and_a_new_one_gets_traffic(mesh_factory, tiny_model):
+    mesh = mesh_factory(prefill=2, decode=1, gateway_args=("--worker-lease-s", "1"))
+
+    def listed():
+        with grpc.insecure_channel(mesh.gateway_address) as channel:
+            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+            return {w.worker_id for w in stub.ListWorkers(gateway_pb2.ListWorkersRequest()).workers}
+
+    silent = next(p for p in mesh.workers if p.name == "prefill-1")
+    silent.popen.send_signal(signal.SIGSTOP)  # alive but silent: no heartbeats
+    try:
+        wait_until(lambda: "prefill-1" not in listed(), timeout=10, what="prefill-1 dropped")
+
+        # Requests keep working on the remaining instance, none reaches the silent one.
+        async def run_all():
+            return await asyncio.gather(*(generate(mesh.gateway_address, q) for q in PROMPTS))
+
+        results = asyncio.run(asyncio.wait_for(run_all(), 60))
+        assert [r[0] for r in results] == [w[0] for w in expected(tiny_model, PROMPTS)]
+    finally:
+        silent.popen.send_signal(signal.SIGCONT)
+    # Heartbeating again, it is told it is unknown, registers anew and takes traffic.
+    wait_until(lambda: "prefill-1" in listed(), timeout=10, what="prefill-1 back")
+    before = stats(silent.ready["address"], "prefill").requests_total
+
+    async def burst():
+        return await asyncio.gather(*(generate(mesh.gateway_address, q) for q in PROMPTS * 3))
+
+    asyncio.run(burst())
+    assert stats(silent.ready["address"], "prefill").requests_total > before
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({}, "give a prompt"),
+        ({"text": ""}, "prompt is empty"),
+        ({"token_ids": gateway_pb2.TokenIds(ids=[])}, "prompt is empty"),
+        ({"token_ids": gateway_pb2.TokenIds(ids=[5, 99999])}, "outside the vocabulary"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=5000)}, "max_tokens"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(top_p=1.5)}, "top_p"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(stop=[""])}, "stop strings"),
+    ],
+)
+def test_bad_input_is_invalid_argument_with_a_message(mesh_1p1d, request_fields, message):
+    with grpc.insecure_channel(mesh_1p1d.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(gateway_pb2.GenerateRequest(**request_fields), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
