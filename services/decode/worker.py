@@ -9,7 +9,6 @@ Requests without a handle are prefilled here (colocated).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +44,7 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
         self.puller = KvPuller(config.chunk_bytes, config.pull_window)
         self._admissions: dict[str, asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()
         self.pulling = 0
         self.requests_total = 0
         self.requests_aborted = 0
@@ -79,24 +79,51 @@ class DecodeWorker:
         pending_handle = handle  # released once pulled; released on any exit before that
         try:
             if handle is None:
-                await self.loop.call(lambda e: e.add_request(prompt, params, request_id))
+                self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
             else:
-                yield await self._pull(request_id, prompt, params, first_token, handle)
-                await self.puller.release(handle)
+                pulled = await self._pull(request_id, prompt, params, first_token, handle)
+                self.loop.submit(request_id, lambda e: e.start_decoding(request_id))
+                # The KV is here: the source may free it; decoding does not wait for that.
+                self._release_later(handle)
                 pending_handle = None
-                await self.loop.call(lambda e: e.start_decoding(request_id))
+                yield pulled
             while not finished:
-                out, _ = await queue.get()
-                if isinstance(out, EngineFailed):
-                    raise Unavailable(f"decode failed on {self.config.worker_id}: {out}")
-                finished = out.finished
-                yield DecodeEvent(out.new_token_ids, out.finish_reason)
+                ids, reason = await self._next_tokens(queue)
+                finished = reason is not None
+                yield DecodeEvent(ids, reason)
         finally:
             self.loop.unsubscribe(request_id)
             self._admissions.pop(request_id, None)
             if not finished:
                 self.requests_aborted += 1
                 await asyncio.shield(self._forget(request_id, pending_handle))
+
+    async def _next_tokens(self, queue: asyncio.Queue) -> tuple[list[int], FinishReason | None]:
+        """The tokens produced since the last call: one or more steps' worth when the caller
+        is slower than the engine, so a busy stream sends fewer, larger messages."""
+        ids: list[int] = []
+        while True:
+            out, _ = await queue.get()
+            if isinstance(out, EngineFailed):
+                raise Unavailable(f"decode failed on {self.config.worker_id}: {out}")
+            if isinstance(out, Exception):
+                raise out
+            ids += out.new_token_ids
+            if out.finished or queue.empty():
+                return ids, out.finish_reason
+
+    def _release_later(self, handle: KvHandle) -> None:
+        task = asyncio.create_task(self._release_quietly(handle))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_quietly(self, handle: KvHandle) -> None:
+        try:
+            await self.puller.release(handle)
+        except Exception as e:  # the lease lapses at the source anyway
+            log.warning(
+                "release of %s at %s failed: %s", handle.handle_id, handle.source_instance, e
+            )
 
     async def _pull(
         self,
@@ -137,5 +164,4 @@ class DecodeWorker:
         """Free everything a request that did not finish holds, here and at its KV source."""
         await self.loop.call(lambda e: e.abort(request_id))
         if handle is not None:
-            with contextlib.suppress(Exception):
-                await self.puller.release(handle)
+            await self._release_quietly(handle)

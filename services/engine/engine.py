@@ -213,6 +213,7 @@ class LLMEngine:
             if not out.finished:
                 if hold:
                     seq.status = SequenceStatus.HELD
+                    out.held_runs = tuple((f, n) for f, n in seq.block_table.runs)
                 else:
                     seq.status = SequenceStatus.RUNNING
                     self.running.join(seq)

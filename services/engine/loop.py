@@ -91,8 +91,16 @@ class EngineLoop:
         self._wake.set()
         return await future
 
+    def submit(self, request_id: str, fn: Callable[[LLMEngine], object]) -> None:
+        """Run fn(engine) on the engine thread without waiting; if it raises, the exception is
+        delivered to the request's queue (so adding a request costs no round trip)."""
+        self._commands.put((fn, request_id))
+        self._wake.set()
+
     def subscribe(self, request_id: str) -> asyncio.Queue:
-        """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it."""
+        """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it. An
+        exception in place of a StepOutput ends the request (EngineFailed, or what a submitted
+        command raised)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q
@@ -144,9 +152,13 @@ class EngineLoop:
             try:
                 result: Any = fn(self.engine)
             except Exception as e:
-                self._loop.call_soon_threadsafe(_settle, future, None, e)
+                if isinstance(future, str):  # submitted for a request: fail that request
+                    self._loop.call_soon_threadsafe(self._fail, future, e)
+                else:
+                    self._loop.call_soon_threadsafe(_settle, future, None, e)
             else:
-                self._loop.call_soon_threadsafe(_settle, future, result, None)
+                if not isinstance(future, str):
+                    self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _snapshot(self) -> None:
         e = self.engine
@@ -167,6 +179,11 @@ class EngineLoop:
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait((out, info))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait((error, None))
 
     def _fail_all(self, error: Exception) -> None:
         for q in self._queues.values():

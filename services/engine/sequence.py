@@ -30,6 +30,8 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None
+    # A prefill instance's held sequence: its KV blocks as (first block, count) runs.
+    held_runs: tuple[tuple[int, int], ...] | None = None
 
 
 class Sequence:

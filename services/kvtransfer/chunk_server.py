@@ -1,8 +1,9 @@
 """The data plane's server side: serves chunks of held KV over UCX.
 
 A puller sends a KvChunkRequest frame (handle, token, layer, K or V, a range of the handle's
-blocks, a reply tag); the server answers with a KvChunkStatus frame on tag 2*t and, when ok, the
-raw bytes of that contiguous region on tag 2*t + 1, sent from the KV cache in place.
+blocks, a reply tag); the server answers with a KvChunkStatus frame on tag 2*t and then, on tag
+2*t + 1, the raw bytes of that contiguous region, sent from the KV cache in place (a one-byte
+filler when the request is refused: it completes the receive the puller posted in advance).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import ucxx
 
 from services.common.errors import DistServeError, InvalidRequest
@@ -72,9 +74,9 @@ class ChunkServer:
             lease = self.leases.get(req.handle_id, req.access_token)
             first = self._check(req, lease.blocks)
         except DistServeError as e:
-            await _send_quietly(
-                ep, wire.encode(wire.ChunkStatus(ok=False, error=str(e))), status_tag
-            )
+            refusal = wire.encode(wire.ChunkStatus(ok=False, error=str(e)))
+            await _send_quietly(ep, refusal, status_tag)
+            await _send_quietly(ep, _FILLER, data_tag)  # completes the puller's posted receive
             return
         lease.begin_send()
         try:
@@ -105,8 +107,12 @@ class ChunkServer:
         return first
 
 
+# Sent in place of refused data (UCX does not send empty messages); the puller discards it.
+_FILLER = np.zeros(1, dtype=np.uint8)
+
+
 async def _send_quietly(ep, frame, tag: int) -> None:
     try:
         await ep.send(frame, tag=tag)
     except Exception as e:
-        log.debug("status send failed: %s", e)
+        log.warning("status send failed: %s", e)

@@ -55,9 +55,12 @@ def segments(src: list[int], dst: list[int], max_blocks: int) -> list[tuple[int,
 class KvPuller:
     """Pulls KV from prefill instances; keeps one UCX endpoint and gRPC channel per peer."""
 
-    def __init__(self, chunk_bytes: int = 4 * 2**20, window: int = 4) -> None:
+    def __init__(
+        self, chunk_bytes: int = 4 * 2**20, window: int = 4, chunk_timeout_s: float = 10.0
+    ) -> None:
         self.chunk_bytes = chunk_bytes
         self.window = window
+        self.chunk_timeout_s = chunk_timeout_s
         self._endpoints: dict[tuple[str, int], object] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -85,11 +88,22 @@ class KvPuller:
 
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
-                return await self._chunk(ep, handle, layer, kv, seg, dst_region)
+                try:
+                    return await asyncio.wait_for(
+                        self._chunk(ep, handle, layer, kv, seg, dst_region), self.chunk_timeout_s
+                    )
+                except TimeoutError as e:
+                    raise Unavailable(
+                        f"KV chunk (layer {layer}) from {handle.source_instance} took longer "
+                        f"than {self.chunk_timeout_s} s"
+                    ) from e
 
+        tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
         try:
-            sizes = await asyncio.gather(*(one(*job) for job in jobs))
-        except DistServeError:
+            sizes = await asyncio.gather(*tasks)
+        except DistServeError as e:
+            if isinstance(e, Unavailable):  # a transport fault: reconnect next time
+                self._drop(handle.ucx_host, handle.ucx_port)
             raise
         except Exception as e:
             self._drop(handle.ucx_host, handle.ucx_port)
@@ -97,6 +111,9 @@ class KvPuller:
                 f"KV pull from {handle.source_instance} ({handle.ucx_host}:{handle.ucx_port}) "
                 f"failed: {type(e).__name__}: {e}"
             ) from e
+        finally:
+            for t in tasks:  # on failure, stop the other chunks: nothing writes after we return
+                t.cancel()
         return sum(sizes)
 
     async def _chunk(self, ep, handle: KvHandle, layer: int, kv: int, seg, dst_region) -> int:
@@ -113,14 +130,22 @@ class KvPuller:
         )
         dst = dst_region(layer, kv, dst_first, n)
         status_frame = wire.empty_frame()
-        await ep.send(wire.encode(request))
-        await ep.recv(status_frame, tag=2 * tag)
-        status = wire.decode(status_frame, wire.ChunkStatus)
+        # Both receives are posted before the request goes out: one round trip per chunk. A
+        # refusal comes with an empty data message, which completes the data receive.
+        status_recv = asyncio.ensure_future(ep.recv(status_frame, tag=2 * tag))
+        data_recv = asyncio.ensure_future(ep.recv(dst, tag=2 * tag + 1))
+        try:
+            await ep.send(wire.encode(request))
+            await status_recv
+            status = wire.decode(status_frame, wire.ChunkStatus)
+            await data_recv
+        finally:
+            for f in (status_recv, data_recv):
+                f.cancel()
         if not status.ok:
             raise _refusal(status.error)
         if status.nbytes != dst.nbytes:
             raise Unavailable(f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}")
-        await ep.recv(dst, tag=2 * tag + 1)
         return dst.nbytes
 
     async def release(self, handle: KvHandle) -> int:

@@ -67,7 +67,7 @@ class PrefillWorker:
         submitted = time.monotonic()
         queue = self.loop.subscribe(request_id)
         try:
-            await self.loop.call(lambda e: e.add_request(prompt, params, request_id))
+            self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
             out, info = await queue.get()
         except asyncio.CancelledError:
             self.requests_aborted += 1
@@ -77,6 +77,8 @@ class PrefillWorker:
             self.loop.unsubscribe(request_id)
         if isinstance(out, EngineFailed):
             raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
+        if isinstance(out, Exception):
+            raise out
         result = dict(
             first_token=out.new_token_ids[0],
             finish_reason=out.finish_reason,
@@ -90,10 +92,7 @@ class PrefillWorker:
         if discard_kv:
             await self.loop.call(lambda e: e.release(request_id))
             return PrefillResult(handle=None, **result)
-        runs = await self.loop.call(
-            lambda e: [tuple(r) for r in e.sequence(request_id).block_table.runs]
-        )
-        handle = self.leases.create(request_id, self._template(len(prompt), runs))
+        handle = self.leases.create(request_id, self._template(len(prompt), list(out.held_runs)))
         return PrefillResult(handle=handle, **result)
 
     async def free(self, lease: Lease) -> int:

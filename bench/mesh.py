@@ -1,0 +1,157 @@
+"""Mesh overhead benchmark: what the services add on top of the engine.
+
+In one run on the tiny model (the point is the mesh's own cost, not the model's):
+  * TTFT for a 16-token prompt through the mesh (client -> gateway -> prefill -> client) beside
+    the in-process engine (add_request + one prefill step, one torch thread like a pinned
+    worker), sequential requests, p50 and p99;
+  * the handoff: the first inter-token gap through the mesh (KV pulled over UCX, decode joins)
+    beside the in-process engine's first decode step;
+  * streamed tokens/s through one gateway with 64 concurrent requests, beside the in-process
+    engine running the same 64 requests.
+The mesh is 1 prefill + 1 decode, each pinned to its own core (`--pin`); the gateway and this
+client share the machine. Prints a table and one JSON line. Run: `.venv/bin/python bench/mesh.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import grpc
+import torch
+
+from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.presets import default_model
+from services.launcher import Mesh, MeshSpec
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def engine_ttft_and_gap(path, prompt: list[int], n: int) -> tuple[list[float], list[float]]:
+    engine = LLMEngine(path, EngineConfig(num_blocks=256), detokenize=False)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ttft, gap = [], []
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        engine.add_request(prompt, params, request_id=f"w{i}")
+        engine.step()
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        if i >= 3:
+            ttft.append(t1 - t0)
+            gap.append(t2 - t1)
+    return ttft, gap
+
+
+def engine_stream_rate(path, prompts: list[list[int]], new: int) -> float:
+    engine = LLMEngine(path, EngineConfig(num_blocks=2048, max_num_seqs=128))
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    results = engine.generate(prompts, params)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t)
+
+
+async def mesh_ttft_and_gap(address: str, prompt: list[int], n: int):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=params
+        )
+        ttft, gap = [], []
+        for i in range(n + 3):
+            t0 = time.perf_counter()
+            times = []
+            async for r in stub.Generate(request):
+                times += [time.perf_counter()] * len(r.token_ids)
+            if i >= 3:
+                ttft.append(times[0] - t0)
+                gap.append(times[1] - times[0])
+        return ttft, gap
+
+
+async def mesh_stream_rate(address: str, prompts: list[list[int]], new: int) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=new, ignore_eos=True)
+
+        async def one(p: list[int]) -> int:
+            n = 0
+            req = gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(ids=p), sampling=params
+            )
+            async for r in stub.Generate(req):
+                n += len(r.token_ids)
+            return n
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(counts) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=100, help="sequential requests for TTFT")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens per streamed request")
+    args = ap.parse_args()
+    path = default_model("tiny")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 900, (16,), generator=gen).tolist()
+    prompts = [
+        torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.concurrency)
+    ]
+
+    # The in-process baseline runs like a pinned worker: one torch thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    e_ttft, e_gap = engine_ttft_and_gap(path, prompt, args.requests)
+    e_rate = engine_stream_rate(path, prompts, args.new_tokens)
+    torch.set_num_threads(threads)
+    spec = MeshSpec(model=path, gateway_port=0, pin=True, worker_args=("--kv-cache-mb", "64"))
+    with Mesh(spec) as mesh:
+        m_ttft, m_gap = asyncio.run(mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests))
+        m_rate = asyncio.run(mesh_stream_rate(mesh.gateway_address, prompts, args.new_tokens))
+
+    ms = 1000
+    rows = [
+        ("TTFT p50 (ms)", pct(m_ttft, 0.5) * ms, pct(e_ttft, 0.5) * ms),
+        ("TTFT p99 (ms)", pct(m_ttft, 0.99) * ms, pct(e_ttft, 0.99) * ms),
+        ("first gap p50 (ms)", pct(m_gap, 0.5) * ms, pct(e_gap, 0.5) * ms),
+        ("first gap p99 (ms)", pct(m_gap, 0.99) * ms, pct(e_gap, 0.99) * ms),
+        (f"tokens/s, {args.concurrency} streams", m_rate, e_rate),
+    ]
+    print(
+        f"\nmesh benchmark: tiny preset, 1P1D pinned, {torch.get_num_threads()} cpus, "
+        f"{args.requests} sequential requests, {args.concurrency} x {args.new_tokens} tokens"
+    )
+    print(f"{'measure':<28}{'mesh':>12}{'in-process':>12}{'added':>10}")
+    for name, m, e in rows:
+        print(f"{name:<28}{m:>12.2f}{e:>12.2f}{m - e:>10.2f}")
+    result = {
+        "bench": "mesh",
+        "preset": "tiny",
+        "ttft_ms_p50": round(pct(m_ttft, 0.5) * ms, 3),
+        "ttft_ms_p99": round(pct(m_ttft, 0.99) * ms, 3),
+        "engine_ttft_ms_p50": round(pct(e_ttft, 0.5) * ms, 3),
+        "ttft_added_ms_p50": round((pct(m_ttft, 0.5) - pct(e_ttft, 0.5)) * ms, 3),
+        "ttft_added_ms_p99": round((pct(m_ttft, 0.99) - pct(e_ttft, 0.99)) * ms, 3),
+        "handoff_gap_ms_p50": round(pct(m_gap, 0.5) * ms, 3),
+        "handoff_added_ms_p50": round((pct(m_gap, 0.5) - pct(e_gap, 0.5)) * ms, 3),
+        "stream_tokens_per_s_64": round(m_rate, 1),
+        "engine_tokens_per_s_64": round(e_rate, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
