@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine protos clean
+.PHONY: serve test lint bench-engine bench-mesh protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(GEN): $(PROTOS) services/common/build_protos.py $(STAMP)
 protos: $(GEN)
 
 serve: $(GEN)
-	$(BIN)/distserve chat
+	$(BIN)/distserve up
 
 test: $(GEN)
 	$(BIN)/ruff check .
@@ -39,6 +39,9 @@ lint: $(STAMP)
 
 bench-engine: $(GEN)
 	$(BIN)/python bench/engine.py
+
+bench-mesh: $(GEN)
+	$(BIN)/python bench/mesh.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen

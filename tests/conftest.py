@@ -39,7 +39,7 @@ def mesh_factory(tiny_model):
         spec = MeshSpec(
             model=tiny_model,
             gateway_port=0,
-            worker_args=("--kv-cache-mb", "16"),
+            worker_args=("--kv-cache-mb", "16", "--max-num-seqs", "8"),
             **kwargs,
         )
         mesh = Mesh(spec)

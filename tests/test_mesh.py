@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -239,3 +242,35 @@ def test_bad_input_is_invalid_argument_with_a_message(mesh_1p1d, request_fields,
             list(stub.Generate(gateway_pb2.GenerateRequest(**request_fields), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
+
+
+def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving" in line:
+                break
+        gateway = next(ln.split()[-1] for ln in lines if "gateway (gRPC) on" in ln)
+        ids, _, last = asyncio.run(generate(gateway, "Hello", 5))
+        assert len(ids) == 5 and last.usage.completion_tokens == 5
+        children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        children = [int(p) for p in children_file.read_text().split()]
+        assert len(children) == 3  # gateway, prefill, decode
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for pid in children:
+            status = Path(f"/proc/{pid}/status")
+            alive = status.exists() and "zombie" not in status.read_text().lower()
+            assert not alive, f"process {pid} outlived distserve up"
+        assert list(tmp_path.iterdir()) == []  # nothing left behind in the working directory
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -294,7 +294,9 @@ class LLMEngine:
         Returns the sequences whose KV can now be pulled into `seq.block_table`.
         """
         admitted = []
-        while self.pull_waiting:
+        pulling = sum(1 for s in self._requests.values() if s.status is SequenceStatus.PULLING)
+        seats = self.running.free_seats - pulling
+        while self.pull_waiting and len(admitted) < seats:
             seq = self.pull_waiting[0]
             need = seq.blocks_needed(seq.num_prompt_tokens, self.config.block_size)
             # Keep room for every running sequence's next block, so admission never preempts.

@@ -75,3 +75,17 @@ def test_release_and_abort_of_held_kv(tiny_model):
     assert prefill.release("a") == 3 and prefill.release("a") == 0
     assert prefill.abort("b")
     assert prefill.pool.num_free == 32
+
+
+def test_pulls_are_admitted_only_while_the_decode_batch_has_seats(tiny_model):
+    decode = LLMEngine(
+        tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=2), detokenize=False
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        decode.add_prefilled([3] * 10, 5, params, f"r{i}")
+    assert [s.request_id for s in decode.admit_pulls()] == ["r0", "r1"]
+    decode.start_decoding("r0")
+    assert decode.admit_pulls() == []  # r0 runs and r1 is pulling: both seats are taken
+    assert decode.abort("r1")
+    assert [s.request_id for s in decode.admit_pulls()] == ["r2"]
