@@ -3,13 +3,14 @@
 In one run on the tiny model (the point is the mesh's own cost, not the model's):
   * TTFT for a 16-token prompt through the mesh (client -> gateway -> prefill -> client) beside
     the in-process engine (add_request + one prefill step, one torch thread like a pinned
-    worker), sequential requests, p50 and p99;
+    worker), sequential requests, p50 and p99: for 2-token requests (the handoff then runs while
+    the first token travels, on the same two cores) and for 1-token requests (the path alone);
   * the handoff: the first inter-token gap through the mesh (KV pulled over UCX, decode joins)
     beside the in-process engine's first decode step;
   * streamed tokens/s through one gateway with 64 concurrent requests, beside the in-process
     engine running the same 64 requests.
 The mesh is 1 prefill + 1 decode, each pinned to its own core (`--pin`); the gateway and this
-client share the machine. Prints a table and one JSON line. Run: `.venv/bin/python bench/mesh.py`.
+client share the machine. Prints a table and one JSON line. Run: `make bench-mesh`.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def engine_stream_rate(path, prompts: list[list[int]], new: int) -> float:
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t)
 
 
-async def mesh_ttft_and_gap(address: str, prompt: list[int], n: int):
+async def mesh_ttft_and_gap(address: str, prompt: list[int], n: int, max_tokens: int = 2):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        params = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+        params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=params
         )
@@ -75,7 +76,7 @@ async def mesh_ttft_and_gap(address: str, prompt: list[int], n: int):
                 times += [time.perf_counter()] * len(r.token_ids)
             if i >= 3:
                 ttft.append(times[0] - t0)
-                gap.append(times[1] - times[0])
+                gap.append(times[1] - times[0] if len(times) > 1 else 0.0)
         return ttft, gap
 
 
@@ -120,18 +121,23 @@ def main() -> None:
     spec = MeshSpec(model=path, gateway_port=0, pin=True, worker_args=("--kv-cache-mb", "64"))
     with Mesh(spec) as mesh:
         m_ttft, m_gap = asyncio.run(mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests))
+        m_ttft1, _ = asyncio.run(
+            mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests, max_tokens=1)
+        )
         m_rate = asyncio.run(mesh_stream_rate(mesh.gateway_address, prompts, args.new_tokens))
 
     ms = 1000
     rows = [
         ("TTFT p50 (ms)", pct(m_ttft, 0.5) * ms, pct(e_ttft, 0.5) * ms),
         ("TTFT p99 (ms)", pct(m_ttft, 0.99) * ms, pct(e_ttft, 0.99) * ms),
+        ("TTFT max_tokens=1 p50 (ms)", pct(m_ttft1, 0.5) * ms, pct(e_ttft, 0.5) * ms),
+        ("TTFT max_tokens=1 p99 (ms)", pct(m_ttft1, 0.99) * ms, pct(e_ttft, 0.99) * ms),
         ("first gap p50 (ms)", pct(m_gap, 0.5) * ms, pct(e_gap, 0.5) * ms),
         ("first gap p99 (ms)", pct(m_gap, 0.99) * ms, pct(e_gap, 0.99) * ms),
         (f"tokens/s, {args.concurrency} streams", m_rate, e_rate),
     ]
     print(
-        f"\nmesh benchmark: tiny preset, 1P1D pinned, {torch.get_num_threads()} cpus, "
+        f"\nmesh benchmark: tiny preset, 1P1D pinned, in-process baseline on 1 thread, "
         f"{args.requests} sequential requests, {args.concurrency} x {args.new_tokens} tokens"
     )
     print(f"{'measure':<28}{'mesh':>12}{'in-process':>12}{'added':>10}")
@@ -145,6 +151,7 @@ def main() -> None:
         "engine_ttft_ms_p50": round(pct(e_ttft, 0.5) * ms, 3),
         "ttft_added_ms_p50": round((pct(m_ttft, 0.5) - pct(e_ttft, 0.5)) * ms, 3),
         "ttft_added_ms_p99": round((pct(m_ttft, 0.99) - pct(e_ttft, 0.99)) * ms, 3),
+        "ttft_added_ms_p50_max_tokens_1": round((pct(m_ttft1, 0.5) - pct(e_ttft, 0.5)) * ms, 3),
         "handoff_gap_ms_p50": round(pct(m_gap, 0.5) * ms, 3),
         "handoff_added_ms_p50": round((pct(m_gap, 0.5) - pct(e_gap, 0.5)) * ms, 3),
         "stream_tokens_per_s_64": round(m_rate, 1),
