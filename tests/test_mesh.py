@@ -274,3 +274,28 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_deadline_ends_the_request_everywhere(mesh_1p1d):
+    with grpc.insecure_channel(mesh_1p1d.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True)
+        request = gateway_pb2.GenerateRequest(text="x", sampling=params, timeout_ms=300)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: kv_all_free(mesh_1p1d), what="KV blocks to be freed after the deadline")
+
+
+def test_instances_with_different_kv_layouts_refuse_clearly(mesh_factory):
+    mesh = mesh_factory(
+        prefill=1, decode=1, prefill_args=("--block-size", "8"), decode_args=("--block-size", "16")
+    )
+    with grpc.insecure_channel(mesh.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=8)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(gateway_pb2.GenerateRequest(text="x", sampling=params), timeout=30))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size 16 here vs 8" in err.value.details()
+    wait_until(lambda: kv_all_free(mesh), what="the held KV to be released")

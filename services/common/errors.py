@@ -72,3 +72,9 @@ class RemoteError(DistServeError):
     def __init__(self, status: str, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class FailedPrecondition(DistServeError):
+    """The system is not in a state to serve this (e.g. instances with incompatible KV layouts)."""
+
+    status = "FAILED_PRECONDITION"

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common.errors import DistServeError, Unavailable
+from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
@@ -133,6 +133,7 @@ class DecodeWorker:
         first_token: int,
         handle: KvHandle,
     ) -> DecodeEvent:
+        self._check_layout(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
         queued = time.monotonic()
@@ -159,6 +160,36 @@ class DecodeWorker:
             pull_ms=(done - started) * 1000,
             pull_bytes=nbytes,
         )
+
+    def _check_layout(self, handle: KvHandle) -> None:
+        """Blocks are copied one to one, so both instances must lay out KV the same way."""
+        cache = self.engine.runner.cache
+        mc = self.engine.model_config
+        ours = (
+            cache.block_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            str(cache.data.dtype).removeprefix("torch."),
+        )
+        theirs = (
+            handle.block_size,
+            handle.num_layers,
+            handle.num_kv_heads,
+            handle.head_dim,
+            handle.dtype,
+        )
+        if ours != theirs:
+            names = ("block_size", "layers", "kv_heads", "head_dim", "dtype")
+            diff = ", ".join(
+                f"{n} {a} here vs {b} at {handle.source_instance}"
+                for n, a, b in zip(names, ours, theirs, strict=True)
+                if a != b
+            )
+            raise FailedPrecondition(
+                f"KV layouts differ ({diff}); run prefill and decode with the same model, dtype "
+                "and --block-size"
+            )
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
         """Free everything a request that did not finish holds, here and at its KV source."""
