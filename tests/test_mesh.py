@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from services.common.gen.distserve.v1 import (
     common_pb2,
@@ -287,15 +288,61 @@ def test_a_deadline_ends_the_request_everywhere(mesh_1p1d):
     wait_until(lambda: kv_all_free(mesh_1p1d), what="KV blocks to be freed after the deadline")
 
 
-def test_instances_with_different_kv_layouts_refuse_clearly(mesh_factory):
+def test_kv_in_another_block_size_and_dtype_is_staged_and_exact(mesh_factory, tiny_model):
     mesh = mesh_factory(
-        prefill=1, decode=1, prefill_args=("--block-size", "8"), decode_args=("--block-size", "16")
+        prefill=1,
+        decode=1,
+        prefill_args=("--block-size", "8", "--dtype", "float16"),
+        decode_args=("--block-size", "16"),
     )
+    ids, _, _ = asyncio.run(generate(mesh.gateway_address, PROMPTS[2]))
+    assert ids == staged_reference(tiny_model, PROMPTS[2])
+    s = stats(addresses(mesh, "decode")[0], "decode")
+    assert s.pulls_total == 1 and s.pull_bytes_total > 0
+    wait_until(lambda: kv_all_free(mesh), what="KV blocks to be freed everywhere")
+
+
+def staged_reference(model, prompt: str) -> list[int]:
+    """In process: float16 prefill with 8-token blocks, its KV converted into a float32 engine
+    with 16-token blocks, which decodes. What the mesh must reproduce exactly."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prefill = LLMEngine(model, EngineConfig(num_blocks=64, block_size=8, dtype="float16"))
+    decode = LLMEngine(model, EngineConfig(num_blocks=64, block_size=16))
+    prefill.add_request(prompt, params, request_id="r")
+    [first] = prefill.prefill_step(hold=True)
+    src = prefill.sequence("r")
+    n = src.num_prompt_tokens
+    decode.add_prefilled(src.token_ids[:n], first.new_token_ids[0], params, "r")
+    [seq] = decode.admit_pulls()
+    pos = torch.arange(n)
+    src_slots = torch.tensor(src.block_table.blocks)[pos // 8] * 8 + pos % 8
+    for layer in range(decode.model_config.num_layers):
+        for kv in (0, 1):
+            tokens = prefill.runner.cache.layer(layer)[kv][src_slots]
+            decode.runner.cache.write_tokens(layer, kv, seq.block_table.blocks, tokens)
+    decode.start_decoding("r")
+    ids = list(first.new_token_ids)
+    while decode.has_unfinished():
+        ids += [t for o in decode.step() for t in o.new_token_ids]
+    return ids
+
+
+def test_kv_in_another_block_size_gives_the_same_tokens(mesh_factory, tiny_model):
+    mesh = mesh_factory(
+        prefill=1, decode=1, prefill_args=("--block-size", "8"), decode_args=("--block-size", "32")
+    )
+    ids, _, _ = asyncio.run(generate(mesh.gateway_address, PROMPTS[2]))
+    assert ids == expected(tiny_model, [PROMPTS[2]])[0][0]
+
+
+def test_kv_of_another_model_shape_is_refused_clearly(mesh_factory, model_factory):
+    other = model_factory("tiny-mqa", num_key_value_heads=1)
+    mesh = mesh_factory(prefill=1, decode=1, decode_args=("--model", str(other)))
     with grpc.insecure_channel(mesh.gateway_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         params = common_pb2.SamplingParams(max_tokens=8)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(gateway_pb2.GenerateRequest(text="x", sampling=params), timeout=30))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "block_size 16 here vs 8" in err.value.details()
+    assert "prefill and decode must serve the same model" in err.value.details()
     wait_until(lambda: kv_all_free(mesh), what="the held KV to be released")

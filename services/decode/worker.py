@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.sampling import FinishReason, SamplingParams
@@ -24,6 +26,12 @@ from services.engine.sequence import Sequence
 from services.kvtransfer.puller import KvPuller
 
 log = logging.getLogger("distserve.decode")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(cache) -> str:
+    return str(cache.data.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ class DecodeWorker:
         first_token: int,
         handle: KvHandle,
     ) -> DecodeEvent:
-        self._check_layout(handle)
+        staged = self._needs_staging(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
         queued = time.monotonic()
@@ -143,9 +151,13 @@ class DecodeWorker:
             blocks = await admission
             started = time.monotonic()
             try:
-                nbytes = await self.puller.pull(
-                    handle, blocks, self.engine.runner.cache.region_buffer
-                )
+                if staged:
+                    nbytes = handle.total_bytes
+                    self._write_staged(handle, blocks, await self.puller.pull_staged(handle))
+                else:
+                    nbytes = await self.puller.pull(
+                        handle, blocks, self.engine.runner.cache.region_buffer
+                    )
             except DistServeError:
                 self.pulls_failed += 1
                 raise
@@ -161,35 +173,33 @@ class DecodeWorker:
             pull_bytes=nbytes,
         )
 
-    def _check_layout(self, handle: KvHandle) -> None:
-        """Blocks are copied one to one, so both instances must lay out KV the same way."""
+    def _needs_staging(self, handle: KvHandle) -> bool:
+        """Whether the handle's KV must pass through a staging buffer (another block size or
+        dtype); FailedPrecondition if it cannot be used here at all (another model shape)."""
         cache = self.engine.runner.cache
         mc = self.engine.model_config
-        ours = (
-            cache.block_size,
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            str(cache.data.dtype).removeprefix("torch."),
-        )
-        theirs = (
-            handle.block_size,
-            handle.num_layers,
-            handle.num_kv_heads,
-            handle.head_dim,
-            handle.dtype,
-        )
-        if ours != theirs:
-            names = ("block_size", "layers", "kv_heads", "head_dim", "dtype")
-            diff = ", ".join(
-                f"{n} {a} here vs {b} at {handle.source_instance}"
-                for n, a, b in zip(names, ours, theirs, strict=True)
-                if a != b
-            )
+        shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        theirs = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
+        if shape != theirs:
             raise FailedPrecondition(
-                f"KV layouts differ ({diff}); run prefill and decode with the same model, dtype "
-                "and --block-size"
+                f"KV of {handle.source_instance} has (layers, kv_heads, head_dim) {theirs}, this "
+                f"instance {shape}: prefill and decode must serve the same model"
             )
+        if handle.dtype not in _DTYPES:
+            raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")
+        return (handle.block_size, handle.dtype) != (cache.block_size, _dtype_name(cache))
+
+    def _write_staged(self, handle: KvHandle, blocks: list[int], staging) -> None:
+        """Copy staged KV (the source's layout) into this instance's blocks, converting."""
+        cache = self.engine.runner.cache
+        for layer in range(handle.num_layers):
+            for kv in (0, 1):
+                tokens = (
+                    torch.from_numpy(staging[layer, kv])
+                    .view(_DTYPES[handle.dtype])
+                    .view(-1, handle.num_kv_heads, handle.head_dim)[: handle.num_tokens]
+                )
+                cache.write_tokens(layer, kv, blocks, tokens)
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
         """Free everything a request that did not finish holds, here and at its KV source."""

@@ -60,6 +60,15 @@ class KvCache:
         or V (kv=1): (num_blocks, block_size, kv_heads, head_dim)."""
         return self.data[layer, kv, first_block : first_block + num_blocks]
 
+    def write_tokens(self, layer: int, kv: int, blocks: list[int], tokens: torch.Tensor) -> None:
+        """Write K (kv=0) or V of a sequence's first len(tokens) positions, (T, kv_heads,
+        head_dim), into its blocks: the staged path for KV that arrives in another layout."""
+        bs = self.block_size
+        pos = torch.arange(tokens.shape[0], device=self.data.device)
+        table = torch.tensor(blocks, device=self.data.device)
+        slots = table[pos // bs] * bs + pos % bs
+        self._flat[layer][kv].index_copy_(0, slots, tokens.to(self.data.dtype))
+
     def region_buffer(self, layer: int, kv: int, first_block: int, num_blocks: int):
         """The region as raw bytes for a transport: a numpy uint8 view on CPU (buffer
         protocol), a uint8 tensor on CUDA (CUDA array interface). No copy either way."""

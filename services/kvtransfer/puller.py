@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 import ucxx
 
 from services.common.errors import (
@@ -115,6 +116,19 @@ class KvPuller:
             for t in tasks:  # on failure, stop the other chunks: nothing writes after we return
                 t.cancel()
         return sum(sizes)
+
+    async def pull_staged(self, handle: KvHandle) -> np.ndarray:
+        """The handle's KV as it lies at the source, (layers, 2, blocks * block_bytes) bytes,
+        for a caller whose own layout differs (block size, dtype) and converts it."""
+        n = handle.num_blocks
+        staging = np.empty((handle.num_layers, 2, n * handle.block_bytes), dtype=np.uint8)
+        bb = handle.block_bytes
+
+        def region(layer: int, kv: int, first: int, count: int) -> np.ndarray:
+            return staging[layer, kv, first * bb : (first + count) * bb]
+
+        await self.pull(handle, list(range(n)), region)
+        return staging
 
     async def _chunk(self, ep, handle: KvHandle, layer: int, kv: int, seg, dst_region) -> int:
         src_index, dst_first, n = seg
