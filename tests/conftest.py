@@ -27,23 +27,26 @@ def tiny_model(model_factory) -> Path:
     return model_factory("tiny")
 
 
-@pytest.fixture(scope="session")
-def mesh_factory(tiny_model):
-    """start(prefill=, decode=, colocated=, **MeshSpec fields) -> a running Mesh (stopped at the
-    end of the session, or by the test)."""
+MESH_WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "8")
+
+
+def start_mesh(model: Path, **kwargs):
     from services.launcher import Mesh, MeshSpec
 
-    meshes: list[Mesh] = []
+    spec = MeshSpec(model=model, gateway_port=0, worker_args=MESH_WORKER_ARGS, **kwargs)
+    mesh = Mesh(spec)
+    mesh.start()
+    return mesh
 
-    def start(**kwargs) -> Mesh:
-        spec = MeshSpec(
-            model=tiny_model,
-            gateway_port=0,
-            worker_args=("--kv-cache-mb", "16", "--max-num-seqs", "8"),
-            **kwargs,
-        )
-        mesh = Mesh(spec)
-        mesh.start()
+
+@pytest.fixture
+def mesh_factory(tiny_model):
+    """start(prefill=, decode=, colocated=, **MeshSpec fields) -> a running Mesh, stopped when
+    the test ends (so meshes never pile up and slow the tests after them)."""
+    meshes = []
+
+    def start(**kwargs):
+        mesh = start_mesh(tiny_model, **kwargs)
         meshes.append(mesh)
         return mesh
 

@@ -26,6 +26,7 @@ from services.common.gen.distserve.v1 import (
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from tests.conftest import start_mesh
 
 PROMPTS = [
     "Hello",
@@ -84,8 +85,10 @@ def kv_all_free(mesh) -> bool:
 
 
 @pytest.fixture(scope="module")
-def mesh_1p1d(mesh_factory):
-    return mesh_factory(prefill=1, decode=1)
+def mesh_1p1d(tiny_model):
+    mesh = start_mesh(tiny_model, prefill=1, decode=1)
+    yield mesh
+    mesh.stop()
 
 
 @pytest.mark.parametrize(
