@@ -42,6 +42,8 @@ class MeshSpec:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    # Extra options for single workers by name ("prefill-0", "decode-1", ...).
+    per_worker_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -113,6 +115,7 @@ class Mesh:
                         *spec.worker_args,
                         *(spec.prefill_args if role == "prefill" else spec.decode_args),
                     ]
+                    args += spec.per_worker_args.get(f"{role}-{i}", ())
                     if role != "prefill":
                         args += ["--role", role]
                     if spec.pin:

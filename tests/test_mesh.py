@@ -349,3 +349,17 @@ def test_kv_of_another_model_shape_is_refused_clearly(mesh_factory, model_factor
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "prefill and decode must serve the same model" in err.value.details()
     wait_until(lambda: kv_all_free(mesh), what="the held KV to be released")
+
+
+def test_a_dead_prefill_instance_is_bypassed_before_its_lease_lapses(mesh_factory, tiny_model):
+    mesh = mesh_factory(prefill=2, decode=1)
+    dead = next(p for p in mesh.workers if p.name == "prefill-0")
+    dead.popen.kill()  # prefill-0 is still registered: its lease has not lapsed yet
+    dead.popen.wait()
+    mesh.processes.remove(dead)
+
+    async def run_all():
+        return await asyncio.gather(*(generate(mesh.gateway_address, q) for q in PROMPTS))
+
+    results = asyncio.run(asyncio.wait_for(run_all(), 60))
+    assert [r[0] for r in results] == [w[0] for w in expected(tiny_model, PROMPTS)]

@@ -14,6 +14,7 @@ from services.decode.config import ROLES, DecodeConfig
 from services.decode.servicer import DecodeServicer, role_pb, worker_load
 from services.decode.worker import DecodeWorker
 from services.engine.config import EngineConfig, add_engine_args, configure_process
+from services.kvtransfer.puller import PullPolicy
 
 log = logging.getLogger("distserve.decode")
 
@@ -28,6 +29,8 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--worker-id", default="")
     p.add_argument("--chunk-kb", type=int, default=4096, help="largest KV chunk per message")
     p.add_argument("--pull-window", type=int, default=4, help="KV chunks in flight per pull")
+    p.add_argument("--chunk-timeout-s", type=float, default=10.0, help="one try at one chunk")
+    p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -41,8 +44,12 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         host=args.host,
         port=args.port,
         worker_id=args.worker_id,
-        chunk_bytes=args.chunk_kb * 1024,
-        pull_window=args.pull_window,
+        pull=PullPolicy(
+            chunk_bytes=args.chunk_kb * 1024,
+            window=args.pull_window,
+            chunk_timeout_s=args.chunk_timeout_s,
+            attempts=args.chunk_attempts,
+        ),
         engine=EngineConfig.from_args(args),
     )
     return config, args

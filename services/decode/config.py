@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.engine.config import EngineConfig
+from services.kvtransfer.puller import PullPolicy
 
 ROLES = ("decode", "colocated")
 
@@ -19,8 +20,7 @@ class DecodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     worker_id: str = ""
-    chunk_bytes: int = 4 * 2**20  # largest KV chunk per UCX message
-    pull_window: int = 4  # chunks in flight per pull
+    pull: PullPolicy = field(default_factory=PullPolicy)  # chunk size, window, retries
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -28,5 +28,6 @@ class DecodeConfig:
             raise ValueError(f"role must be one of {ROLES}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
-        if self.chunk_bytes <= 0 or self.pull_window <= 0:
-            raise ValueError("chunk_bytes and pull_window must be positive")
+        p = self.pull
+        if p.chunk_bytes <= 0 or p.window <= 0 or p.attempts <= 0 or p.chunk_timeout_s <= 0:
+            raise ValueError("chunk size, window, attempts and chunk timeout must be positive")

@@ -65,4 +65,8 @@ def worker_stats(worker: DecodeWorker) -> common_pb2.WorkerStats:
         pulls_total=worker.pulls_total,
         pull_bytes_total=worker.pull_bytes_total,
         pulls_failed=worker.pulls_failed,
+        chunks_retried=worker.puller.chunks_retried,
+        checksum_failures=worker.puller.checksum_failures,
+        reconnects=worker.puller.reconnects,
+        lease_renewals=worker.puller.lease_renewals,
     )

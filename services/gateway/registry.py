@@ -63,11 +63,13 @@ class Registry:
                 del self._workers[worker_id]
         return [w for w in self._workers.values() if role is None or w.role == role]
 
-    def pick_prefill(self) -> Worker:
-        """The prefill instance with the fewest queued prompt tokens (not requests)."""
+    def pick_prefill(self, exclude: set[str] | frozenset[str] = frozenset()) -> Worker:
+        """The prefill instance with the fewest queued prompt tokens (not requests), preferring
+        instances not in `exclude` (those a request already tried)."""
         workers = self.live("prefill")
         if not workers:
             raise Unavailable("no prefill instance is registered with the gateway")
+        workers = [w for w in workers if w.worker_id not in exclude] or workers
         return min(
             workers, key=lambda w: (w.load.queued_prompt_tokens + w.inflight_tokens, w.worker_id)
         )

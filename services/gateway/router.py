@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.convert import finish_from_pb, sampling_to_pb
-from services.common.errors import DeadlineExceeded, RemoteError
+from services.common.errors import DeadlineExceeded, DistServeError, RemoteError
 from services.common.gen.distserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -33,6 +33,11 @@ from services.gateway.registry import Registry
 from services.gateway.request import Request
 
 log = logging.getLogger("distserve.gateway")
+
+# A request whose KV cannot be pulled is prefilled again; this many handoffs in all.
+KV_HANDOFF_ATTEMPTS = 3
+# A prefill instance that cannot be reached is replaced by another; this many tries in all.
+PREFILL_ATTEMPTS = 3
 
 
 @dataclass
@@ -86,23 +91,92 @@ class Router:
     async def _disaggregated(
         self, req: Request
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        prefill = self.registry.pick_prefill()
-        prefill.inflight_tokens += len(req.prompt_ids)
-        stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
-        reply = await stub.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_to_pb(req.params),
-            ),
-            timeout=_timeout(req),
-        )
+        tried: set[str] = set()
+        reply = await self._first_prefill(req, tried)
         reason = finish_from_pb(reply.finish_reason)
-        handed_over = not reply.HasField("kv")
         try:
             yield [reply.first_token_id], reason
-            if reason is not None:
+        except BaseException:
+            await self._release(reply.kv)  # the client left before a decode took the KV
+            raise
+        if reason is not None:
+            return
+        first = reply.first_token_id
+        failures: list[str] = []
+        for attempt in range(KV_HANDOFF_ATTEMPTS):
+            if attempt:
+                # The KV could not be pulled (its source died, or a chunk ran out of retries):
+                # prefill the prompt again, elsewhere if possible. The client already has the
+                # first token; decode continues from it.
+                try:
+                    reply = await self._prefill(req, tried)
+                except (grpc.aio.AioRpcError, DistServeError) as e:
+                    failures.append(_details(e))
+                    continue
+                if not reply.HasField("kv"):
+                    failures.append("prefill returned no KV")
+                    continue
+            pulled = False
+            try:
+                async for ids, reason in self._decode(req, first, reply.kv):
+                    pulled = True
+                    yield ids, reason
                 return
+            except grpc.aio.AioRpcError as e:
+                if pulled or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                failures.append(_details(e))
+                log.warning("request %s: KV handoff failed (%s)", req.request_id, failures[-1])
+        raise RemoteError(
+            "UNAVAILABLE",
+            f"could not hand request {req.request_id} from prefill to decode in "
+            f"{KV_HANDOFF_ATTEMPTS} attempts: {'; '.join(failures)}",
+        )
+
+    async def _first_prefill(self, req: Request, tried: set[str]):
+        """Prefill, moving to another instance when one is unreachable (nothing was streamed
+        yet, so this is invisible to the client)."""
+        for attempt in range(PREFILL_ATTEMPTS):
+            try:
+                return await self._prefill(req, tried)
+            except RemoteError as e:
+                if e.status != "UNAVAILABLE" or attempt == PREFILL_ATTEMPTS - 1:
+                    raise
+                log.warning("request %s: %s; trying another instance", req.request_id, e)
+        raise AssertionError("unreachable")
+
+    async def _prefill(self, req: Request, tried: set[str]):
+        """Prefill on the least-loaded instance not tried yet (any instance if all were)."""
+        prefill = self.registry.pick_prefill(exclude=tried)
+        tried.add(prefill.worker_id)
+        prefill.inflight_tokens += len(req.prompt_ids)
+        stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
+        try:
+            return await stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_ids,
+                    sampling=sampling_to_pb(req.params),
+                ),
+                timeout=_timeout(req),
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # Unreachable: stop routing to it until it heartbeats (and registers) again.
+            self.registry.deregister(prefill.worker_id)
+            raise RemoteError(
+                "UNAVAILABLE",
+                f"prefill instance {prefill.worker_id} ({prefill.address}) is unavailable: "
+                f"{e.details()}",
+            ) from e
+
+    async def _decode(
+        self, req: Request, first_token: int, kv
+    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        """Stream a decode instance's tokens for KV held on a prefill instance."""
+        handed_over = False
+        try:
             decode = self.registry.pick_decode()
             decode.inflight_requests += 1
             call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
@@ -110,8 +184,8 @@ class Router:
                     request_id=req.request_id,
                     prompt_token_ids=req.prompt_ids,
                     sampling=sampling_to_pb(req.params),
-                    first_token_id=reply.first_token_id,
-                    kv=reply.kv,
+                    first_token_id=first_token,
+                    kv=kv,
                 ),
                 timeout=_timeout(req),
             )
@@ -123,7 +197,7 @@ class Router:
                 call.cancel()
         finally:
             if not handed_over:
-                await self._release(reply.kv)
+                await self._release(kv)
 
     async def _colocated(
         self, req: Request
@@ -147,6 +221,8 @@ class Router:
 
     async def _release(self, kv) -> None:
         """Free KV a decode instance never took (the request ended or failed in between)."""
+        if not kv.handle_id:
+            return
         stub = kvtransfer_pb2_grpc.KvTransferStub(self.channel(kv.control_address))
         with contextlib.suppress(grpc.aio.AioRpcError):
             await stub.Release(
@@ -160,6 +236,10 @@ def _timeout(req: Request) -> float | None:
     if remaining is not None and remaining <= 0:
         raise DeadlineExceeded(f"request {req.request_id} ran out of time")
     return remaining
+
+
+def _details(e: Exception) -> str:
+    return e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
 
 
 def _remote(e: grpc.aio.AioRpcError) -> RemoteError:

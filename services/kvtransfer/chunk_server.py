@@ -3,23 +3,29 @@
 A puller sends a KvChunkRequest frame (handle, token, layer, K or V, a range of the handle's
 blocks, a reply tag); the server answers with a KvChunkStatus frame on tag 2*t and then, on tag
 2*t + 1, the raw bytes of that contiguous region, sent from the KV cache in place (a one-byte
-filler when the request is refused: it completes the receive the puller posted in advance).
+filler when the request is refused: it completes the receive the puller posted in advance). The
+status carries the xxh3-64 checksum of the data, which the puller verifies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
 import ucxx
+import xxhash
 
 from services.common.errors import DistServeError, InvalidRequest
 from services.kvtransfer import wire
+from services.kvtransfer.faults import Fault, FaultInjector
 from services.kvtransfer.leases import LeaseTable
 
 log = logging.getLogger("distserve.kvtransfer")
+
+SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
 
 # region(layer, kv, first_block_id, num_blocks) -> a buffer over those blocks' bytes
 RegionFn = Callable[[int, int, int, int], object]
@@ -28,10 +34,17 @@ RegionFn = Callable[[int, int, int, int], object]
 class ChunkServer:
     """UCX listener that serves chunks of KV to holders of a valid handle."""
 
-    def __init__(self, leases: LeaseTable, region: RegionFn, num_layers: int) -> None:
+    def __init__(
+        self,
+        leases: LeaseTable,
+        region: RegionFn,
+        num_layers: int,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.leases = leases
         self.region = region
         self.num_layers = num_layers
+        self.faults = faults  # tests and drills only
         self._listener = None
         self._endpoints: set[asyncio.Task] = set()
         self.port = 0
@@ -78,19 +91,45 @@ class ChunkServer:
             await _send_quietly(ep, refusal, status_tag)
             await _send_quietly(ep, _FILLER, data_tag)  # completes the puller's posted receive
             return
-        lease.begin_send()
+        fault = self.faults.next_chunk() if self.faults is not None else None
+        me = asyncio.current_task()
+        lease.begin_send(me)
         try:
             data = self.region(req.layer, req.kv, first, req.num_blocks)
-            await ep.send(
-                wire.encode(wire.ChunkStatus(ok=True, nbytes=data.nbytes)), tag=status_tag
-            )
-            await ep.send(data, tag=data_tag)
+            status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)
+            if isinstance(data, np.ndarray):
+                status.checksum = xxhash.xxh3_64_intdigest(data)
+                status.checksummed = True
+            if fault is not None:
+                data = await self._inject(fault, ep, data)
+                if data is None:
+                    return
+            # Bounded: a puller that vanished must not pin the lease's blocks forever.
+            await asyncio.wait_for(ep.send(wire.encode(status), tag=status_tag), SEND_TIMEOUT_S)
+            await asyncio.wait_for(ep.send(data, tag=data_tag), SEND_TIMEOUT_S)
             self.chunks_served += 1
             self.bytes_served += data.nbytes
         except Exception as e:
             log.debug("chunk send failed: %s", e)
         finally:
-            lease.end_send()
+            lease.end_send(me)
+
+    async def _inject(self, fault: Fault, ep, data):
+        """Apply a configured fault; returns the data to send, or None to send nothing."""
+        log.warning("injecting fault %s on chunk %d", fault.kind, fault.at)
+        if fault.kind == "exit":
+            os._exit(17)  # a crashed source: no cleanup, no goodbye
+        if fault.kind == "drop":
+            return None
+        if fault.kind == "close":
+            await ep.close()
+            return None
+        if fault.kind == "delay":
+            await asyncio.sleep(fault.seconds)
+            return data
+        corrupted = np.array(data, copy=True)
+        corrupted[len(corrupted) // 2] ^= 0xFF
+        return corrupted
 
     def _check(self, req, blocks: list[int]) -> int:
         """The first block id of the request's range, if the range is valid and contiguous."""

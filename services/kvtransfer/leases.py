@@ -22,21 +22,31 @@ class Lease:
     handle: KvHandle
     expires: float
     blocks: list[int] = field(default_factory=list)
-    inflight: int = 0
+    sends: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.blocks = self.handle.blocks()
         self.idle.set()
 
-    def begin_send(self) -> None:
-        self.inflight += 1
+    @property
+    def inflight(self) -> int:
+        return len(self.sends)
+
+    def begin_send(self, task: asyncio.Task) -> None:
+        self.sends.add(task)
         self.idle.clear()
 
-    def end_send(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
+    def end_send(self, task: asyncio.Task) -> None:
+        self.sends.discard(task)
+        if not self.sends:
             self.idle.set()
+
+    async def stop_sends(self) -> None:
+        """Cancel the sends still reading this lease's blocks and wait until none is."""
+        for task in list(self.sends):
+            task.cancel()
+        await self.idle.wait()
 
 
 class LeaseTable:

@@ -2,7 +2,11 @@
 
 The handle's blocks and the destination blocks are paired in order; each chunk is one layer's K
 or V for a range that is consecutive on both sides (at most `chunk_bytes`), received straight
-into the destination region. Up to `window` chunks are in flight.
+into the destination region. Up to `window` chunks are in flight. Each chunk is checked against
+the checksum the source sends and has its own timeout; a late, failed or corrupt chunk alone is
+fetched again (bounded attempts, exponential backoff with jitter, a fresh endpoint after a
+transport fault). The lease is renewed while the pull runs. A pull that gives up raises, and the
+caller must not use the destination: partial KV is never decoded from.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import ucxx
+import xxhash
 
 from services.common.errors import (
     DistServeError,
@@ -53,82 +61,115 @@ def segments(src: list[int], dst: list[int], max_blocks: int) -> list[tuple[int,
     return out
 
 
+@dataclass(frozen=True)
+class PullPolicy:
+    """How a pull copes with faults."""
+
+    chunk_bytes: int = 4 * 2**20  # largest chunk
+    window: int = 4  # chunks in flight per pull
+    chunk_timeout_s: float = 10.0  # one attempt at one chunk
+    attempts: int = 4  # per chunk, the first included
+    backoff_s: float = 0.05  # first retry waits about this long, doubling each time
+    verify: bool = True  # check each chunk's checksum
+
+
+class ChecksumMismatch(Exception):
+    """A chunk arrived with bytes that do not match the source's checksum."""
+
+
+class _Refused(Exception):
+    """The source answered and said no; retrying cannot help."""
+
+    def __init__(self, error: DistServeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class KvPuller:
     """Pulls KV from prefill instances; keeps one UCX endpoint and gRPC channel per peer."""
 
-    def __init__(
-        self, chunk_bytes: int = 4 * 2**20, window: int = 4, chunk_timeout_s: float = 10.0
-    ) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.window = window
-        self.chunk_timeout_s = chunk_timeout_s
+    def __init__(self, policy: PullPolicy | None = None) -> None:
+        self.policy = policy or PullPolicy()
         self._endpoints: dict[tuple[str, int], object] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._connected: set[tuple[str, int]] = set()  # peers reached before
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tags = itertools.count(1)
+        self.chunks_retried = 0
+        self.checksum_failures = 0
+        self.reconnects = 0
+        self.lease_renewals = 0
 
     async def pull(self, handle: KvHandle, dst_blocks: list[int], dst_region: RegionFn) -> int:
         """Fill dst_blocks with the handle's KV; returns the bytes received.
 
-        Raises Unavailable when the source cannot be reached or fails, PermissionDenied or
-        NotFound when it refuses the handle. The destination then holds partial KV: the caller
-        must not decode from it.
+        Raises Unavailable when the source cannot be reached or a chunk runs out of attempts,
+        PermissionDenied or NotFound when the source refuses the handle.
         """
         src_blocks = handle.blocks()
         if len(src_blocks) != len(dst_blocks):
             raise InvalidRequest(
                 f"handle has {len(src_blocks)} blocks, destination {len(dst_blocks)}"
             )
-        ep = await self._endpoint(handle.ucx_host, handle.ucx_port)
-        per_chunk = max(1, self.chunk_bytes // max(1, handle.block_bytes))
+        per_chunk = max(1, self.policy.chunk_bytes // max(1, handle.block_bytes))
         segs = segments(src_blocks, dst_blocks, per_chunk)
         jobs = [
             (layer, kv, seg) for layer in range(handle.num_layers) for kv in (0, 1) for seg in segs
         ]
-        gate = asyncio.Semaphore(self.window)
+        gate = asyncio.Semaphore(self.policy.window)
 
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
-                try:
-                    return await asyncio.wait_for(
-                        self._chunk(ep, handle, layer, kv, seg, dst_region), self.chunk_timeout_s
-                    )
-                except TimeoutError as e:
-                    raise Unavailable(
-                        f"KV chunk (layer {layer}) from {handle.source_instance} took longer "
-                        f"than {self.chunk_timeout_s} s"
-                    ) from e
+                return await self._chunk_with_retries(handle, layer, kv, seg, dst_region)
 
+        renewer = asyncio.ensure_future(self._keep_lease(handle))
         tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
         try:
-            sizes = await asyncio.gather(*tasks)
-        except DistServeError as e:
-            if isinstance(e, Unavailable):  # a transport fault: reconnect next time
-                self._drop(handle.ucx_host, handle.ucx_port)
-            raise
-        except Exception as e:
-            self._drop(handle.ucx_host, handle.ucx_port)
-            raise Unavailable(
-                f"KV pull from {handle.source_instance} ({handle.ucx_host}:{handle.ucx_port}) "
-                f"failed: {type(e).__name__}: {e}"
-            ) from e
+            return sum(await asyncio.gather(*tasks))
         finally:
-            for t in tasks:  # on failure, stop the other chunks: nothing writes after we return
+            for t in [*tasks, renewer]:  # on failure, stop the rest: nothing writes after this
                 t.cancel()
-        return sum(sizes)
 
-    async def pull_staged(self, handle: KvHandle) -> np.ndarray:
-        """The handle's KV as it lies at the source, (layers, 2, blocks * block_bytes) bytes,
-        for a caller whose own layout differs (block size, dtype) and converts it."""
-        n = handle.num_blocks
-        staging = np.empty((handle.num_layers, 2, n * handle.block_bytes), dtype=np.uint8)
-        bb = handle.block_bytes
-
-        def region(layer: int, kv: int, first: int, count: int) -> np.ndarray:
-            return staging[layer, kv, first * bb : (first + count) * bb]
-
-        await self.pull(handle, list(range(n)), region)
-        return staging
+    async def _chunk_with_retries(self, handle: KvHandle, layer: int, kv: int, seg, dst_region):
+        policy = self.policy
+        where = f"{handle.source_instance} ({handle.ucx_host}:{handle.ucx_port})"
+        error: BaseException | None = None
+        for attempt in range(policy.attempts):
+            if attempt:
+                self.chunks_retried += 1
+                # Exponential backoff with full jitter, so retries of many chunks spread out.
+                await asyncio.sleep(policy.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+            try:
+                ep = await self._endpoint(handle.ucx_host, handle.ucx_port)
+            except Unavailable as e:
+                error = e
+                continue
+            try:
+                return await asyncio.wait_for(
+                    self._chunk(ep, handle, layer, kv, seg, dst_region), policy.chunk_timeout_s
+                )
+            except _Refused as e:
+                raise e.error from None
+            except ChecksumMismatch as e:
+                self.checksum_failures += 1
+                error = e
+            except TimeoutError:
+                # Late: drop the endpoint so nothing of this attempt can land after a retry.
+                self._drop(handle.ucx_host, handle.ucx_port, ep)
+                error = TimeoutError(f"no answer within {policy.chunk_timeout_s} s")
+            except Exception as e:  # the endpoint broke: closed, reset, peer gone
+                self._drop(handle.ucx_host, handle.ucx_port, ep)
+                error = e
+            log.warning(
+                "KV chunk layer %d kv %d from %s failed (attempt %d of %d): %s",
+                layer,
+                kv,
+                where,
+                attempt + 1,
+                policy.attempts,
+                error,
+            )
+        raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
 
     async def _chunk(self, ep, handle: KvHandle, layer: int, kv: int, seg, dst_region) -> int:
         src_index, dst_first, n = seg
@@ -145,7 +186,7 @@ class KvPuller:
         dst = dst_region(layer, kv, dst_first, n)
         status_frame = wire.empty_frame()
         # Both receives are posted before the request goes out: one round trip per chunk. A
-        # refusal comes with an empty data message, which completes the data receive.
+        # refusal comes with a one-byte filler, which completes the data receive.
         status_recv = asyncio.ensure_future(ep.recv(status_frame, tag=2 * tag))
         data_recv = asyncio.ensure_future(ep.recv(dst, tag=2 * tag + 1))
         try:
@@ -157,10 +198,48 @@ class KvPuller:
             for f in (status_recv, data_recv):
                 f.cancel()
         if not status.ok:
-            raise _refusal(status.error)
+            raise _Refused(_refusal(status.error))
         if status.nbytes != dst.nbytes:
-            raise Unavailable(f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}")
+            raise _Refused(
+                InvalidRequest(f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}")
+            )
+        verify = self.policy.verify and status.checksummed and isinstance(dst, np.ndarray)
+        if verify and xxhash.xxh3_64_intdigest(dst) != status.checksum:
+            raise ChecksumMismatch(f"layer {layer} kv {kv}: checksum mismatch")
         return dst.nbytes
+
+    async def _keep_lease(self, handle: KvHandle) -> None:
+        """Renew the handle's lease while the pull runs, well before it lapses."""
+        stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
+        access = kvtransfer_pb2.KvAccess(
+            handle_id=handle.handle_id, access_token=handle.access_token
+        )
+        expiry_ms = handle.lease_expiry_unix_ms
+        while True:
+            remaining = expiry_ms / 1000 - time.time()
+            await asyncio.sleep(max(0.05, remaining / 3))
+            try:
+                renewed = await stub.RenewLease(
+                    kvtransfer_pb2.RenewLeaseRequest(access=access), timeout=5
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("lease renewal of %s failed: %s", handle.handle_id, e.code().name)
+                continue
+            expiry_ms = renewed.lease_expiry_unix_ms
+            self.lease_renewals += 1
+
+    async def pull_staged(self, handle: KvHandle) -> np.ndarray:
+        """The handle's KV as it lies at the source, (layers, 2, blocks * block_bytes) bytes,
+        for a caller whose own layout differs (block size, dtype) and converts it."""
+        n = handle.num_blocks
+        staging = np.empty((handle.num_layers, 2, n * handle.block_bytes), dtype=np.uint8)
+        bb = handle.block_bytes
+
+        def region(layer: int, kv: int, first: int, count: int) -> np.ndarray:
+            return staging[layer, kv, first * bb : (first + count) * bb]
+
+        await self.pull(handle, list(range(n)), region)
+        return staging
 
     async def release(self, handle: KvHandle) -> int:
         """Tell the source to free the handle's KV; returns the blocks it freed."""
@@ -188,6 +267,8 @@ class KvPuller:
         return channel
 
     async def _endpoint(self, host: str, port: int):
+        """The cached endpoint to a peer, connecting (again) when there is none or it closed:
+        a peer that restarted gets a fresh endpoint, never stale state."""
         key = (host, port)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
@@ -197,14 +278,18 @@ class KvPuller:
                     ep = await ucxx.create_endpoint(host, port)
                 except Exception as e:
                     raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
+                if key in self._connected:
+                    self.reconnects += 1
+                self._connected.add(key)
                 self._endpoints[key] = ep
             return ep
 
-    def _drop(self, host: str, port: int) -> None:
-        ep = self._endpoints.pop((host, port), None)
-        if ep is not None:
-            with contextlib.suppress(Exception):
-                ep.abort()
+    def _drop(self, host: str, port: int, ep) -> None:
+        """Forget a broken endpoint (only if it is still the cached one) and abort it."""
+        if self._endpoints.get((host, port)) is ep:
+            del self._endpoints[(host, port)]
+        with contextlib.suppress(Exception):
+            ep.abort()
 
 
 def _refusal(error: str) -> DistServeError:
@@ -212,4 +297,4 @@ def _refusal(error: str) -> DistServeError:
         return PermissionDenied(error)
     if "does not exist" in error:
         return NotFound(error)
-    return Unavailable(error)
+    return InvalidRequest(error)

@@ -34,6 +34,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--ucx-port", type=int, default=0)
     p.add_argument("--worker-id")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long held KV waits for a pull")
+    p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -49,6 +50,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         ucx_port=args.ucx_port,
         lease_s=args.lease_s,
         max_lease_s=max(300.0, args.lease_s),
+        kv_faults=args.kv_faults,
         engine=EngineConfig.from_args(args),
         **extra,
     )

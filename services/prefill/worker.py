@@ -14,6 +14,7 @@ from services.common.sampling import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.loop import EngineFailed, EngineLoop
 from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.prefill.config import PrefillConfig
 
@@ -40,7 +41,10 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, hold=True)
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
         self.chunks = ChunkServer(
-            self.leases, self.engine.runner.cache.region_buffer, self.engine.model_config.num_layers
+            self.leases,
+            self.engine.runner.cache.region_buffer,
+            self.engine.model_config.num_layers,
+            FaultInjector(config.kv_faults) if config.kv_faults else None,
         )
         self.control_address = ""  # set once the gRPC server is bound
         self.requests_total = 0
@@ -96,8 +100,8 @@ class PrefillWorker:
         return PrefillResult(handle=handle, **result)
 
     async def free(self, lease: Lease) -> int:
-        """Free a lease's blocks once no chunk of it is being sent."""
-        await lease.idle.wait()
+        """Free a lease's blocks, once the sends still reading them are cancelled."""
+        await lease.stop_sends()
         return await self.loop.call(lambda e: e.release(lease.request_id))
 
     async def _forget(self, request_id: str) -> None:

@@ -14,7 +14,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import LeaseTable
-from services.kvtransfer.puller import KvPuller, segments
+from services.kvtransfer.puller import KvPuller, PullPolicy, segments
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -62,7 +62,7 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
         server = ChunkServer(leases, prefill.runner.cache.region_buffer, num_layers=2)
         port = server.start()
         handle = leases.create("r", handle_for(prefill, "r", port))
-        puller = KvPuller(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3)
+        puller = KvPuller(PullPolicy(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3))
         try:
             decode.add_prefilled(prompt, first.new_token_ids[0], PARAMS, "r")
             [seq] = decode.admit_pulls()
