@@ -363,3 +363,17 @@ def test_a_dead_prefill_instance_is_bypassed_before_its_lease_lapses(mesh_factor
 
     results = asyncio.run(asyncio.wait_for(run_all(), 60))
     assert [r[0] for r in results] == [w[0] for w in expected(tiny_model, PROMPTS)]
+
+
+@pytest.mark.parametrize(
+    ("prefill_args", "decode_args"),
+    [((), ("--kv-transport", "grpc")), (("--no-ucx",), ())],
+    ids=["decode-chooses-grpc", "source-without-ucx"],
+)
+def test_the_grpc_fallback_moves_the_same_kv(mesh_factory, tiny_model, prefill_args, decode_args):
+    mesh = mesh_factory(prefill=1, decode=1, prefill_args=prefill_args, decode_args=decode_args)
+    ids, _, _ = asyncio.run(generate(mesh.gateway_address, PROMPTS[2]))
+    assert ids == expected(tiny_model, [PROMPTS[2]])[0][0]
+    d = stats(addresses(mesh, "decode")[0], "decode")
+    assert d.pulls_total == 1 and d.pull_bytes_total > 0
+    wait_until(lambda: kv_all_free(mesh), what="KV blocks to be freed everywhere")

@@ -31,6 +31,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--pull-window", type=int, default=4, help="KV chunks in flight per pull")
     p.add_argument("--chunk-timeout-s", type=float, default=10.0, help="one try at one chunk")
     p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
+    p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -50,6 +51,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
             chunk_timeout_s=args.chunk_timeout_s,
             attempts=args.chunk_attempts,
         ),
+        kv_transport=args.kv_transport,
         engine=EngineConfig.from_args(args),
     )
     return config, args

@@ -21,9 +21,12 @@ class DecodeConfig:
     port: int = 0
     worker_id: str = ""
     pull: PullPolicy = field(default_factory=PullPolicy)  # chunk size, window, retries
+    kv_transport: str = "auto"  # auto (UCX when both sides have it) | ucx | grpc
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_transport not in ("auto", "ucx", "grpc"):
+            raise ValueError("kv_transport must be auto, ucx or grpc")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
         if not self.worker_id:

@@ -50,7 +50,7 @@ class DecodeWorker:
         self.config = config
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
         self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
-        self.puller = KvPuller(config.pull)
+        self.puller = KvPuller(config.pull, config.kv_transport)
         self._admissions: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self.pulling = 0

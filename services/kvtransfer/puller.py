@@ -2,7 +2,8 @@
 
 The handle's blocks and the destination blocks are paired in order; each chunk is one layer's K
 or V for a range that is consecutive on both sides (at most `chunk_bytes`), received straight
-into the destination region. Up to `window` chunks are in flight. Each chunk is checked against
+into the destination region (UCX), or copied from a gRPC reply (the fallback transport, for hosts
+without ucxx). Up to `window` chunks are in flight. Each chunk is checked against
 the checksum the source sends and has its own timeout; a late, failed or corrupt chunk alone is
 fetched again (bounded attempts, exponential backoff with jitter, a fresh endpoint after a
 transport fault). The lease is renewed while the pull runs. A pull that gives up raises, and the
@@ -12,8 +13,6 @@ caller must not use the destination: partial KV is never decoded from.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import random
 import time
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import ucxx
 import xxhash
 
 from services.common.errors import (
@@ -36,6 +34,7 @@ from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
+from services.kvtransfer.transports import GrpcTransport, UcxTransport, ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -77,28 +76,33 @@ class ChecksumMismatch(Exception):
     """A chunk arrived with bytes that do not match the source's checksum."""
 
 
-class _Refused(Exception):
-    """The source answered and said no; retrying cannot help."""
-
-    def __init__(self, error: DistServeError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class KvPuller:
-    """Pulls KV from prefill instances; keeps one UCX endpoint and gRPC channel per peer."""
+    """Pulls KV from prefill instances over UCX, or gRPC where UCX is not available."""
 
-    def __init__(self, policy: PullPolicy | None = None) -> None:
+    def __init__(self, policy: PullPolicy | None = None, transport: str = "auto") -> None:
+        if transport not in ("auto", "ucx", "grpc"):
+            raise InvalidRequest("transport must be auto, ucx or grpc")
         self.policy = policy or PullPolicy()
-        self._endpoints: dict[tuple[str, int], object] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
-        self._connected: set[tuple[str, int]] = set()  # peers reached before
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tags = itertools.count(1)
+        self._grpc = GrpcTransport(self._channel)
+        self._ucx = None
+        if transport == "ucx" or (transport == "auto" and ucx_available()):
+            self._ucx = UcxTransport()
+        elif transport == "auto":
+            log.warning("ucxx is not importable: KV moves over the gRPC fallback (slower)")
         self.chunks_retried = 0
         self.checksum_failures = 0
-        self.reconnects = 0
         self.lease_renewals = 0
+
+    @property
+    def reconnects(self) -> int:
+        return self._ucx.reconnects if self._ucx is not None else 0
+
+    def transport_for(self, handle: KvHandle):
+        """UCX when both sides have it, else the gRPC fallback."""
+        if self._ucx is not None and self._ucx.serves(handle):
+            return self._ucx
+        return self._grpc
 
     async def pull(self, handle: KvHandle, dst_blocks: list[int], dst_region: RegionFn) -> int:
         """Fill dst_blocks with the handle's KV; returns the bytes received.
@@ -111,6 +115,7 @@ class KvPuller:
             raise InvalidRequest(
                 f"handle has {len(src_blocks)} blocks, destination {len(dst_blocks)}"
             )
+        transport = self.transport_for(handle)
         per_chunk = max(1, self.policy.chunk_bytes // max(1, handle.block_bytes))
         segs = segments(src_blocks, dst_blocks, per_chunk)
         jobs = [
@@ -120,7 +125,7 @@ class KvPuller:
 
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
-                return await self._chunk_with_retries(handle, layer, kv, seg, dst_region)
+                return await self._chunk(transport, handle, layer, kv, seg, dst_region)
 
         renewer = asyncio.ensure_future(self._keep_lease(handle))
         tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
@@ -130,36 +135,50 @@ class KvPuller:
             for t in [*tasks, renewer]:  # on failure, stop the rest: nothing writes after this
                 t.cancel()
 
-    async def _chunk_with_retries(self, handle: KvHandle, layer: int, kv: int, seg, dst_region):
+    async def _chunk(self, transport, handle: KvHandle, layer: int, kv: int, seg, dst_region):
+        """One chunk, with its own timeout, retried on its own when late, broken or corrupt."""
         policy = self.policy
-        where = f"{handle.source_instance} ({handle.ucx_host}:{handle.ucx_port})"
+        src_index, dst_first, n = seg
+        dst = dst_region(layer, kv, dst_first, n)
+        where = f"{handle.source_instance} over {transport.name}"
         error: BaseException | None = None
         for attempt in range(policy.attempts):
             if attempt:
                 self.chunks_retried += 1
-                # Exponential backoff with full jitter, so retries of many chunks spread out.
+                # Exponential backoff with jitter, so retries of many chunks spread out.
                 await asyncio.sleep(policy.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
+            request = wire.ChunkRequest(
+                handle_id=handle.handle_id,
+                access_token=handle.access_token,
+                layer=layer,
+                kv=kv,
+                first_block=src_index,
+                num_blocks=n,
+            )
             try:
-                ep = await self._endpoint(handle.ucx_host, handle.ucx_port)
-            except Unavailable as e:
-                error = e
-                continue
-            try:
-                return await asyncio.wait_for(
-                    self._chunk(ep, handle, layer, kv, seg, dst_region), policy.chunk_timeout_s
+                status = await asyncio.wait_for(
+                    transport.fetch(handle, request, dst), policy.chunk_timeout_s
                 )
-            except _Refused as e:
-                raise e.error from None
-            except ChecksumMismatch as e:
-                self.checksum_failures += 1
-                error = e
             except TimeoutError:
-                # Late: drop the endpoint so nothing of this attempt can land after a retry.
-                self._drop(handle.ucx_host, handle.ucx_port, ep)
                 error = TimeoutError(f"no answer within {policy.chunk_timeout_s} s")
-            except Exception as e:  # the endpoint broke: closed, reset, peer gone
-                self._drop(handle.ucx_host, handle.ucx_port, ep)
+            except Unavailable as e:  # cannot connect
                 error = e
+            except grpc.aio.AioRpcError as e:
+                error = Exception(f"{e.code().name}: {e.details()}")
+            except Exception as e:  # the connection broke: closed, reset, peer gone
+                error = e
+            else:
+                if not status.ok:
+                    raise _refusal(status.error)
+                if status.nbytes != dst.nbytes:
+                    raise InvalidRequest(
+                        f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}"
+                    )
+                verify = policy.verify and status.checksummed and isinstance(dst, np.ndarray)
+                if not verify or xxhash.xxh3_64_intdigest(dst) == status.checksum:
+                    return dst.nbytes
+                self.checksum_failures += 1
+                error = ChecksumMismatch(f"layer {layer} kv {kv}: checksum mismatch")
             log.warning(
                 "KV chunk layer %d kv %d from %s failed (attempt %d of %d): %s",
                 layer,
@@ -170,43 +189,6 @@ class KvPuller:
                 error,
             )
         raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
-
-    async def _chunk(self, ep, handle: KvHandle, layer: int, kv: int, seg, dst_region) -> int:
-        src_index, dst_first, n = seg
-        tag = next(self._tags)
-        request = wire.ChunkRequest(
-            handle_id=handle.handle_id,
-            access_token=handle.access_token,
-            layer=layer,
-            kv=kv,
-            first_block=src_index,
-            num_blocks=n,
-            tag=tag,
-        )
-        dst = dst_region(layer, kv, dst_first, n)
-        status_frame = wire.empty_frame()
-        # Both receives are posted before the request goes out: one round trip per chunk. A
-        # refusal comes with a one-byte filler, which completes the data receive.
-        status_recv = asyncio.ensure_future(ep.recv(status_frame, tag=2 * tag))
-        data_recv = asyncio.ensure_future(ep.recv(dst, tag=2 * tag + 1))
-        try:
-            await ep.send(wire.encode(request))
-            await status_recv
-            status = wire.decode(status_frame, wire.ChunkStatus)
-            await data_recv
-        finally:
-            for f in (status_recv, data_recv):
-                f.cancel()
-        if not status.ok:
-            raise _Refused(_refusal(status.error))
-        if status.nbytes != dst.nbytes:
-            raise _Refused(
-                InvalidRequest(f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}")
-            )
-        verify = self.policy.verify and status.checksummed and isinstance(dst, np.ndarray)
-        if verify and xxhash.xxh3_64_intdigest(dst) != status.checksum:
-            raise ChecksumMismatch(f"layer {layer} kv {kv}: checksum mismatch")
-        return dst.nbytes
 
     async def _keep_lease(self, handle: KvHandle) -> None:
         """Renew the handle's lease while the pull runs, well before it lapses."""
@@ -251,10 +233,8 @@ class KvPuller:
         return reply.blocks_freed
 
     async def close(self) -> None:
-        for ep in self._endpoints.values():
-            with contextlib.suppress(Exception):
-                await ep.close()
-        self._endpoints.clear()
+        if self._ucx is not None:
+            await self._ucx.close()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -265,31 +245,6 @@ class KvPuller:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel
-
-    async def _endpoint(self, host: str, port: int):
-        """The cached endpoint to a peer, connecting (again) when there is none or it closed:
-        a peer that restarted gets a fresh endpoint, never stale state."""
-        key = (host, port)
-        lock = self._connecting.setdefault(key, asyncio.Lock())
-        async with lock:
-            ep = self._endpoints.get(key)
-            if ep is None or ep.closed:
-                try:
-                    ep = await ucxx.create_endpoint(host, port)
-                except Exception as e:
-                    raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
-                if key in self._connected:
-                    self.reconnects += 1
-                self._connected.add(key)
-                self._endpoints[key] = ep
-            return ep
-
-    def _drop(self, host: str, port: int, ep) -> None:
-        """Forget a broken endpoint (only if it is still the cached one) and abort it."""
-        if self._endpoints.get((host, port)) is ep:
-            del self._endpoints[(host, port)]
-        with contextlib.suppress(Exception):
-            ep.abort()
 
 
 def _refusal(error: str) -> DistServeError:

@@ -1,19 +1,30 @@
-"""The KvTransfer control service: describe, release and renew held KV."""
+"""The KvTransfer gRPC service: the control plane (describe, release, renew held KV) and the
+data plane's fallback transport (FetchChunk)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Awaitable, Callable
 
+import grpc
+import numpy as np
+
+from services.common.errors import DistServeError
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer.leases import Lease, LeaseTable
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
 
 
 class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
-    """Control plane of a prefill instance's held KV; `free` returns a lease's blocks."""
+    """Held KV of a prefill instance; `free` returns a lease's blocks to its pool."""
 
-    def __init__(self, leases: LeaseTable, free: Callable[[Lease], Awaitable[int]]) -> None:
+    def __init__(
+        self, leases: LeaseTable, free: Callable[[Lease], Awaitable[int]], source: ChunkSource
+    ) -> None:
         self.leases = leases
         self.free = free
+        self.source = source
 
     async def Describe(self, request, context):
         return self.leases.get(request.handle_id, request.access_token).handle.to_pb()
@@ -25,3 +36,31 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
     async def RenewLease(self, request, context):
         access = request.access
         return self.leases.renew(access.handle_id, access.access_token, request.extend_ms).to_pb()
+
+    async def FetchChunk(self, request, context):
+        try:
+            chunk = self.source.open(request)
+        except DistServeError as e:
+            # A refusal is an answer, as on the UCX path: the puller maps it to its error.
+            return kvtransfer_pb2.KvChunkReply(
+                status=kvtransfer_pb2.KvChunkStatus(ok=False, error=str(e))
+            )
+        with self.source.sending(chunk):
+            data = chunk.data
+            fault = chunk.fault
+            if fault is not None:
+                if fault.kind == "exit":
+                    os._exit(17)
+                if fault.kind == "drop":
+                    await asyncio.sleep(SEND_TIMEOUT_S)  # never answers in the puller's time
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "dropped (fault injection)")
+                if fault.kind == "close":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "closed (fault injection)")
+                if fault.kind == "delay":
+                    await asyncio.sleep(fault.seconds)
+                if fault.kind == "corrupt":
+                    data = corrupted(data)
+            host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
+            reply = kvtransfer_pb2.KvChunkReply(status=chunk.status, data=host.tobytes())
+            self.source.served(chunk)
+            return reply

@@ -35,6 +35,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--worker-id")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long held KV waits for a pull")
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
+    p.add_argument("--no-ucx", action="store_true", help="serve KV over gRPC only")
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -51,6 +52,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         lease_s=args.lease_s,
         max_lease_s=max(300.0, args.lease_s),
         kv_faults=args.kv_faults,
+        ucx=not args.no_ucx,
         engine=EngineConfig.from_args(args),
         **extra,
     )
@@ -63,7 +65,7 @@ async def serve(config: PrefillConfig) -> None:
     def add(server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
         kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(
-            KvTransferServicer(worker.leases, worker.free), server
+            KvTransferServicer(worker.leases, worker.free, worker.source), server
         )
 
     names = [
@@ -84,9 +86,8 @@ async def serve(config: PrefillConfig) -> None:
             load=lambda: worker_load(worker),
         )
         await announcer.start()
-    announce_ready(
-        "prefill", address=address, worker_id=config.worker_id, ucx_port=worker.chunks.port
-    )
+    ucx_port = worker.chunks.port if worker.chunks is not None else 0
+    announce_ready("prefill", address=address, worker_id=config.worker_id, ucx_port=ucx_port)
     await wait_for_signal()
     log.info("stopping %s", config.worker_id)
     await health.enter_graceful_shutdown()

@@ -19,6 +19,7 @@ class PrefillConfig:
     worker_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:8]}")
     lease_s: float = 30.0  # how long held KV waits for a pull before it is freed
     max_lease_s: float = 300.0  # the longest a renewal may extend a lease
+    ucx: bool = True  # serve KV over UCX when ucxx is importable (gRPC is served always)
     kv_faults: str = ""  # fault injection on the KV data plane (tests only; see kvtransfer.faults)
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -16,6 +16,8 @@ from services.engine.loop import EngineFailed, EngineLoop
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
+from services.kvtransfer.source import ChunkSource
+from services.kvtransfer.transports import ucx_available
 from services.prefill.config import PrefillConfig
 
 log = logging.getLogger("distserve.prefill")
@@ -40,12 +42,16 @@ class PrefillWorker:
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
         self.loop = EngineLoop(self.engine, hold=True)
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
-        self.chunks = ChunkServer(
+        self.source = ChunkSource(
             self.leases,
             self.engine.runner.cache.region_buffer,
             self.engine.model_config.num_layers,
             FaultInjector(config.kv_faults) if config.kv_faults else None,
         )
+        # The UCX data plane when ucxx is here and wanted; the gRPC fallback is always served.
+        self.chunks = ChunkServer(self.source) if config.ucx and ucx_available() else None
+        if config.ucx and self.chunks is None:
+            log.warning("ucxx is not importable: KV is served over the gRPC fallback only")
         self.control_address = ""  # set once the gRPC server is bound
         self.requests_total = 0
         self.requests_aborted = 0
@@ -55,13 +61,15 @@ class PrefillWorker:
     async def start(self, control_address: str) -> None:
         self.control_address = control_address
         self.loop.start()
-        self.chunks.start(self.config.ucx_port)
+        if self.chunks is not None:
+            self.chunks.start(self.config.ucx_port)
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-        self.chunks.close()
+        if self.chunks is not None:
+            self.chunks.close()
         self.loop.stop()
 
     async def prefill(
@@ -125,7 +133,7 @@ class PrefillWorker:
             source_instance=self.config.worker_id,
             control_address=self.control_address,
             ucx_host=self.config.host,
-            ucx_port=self.chunks.port,
+            ucx_port=self.chunks.port if self.chunks is not None else 0,
             num_tokens=num_tokens,
             block_size=cache.block_size,
             num_layers=mc.num_layers,

@@ -21,25 +21,31 @@ def fault_free(tiny_model):
 
 
 @pytest.mark.parametrize(
-    ("fault", "counter"),
+    ("transport", "fault", "counter"),
     [
-        ("drop@2", "chunks_retried"),
-        ("delay@2:2.5", "chunks_retried"),
-        ("corrupt@2", "checksum_failures"),
-        ("close@2", "reconnects"),
+        ("ucx", "drop@2", "chunks_retried"),
+        ("ucx", "delay@2:2.5", "chunks_retried"),
+        ("ucx", "corrupt@2", "checksum_failures"),
+        ("ucx", "close@2", "reconnects"),
+        ("grpc", "drop@2", "chunks_retried"),
+        ("grpc", "corrupt@2", "checksum_failures"),
     ],
 )
 def test_a_faulty_chunk_is_fetched_again_and_the_tokens_are_unchanged(
-    mesh_factory, fault_free, fault, counter
+    mesh_factory, fault_free, fault, counter, transport
 ):
     mesh = mesh_factory(
-        prefill=1, decode=1, prefill_args=("--kv-faults", fault), decode_args=DECODE
+        prefill=1,
+        decode=1,
+        prefill_args=("--kv-faults", fault),
+        decode_args=(*DECODE, "--kv-transport", transport),
     )
     ids, _, last = asyncio.run(asyncio.wait_for(generate(mesh.gateway_address, PROMPT), 60))
     assert ids == fault_free
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     d = stats(addresses(mesh, "decode")[0], "decode")
-    assert getattr(d, counter) >= 1 and d.pulls_failed == 0
+    assert d.chunks_retried >= 1 and d.pulls_failed == 0
+    assert getattr(d, counter) >= 1
     wait_until(lambda: kv_all_free(mesh), what="KV to be freed on both sides")
 
 

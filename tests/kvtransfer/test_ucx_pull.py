@@ -15,6 +15,7 @@ from services.engine.engine import LLMEngine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy, segments
+from services.kvtransfer.source import ChunkSource
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -59,7 +60,7 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
         prefill.add_request(prompt, PARAMS, request_id="r")
         [first] = prefill.prefill_step(hold=True)
         leases = LeaseTable(default_s=30, max_s=60)
-        server = ChunkServer(leases, prefill.runner.cache.region_buffer, num_layers=2)
+        server = ChunkServer(ChunkSource(leases, prefill.runner.cache.region_buffer, 2))
         port = server.start()
         handle = leases.create("r", handle_for(prefill, "r", port))
         puller = KvPuller(PullPolicy(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3))
@@ -83,7 +84,7 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
                 handle, seq.block_table.blocks, decode.runner.cache.region_buffer
             )
             assert nbytes == handle.total_bytes
-            assert server.chunks_served >= 2 * 2 * 3  # layers x K/V x chunks per layer
+            assert server.source.chunks_served >= 2 * 2 * 3  # layers x K/V x chunks per layer
         finally:
             await puller.close()
             server.close()

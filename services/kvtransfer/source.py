@@ -1,0 +1,109 @@
+"""The serving side of the data plane, independent of the transport.
+
+`ChunkSource.open` checks a KvChunkRequest (lease, access token, layer, block range), returns the
+region to send with its status (size, xxh3-64 checksum) and, when fault injection is on, the fault
+that hits it. The UCX server and the gRPC fallback both serve through it and bracket each send
+with `sending`, so that held blocks are never freed under a send in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from services.common.errors import InvalidRequest
+from services.kvtransfer import wire
+from services.kvtransfer.faults import Fault, FaultInjector
+from services.kvtransfer.leases import Lease, LeaseTable
+
+log = logging.getLogger("distserve.kvtransfer")
+
+SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
+
+# region(layer, kv, first_block_id, num_blocks) -> a buffer over those blocks' bytes
+RegionFn = Callable[[int, int, int, int], object]
+
+
+@dataclass
+class Chunk:
+    """A chunk about to be sent: its bytes, its status frame and an injected fault, if any."""
+
+    lease: Lease
+    data: object  # numpy uint8 view (host memory) or uint8 tensor (device memory)
+    status: wire.ChunkStatus
+    fault: Fault | None
+
+
+class ChunkSource:
+    """Chunks of held KV for holders of a valid handle."""
+
+    def __init__(
+        self,
+        leases: LeaseTable,
+        region: RegionFn,
+        num_layers: int,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.leases = leases
+        self.region = region
+        self.num_layers = num_layers
+        self.faults = faults  # tests and drills only
+        self.chunks_served = 0
+        self.bytes_served = 0
+
+    def open(self, req) -> Chunk:
+        """The chunk a request asks for; DistServeError (NotFound, PermissionDenied,
+        InvalidRequest) when it may not have it."""
+        lease = self.leases.get(req.handle_id, req.access_token)
+        first = self._check(req, lease.blocks)
+        data = self.region(req.layer, req.kv, first, req.num_blocks)
+        status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)
+        if isinstance(data, np.ndarray):
+            status.checksum = xxhash.xxh3_64_intdigest(data)
+            status.checksummed = True
+        fault = self.faults.next_chunk() if self.faults is not None else None
+        if fault is not None:
+            log.warning("injecting fault %s on chunk %d", fault.kind, fault.at)
+        return Chunk(lease, data, status, fault)
+
+    @contextlib.contextmanager
+    def sending(self, chunk: Chunk) -> Iterator[None]:
+        """Marks the chunk's blocks as being read while its send runs (a release cancels the
+        send and waits for it before the blocks are freed)."""
+        task = asyncio.current_task()
+        chunk.lease.begin_send(task)
+        try:
+            yield
+        finally:
+            chunk.lease.end_send(task)
+
+    def served(self, chunk: Chunk) -> None:
+        self.chunks_served += 1
+        self.bytes_served += chunk.data.nbytes
+
+    def _check(self, req, blocks: list[int]) -> int:
+        """The first block id of the request's range, if the range is valid and contiguous."""
+        if req.layer >= self.num_layers or req.kv > 1:
+            raise InvalidRequest(f"no layer {req.layer} / kv {req.kv}")
+        end = req.first_block + req.num_blocks
+        if req.num_blocks == 0 or end > len(blocks):
+            raise InvalidRequest(
+                f"blocks {req.first_block}..{end} outside the handle's {len(blocks)}"
+            )
+        first = blocks[req.first_block]
+        if blocks[req.first_block : end] != list(range(first, first + req.num_blocks)):
+            raise InvalidRequest("a chunk must cover consecutive blocks")
+        return first
+
+
+def corrupted(data: np.ndarray) -> np.ndarray:
+    """A copy of the data with one byte flipped (the `corrupt` fault)."""
+    out = np.array(data, copy=True)
+    out[len(out) // 2] ^= 0xFF
+    return out

@@ -1,0 +1,131 @@
+"""How a chunk travels: UCX (zero-copy into the destination) or the gRPC fallback.
+
+`fetch(handle, request, dst)` asks the source for one chunk and fills `dst` with its bytes,
+returning the source's status; it raises when the transport breaks (and forgets the broken
+connection, so the next attempt reconnects). Retries, checksums and timeouts are the puller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from services.common.errors import Unavailable
+from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
+from services.common.kv_handle import KvHandle
+from services.kvtransfer import wire
+
+log = logging.getLogger("distserve.kvtransfer")
+
+
+def ucx_available() -> bool:
+    try:
+        import ucxx  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class UcxTransport:
+    """One cached endpoint per peer; request and status frames plus the raw data, received
+    straight into the destination."""
+
+    name = "ucx"
+
+    def __init__(self) -> None:
+        self._endpoints: dict[tuple[str, int], object] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._connected: set[tuple[str, int]] = set()  # peers reached before
+        self._tags = itertools.count(1)
+        self.reconnects = 0
+
+    @staticmethod
+    def serves(handle: KvHandle) -> bool:
+        return handle.ucx_port != 0
+
+    async def fetch(self, handle: KvHandle, request, dst) -> wire.ChunkStatus:
+        ep = await self._endpoint(handle.ucx_host, handle.ucx_port)
+        tag = next(self._tags)
+        request.tag = tag
+        status_frame = wire.empty_frame()
+        # Both receives are posted before the request goes out: one round trip per chunk. A
+        # refusal comes with a one-byte filler, which completes the data receive.
+        status_recv = asyncio.ensure_future(ep.recv(status_frame, tag=2 * tag))
+        data_recv = asyncio.ensure_future(ep.recv(dst, tag=2 * tag + 1))
+        try:
+            await ep.send(wire.encode(request))
+            await status_recv
+            await data_recv
+        except BaseException:
+            # Broken, or late (cancelled by the puller's timeout): drop the endpoint, so that
+            # nothing of this attempt can land in the destination after a retry.
+            self._drop(handle, ep)
+            raise
+        finally:
+            for f in (status_recv, data_recv):
+                f.cancel()
+        return wire.decode(status_frame, wire.ChunkStatus)
+
+    async def close(self) -> None:
+        for ep in self._endpoints.values():
+            with contextlib.suppress(Exception):
+                await ep.close()
+        self._endpoints.clear()
+
+    async def _endpoint(self, host: str, port: int):
+        """The cached endpoint to a peer, connecting (again) when there is none or it closed:
+        a peer that restarted gets a fresh endpoint, never stale state."""
+        import ucxx
+
+        key = (host, port)
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            ep = self._endpoints.get(key)
+            if ep is None or ep.closed:
+                try:
+                    ep = await ucxx.create_endpoint(host, port)
+                except Exception as e:
+                    raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
+                if key in self._connected:
+                    self.reconnects += 1
+                self._connected.add(key)
+                self._endpoints[key] = ep
+            return ep
+
+    def _drop(self, handle: KvHandle, ep) -> None:
+        """Forget a broken endpoint (only if it is still the cached one) and abort it."""
+        key = (handle.ucx_host, handle.ucx_port)
+        if self._endpoints.get(key) is ep:
+            del self._endpoints[key]
+        with contextlib.suppress(Exception):
+            ep.abort()
+
+
+class GrpcTransport:
+    """The fallback: KvTransfer.FetchChunk on the source's control address, the bytes copied."""
+
+    name = "grpc"
+
+    def __init__(self, channel: Callable[[str], grpc.aio.Channel]) -> None:
+        self._channel = channel
+        self.reconnects = 0
+
+    @staticmethod
+    def serves(handle: KvHandle) -> bool:
+        return bool(handle.control_address)
+
+    async def fetch(self, handle: KvHandle, request, dst) -> wire.ChunkStatus:
+        stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
+        reply = await stub.FetchChunk(request)
+        if reply.status.ok and len(reply.data) == dst.nbytes:
+            np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
+        return reply.status
+
+    async def close(self) -> None:
+        pass
