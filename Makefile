@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ bench-engine: $(GEN)
 
 bench-mesh: $(GEN)
 	$(BIN)/python bench/mesh.py
+
+bench-kvtransfer: $(GEN)
+	$(BIN)/python bench/kvtransfer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen

@@ -15,6 +15,7 @@ from services.decode.servicer import DecodeServicer, role_pb, worker_load
 from services.decode.worker import DecodeWorker
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.puller import PullPolicy
+from services.kvtransfer.transports import shutdown_ucx
 
 log = logging.getLogger("distserve.decode")
 
@@ -86,6 +87,7 @@ async def serve(config: DecodeConfig) -> None:
         await announcer.stop()
     await server.stop(grace=5)
     await worker.stop()
+    shutdown_ucx()
 
 
 def main(argv: list[str] | None = None) -> None:

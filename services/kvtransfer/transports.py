@@ -24,6 +24,16 @@ from services.kvtransfer import wire
 log = logging.getLogger("distserve.kvtransfer")
 
 
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread, which is not a daemon: without this a process that used
+    UCX never exits."""
+    import sys
+
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None:
+        ucxx.stop_notifier_thread()
+
+
 def ucx_available() -> bool:
     try:
         import ucxx  # noqa: F401

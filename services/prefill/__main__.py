@@ -18,6 +18,7 @@ from services.common.gen.distserve.v1 import (
 from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.servicer import KvTransferServicer
+from services.kvtransfer.transports import shutdown_ucx
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer, worker_load
 from services.prefill.worker import PrefillWorker
@@ -95,6 +96,7 @@ async def serve(config: PrefillConfig) -> None:
         await announcer.stop()
     await server.stop(grace=5)
     await worker.stop()
+    shutdown_ucx()
 
 
 def main(argv: list[str] | None = None) -> None:

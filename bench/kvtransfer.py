@@ -1,0 +1,302 @@
+"""KV transfer benchmark: bandwidth of each transport, and the handoff on the small model.
+
+In one run:
+  * effective bandwidth of a pull between two processes (a real ChunkSource serving plain
+    buffers as one layer's K and V, a real KvPuller) for 1 MiB .. 1 GiB over UCX tcp
+    (UCX_TLS=tcp), UCX shared memory (UCX_TLS=tcp,sm,cma,self: tcp only to connect) and the gRPC
+    fallback, beside memcpy measured in the same run; medians of 3 pulls after a warm-up;
+  * the handoff on the `small` model (1 prefill + 1 decode, pinned, direct Prefill and Decode
+    calls): prefill compute time and pull time (prefill finished -> KV resident on decode) for
+    512-, 2048- and 4000-token prompts (the preset's context is 4096). Layer-wise overlap is not
+    built yet: the whole pull runs after prefill, and the JSON says so (`overlap`: false).
+Prints a table, then one JSON line. Run: `make bench-kvtransfer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZES_MIB = [1, 4, 16, 64, 256, 1024]
+BLOCK = 512 * 2**10  # bytes of one block of the bench's one layer, K or V
+TRANSPORTS = {
+    "ucx_tcp": {"UCX_TLS": "tcp"},
+    "ucx_sm": {"UCX_TLS": "tcp,sm,cma,self"},
+    "grpc": {},
+}
+UCX_ENV = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCXPY_PROGRESS_MODE": "thread",
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+    "UCXPY_ENABLE_DELAYED_SUBMISSION": "0",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def memcpy_gb_s(nbytes: int = 512 * 2**20) -> float:
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
+# -- the source process: serves every size from one buffer, each size its own block range -------
+
+
+async def serve(sizes: list[int]) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
+    from services.common.kv_handle import KvHandle
+    from services.common.server import start_server
+    from services.kvtransfer.chunk_server import ChunkServer
+    from services.kvtransfer.leases import LeaseTable
+    from services.kvtransfer.servicer import KvTransferServicer
+    from services.kvtransfer.source import ChunkSource
+
+    total_blocks = sum(s // (2 * BLOCK) for s in sizes)
+    kv = np.random.default_rng(0).integers(0, 255, (2, total_blocks * BLOCK), dtype=np.uint8)
+
+    def region(layer: int, k: int, first: int, n: int) -> np.ndarray:
+        return kv[k, first * BLOCK : (first + n) * BLOCK]
+
+    leases = LeaseTable(default_s=3600, max_s=3600)
+    source = ChunkSource(leases, region, num_layers=1)
+    ucx = ChunkServer(source)
+    ucx_port = ucx.start()
+
+    async def free(lease) -> int:
+        return 0
+
+    def add(server) -> None:
+        kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(
+            KvTransferServicer(leases, free, source), server
+        )
+
+    _server, _, port = await start_server("127.0.0.1", 0, add, [])  # kept alive below
+    handles = {}
+    first = 0
+    for size in sizes:
+        blocks = size // (2 * BLOCK)
+        template = KvHandle(
+            handle_id="",
+            source_instance="bench-source",
+            control_address=f"127.0.0.1:{port}",
+            ucx_host="127.0.0.1",
+            ucx_port=ucx_port,
+            num_tokens=blocks,
+            block_size=1,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=BLOCK // 4,
+            dtype="float32",
+            runs=((first, blocks),),
+            block_bytes=BLOCK,
+            lease_expiry_unix_ms=0,
+            access_token="",
+        )
+        handles[size] = MessageToDict(leases.create(f"size-{size}", template).to_pb())
+        first += blocks
+    print(json.dumps(handles), flush=True)
+    await asyncio.Event().wait()  # until the parent kills us
+
+
+# -- the puller process ---------------------------------------------------------------------------
+
+
+async def pull(transport: str, handles: dict) -> dict[int, float]:
+    from google.protobuf.json_format import ParseDict
+
+    from services.common.gen.distserve.v1 import common_pb2
+    from services.common.kv_handle import KvHandle
+    from services.kvtransfer.puller import KvPuller, PullPolicy
+    from services.kvtransfer.transports import shutdown_ucx
+
+    kind = "grpc" if transport == "grpc" else "ucx"
+    puller = KvPuller(PullPolicy(chunk_bytes=4 * 2**20, window=8), kind)
+    rates = {}
+    for size_s, pb in handles.items():
+        size = int(size_s)
+        handle = KvHandle.from_pb(ParseDict(pb, common_pb2.KvHandle()))
+        blocks = handle.num_blocks
+        dst = np.empty((2, blocks * BLOCK), dtype=np.uint8)
+
+        def region(layer: int, k: int, first: int, n: int, dst=dst) -> np.ndarray:
+            return dst[k, first * BLOCK : (first + n) * BLOCK]
+
+        await puller.pull(handle, list(range(blocks)), region)  # warm-up; connects
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            await puller.pull(handle, list(range(blocks)), region)
+            times.append(time.perf_counter() - t)
+        rates[size] = size / statistics.median(times) / 1e9
+        log(f"{transport:8} {size >> 20:5} MiB: {rates[size]:6.2f} GB/s")
+    await puller.close()
+    shutdown_ucx()
+    return rates
+
+
+def bandwidth(transport: str, sizes: list[int]) -> dict[int, float]:
+    env = {**os.environ, **UCX_ENV, **TRANSPORTS[transport]}
+    cmd = [sys.executable, os.path.abspath(__file__)]
+    source = subprocess.Popen(
+        [*cmd, "--serve", ",".join(map(str, sizes))], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        handles = source.stdout.readline()
+        result = subprocess.run(
+            [*cmd, "--pull", transport], input=handles, capture_output=True, text=True, env=env
+        )
+        if result.returncode:
+            sys.stderr.write(result.stderr[-3000:])
+            raise SystemExit(f"the {transport} puller failed")
+        return {int(k): v for k, v in json.loads(result.stdout.splitlines()[-1]).items()}
+    finally:
+        source.kill()
+        source.wait()
+
+
+# -- the handoff on the small model ----------------------------------------------------------------
+
+
+async def handoff(address_prefill: str, address_decode: str, lengths: list[int]) -> dict:
+    import grpc
+
+    from services.common.gen.distserve.v1 import (
+        common_pb2,
+        decode_pb2,
+        decode_pb2_grpc,
+        prefill_pb2,
+        prefill_pb2_grpc,
+    )
+
+    out = {}
+    async with (
+        grpc.aio.insecure_channel(address_prefill) as pch,
+        grpc.aio.insecure_channel(address_decode) as dch,
+    ):
+        prefill = prefill_pb2_grpc.PrefillStub(pch)
+        decode = decode_pb2_grpc.DecodeStub(dch)
+        rng = np.random.default_rng(1)
+        for n in lengths:
+            rows = []
+            for i in range(3):
+                prompt = rng.integers(2, 900, n).tolist()
+                sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+                reply = await prefill.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id=f"h{n}-{i}", prompt_token_ids=prompt, sampling=sampling
+                    ),
+                    timeout=600,
+                )
+                request = decode_pb2.DecodeRequest(
+                    request_id=f"h{n}-{i}",
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    first_token_id=reply.first_token_id,
+                    kv=reply.kv,
+                )
+                pull_ms = None
+                async for r in decode.Decode(request, timeout=600):
+                    pull_ms = pull_ms if pull_ms is not None else r.pull_ms
+                rows.append((reply.compute_ms, pull_ms, reply.kv.layer_bytes * reply.kv.num_layers))
+            compute = statistics.median(r[0] for r in rows)
+            pulled = statistics.median(r[1] for r in rows)
+            out[n] = {"prefill_ms": compute, "pull_ms": pulled, "kv_bytes": rows[0][2]}
+            log(f"handoff {n} tokens: prefill {compute:.0f} ms, pull {pulled:.1f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--pull", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes-mib", default=",".join(map(str, SIZES_MIB)))
+    ap.add_argument("--handoff-lengths", default="512,2048,4000")
+    args = ap.parse_args()
+    if args.serve:
+        asyncio.run(serve([int(s) for s in args.serve.split(",")]))
+        return
+    if args.pull:
+        rates = asyncio.run(pull(args.pull, json.loads(sys.stdin.read())))
+        print(json.dumps(rates))
+        return
+
+    sizes = [int(s) * 2**20 for s in args.sizes_mib.split(",")]
+    memcpy = memcpy_gb_s()
+    log(f"memcpy {memcpy:.2f} GB/s")
+    rates = {t: bandwidth(t, sizes) for t in TRANSPORTS}
+
+    from services.engine.presets import default_model
+    from services.launcher import Mesh, MeshSpec
+
+    lengths = [int(x) for x in args.handoff_lengths.split(",")]
+    spec = MeshSpec(
+        model=default_model("small"),
+        prefill=1,
+        decode=1,
+        gateway_port=0,
+        pin=True,
+        worker_args=("--kv-cache-mb", "1024", "--max-batch-tokens", "4096"),
+    )
+    with Mesh(spec) as mesh:
+        p = next(w.ready["address"] for w in mesh.workers if w.name.startswith("prefill"))
+        d = next(w.ready["address"] for w in mesh.workers if w.name.startswith("decode"))
+        hand = asyncio.run(handoff(p, d, lengths))
+
+    cpu = os.popen("grep -m1 'model name' /proc/cpuinfo").read().split(":")[-1].strip()
+    print(f"\nKV transfer benchmark: {cpu}, {os.cpu_count()} cpus; memcpy {memcpy:.2f} GB/s")
+    print(f"{'size':>10}" + "".join(f"{t:>12}" for t in TRANSPORTS) + "   GB/s")
+    for s in sizes:
+        print(f"{s >> 20:>7} MiB" + "".join(f"{rates[t][s]:>12.2f}" for t in TRANSPORTS))
+    print("\nhandoff, small model (105M, float32), no layer-wise overlap:")
+    for n, h in hand.items():
+        frac = h["pull_ms"] / h["prefill_ms"]
+        print(
+            f"  {n:5} tokens: KV {h['kv_bytes'] / 2**20:6.1f} MiB, prefill {h['prefill_ms']:7.0f} "
+            f"ms, pull after it {h['pull_ms']:7.1f} ms ({frac:.1%} of prefill)"
+        )
+    at = 64 * 2**20
+    result = {
+        "bench": "kvtransfer",
+        "cpu": cpu,
+        "memcpy_gb_s": round(memcpy, 2),
+        "gb_s": {t: {str(s >> 20): round(r, 3) for s, r in rates[t].items()} for t in rates},
+        "ucx_sm_fraction_of_memcpy_64MiB": round(rates["ucx_sm"][at] / memcpy, 3)
+        if at in sizes
+        else None,
+        "ucx_over_grpc_64MiB": round(
+            max(rates["ucx_sm"][at], rates["ucx_tcp"][at]) / rates["grpc"][at], 2
+        )
+        if at in sizes
+        else None,
+        "handoff": {str(n): h for n, h in hand.items()},
+        "overlap": False,
+        "handoff_after_prefill_fraction_2048": round(
+            hand[2048]["pull_ms"] / hand[2048]["prefill_ms"], 4
+        )
+        if 2048 in hand
+        else None,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
