@@ -37,6 +37,7 @@ class MeshSpec:
     colocated: int = 0
     host: str = "127.0.0.1"
     gateway_port: int = 50051  # 0 picks a free port
+    gateway_http_port: int = 0  # the gateway's own HTTP API (Envoy's upstream); 0: any free port
     pin: bool = False  # one CPU core and one torch thread per worker
     worker_args: tuple[str, ...] = ()  # extra options for every worker (engine options)
     prefill_args: tuple[str, ...] = ()
@@ -61,6 +62,7 @@ class Mesh:
         self.spec = spec
         self.processes: list[Process] = []
         self.gateway_address = ""
+        self.gateway_http_address = ""
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -86,11 +88,14 @@ class Mesh:
                     spec.host,
                     "--port",
                     str(spec.gateway_port),
+                    "--http-port",
+                    str(spec.gateway_http_port),
                     *spec.gateway_args,
                 ],
             )
             self._wait_ready([gateway])
             self.gateway_address = gateway.ready["address"]
+            self.gateway_http_address = gateway.ready.get("http_address", "")
             cores = sorted(os.sched_getaffinity(0))
             started = []
             roles = [
