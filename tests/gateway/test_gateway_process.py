@@ -8,7 +8,7 @@ import sys
 
 def test_the_gateway_never_imports_torch():
     code = (
-        "import sys, services.gateway.__main__, services.gateway.http_api; "
+        "import sys, services.gateway.__main__, services.gateway.http_api, services.edge.envoy; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
