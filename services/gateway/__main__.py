@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,12 +94,13 @@ async def serve(config: GatewayConfig) -> None:
             tokenizer,
             limits,
         )
+        # handler_cancellation: a client that disconnects cancels its request downstream.
         http = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
         await http.setup()
-        site = web.TCPSite(http, config.host, config.http_port)
-        await site.start()
-        http_port = site._server.sockets[0].getsockname()[1]
-        ready["http_address"] = f"{config.host}:{http_port}"
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.create_server((config.host, config.http_port), family=family)  # 0: free
+        await web.SockSite(http, sock).start()
+        ready["http_address"] = f"{config.host}:{sock.getsockname()[1]}"
     announce_ready("gateway", **ready)
     await wait_for_signal()
     await health.enter_graceful_shutdown()

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -26,8 +27,8 @@ from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.openapi import openapi_document
 from services.gateway.registry import Registry
-from services.gateway.request import Limits, build_request
-from services.gateway.router import Router
+from services.gateway.request import Limits, Request, build_request
+from services.gateway.router import Piece, Router
 
 log = logging.getLogger("distserve.gateway.http")
 
@@ -164,7 +165,15 @@ class HttpApi:
                 return _json(reply.whole("".join(text), last.finish_reason, total), req)
             return await self._stream(request, req, reply, first, pieces, used)
 
-    async def _stream(self, request, req, reply, first, pieces, used) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        req: Request,
+        reply: oai.Reply,
+        first: Piece,
+        pieces: AsyncIterator[Piece],
+        used: list[int],  # completion tokens so far, counted here
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
         chat = reply.call.endpoint == oai.CHAT
@@ -195,7 +204,7 @@ async def _event(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + data.encode() + b"\n\n")
 
 
-def _json(payload: dict, req=None, status: int = 200) -> web.Response:
+def _json(payload: dict, req: Request | None = None, status: int = 200) -> web.Response:
     headers = {"x-request-id": req.request_id} if req is not None else None
     return web.json_response(
         payload,
