@@ -445,3 +445,41 @@ def test_without_workers_requests_get_503_not_500(tiny_model):
         assert rpc.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         mesh.stop()
+
+
+def test_the_request_id_is_envoys_x_request_id_on_both_apis(mesh):
+    status, headers, reply = request(
+        mesh.edge_address,
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+        {"Content-Type": "application/json", "x-request-id": "trace-42"},
+    )
+    assert status == 200 and reply["id"] == "cmpl-trace-42"
+    assert headers["x-request-id"] == "trace-42"
+    with grpc.insecure_channel(mesh.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(
+            text="x", sampling=common_pb2.SamplingParams(max_tokens=2)
+        )
+        replies = list(stub.Generate(req, timeout=30, metadata=[("x-request-id", "trace-43")]))
+    assert {r.request_id for r in replies} == {"trace-43"}
+
+
+def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event(mesh_factory):
+    mesh = mesh_factory(prefill=1, decode=1, edge=EdgeConfig(port=0, access_log=""))
+    c = client(mesh.edge_address)
+    stream = c.completions.create(
+        model=model_name(mesh), prompt="x", max_tokens=1000, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    with pytest.raises(openai.APIError) as err:
+        for got, _ in enumerate(stream, 1):
+            if got == 3:
+                next(p for p in mesh.workers if p.name == "decode-0").popen.kill()
+    assert err.value.type == "service_unavailable_error"
+    prefill = addresses(mesh, "prefill")[0]
+    wait_until(
+        lambda: (s := stats(prefill, "prefill")).load.free_kv_blocks == s.load.total_kv_blocks,
+        what="the prefill instance to hold no KV",
+    )

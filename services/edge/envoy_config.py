@@ -378,6 +378,7 @@ def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
         stat_prefix="edge",
         codec_type="AUTO",  # HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN under TLS)
         use_remote_address=True,
+        preserve_external_request_id=True,  # a client's x-request-id names its request
         stream_idle_timeout=_duration(config.stream_idle_timeout_s),
         request_timeout=_duration(config.request_timeout_s),
         request_headers_timeout="10s",

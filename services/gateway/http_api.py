@@ -89,7 +89,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold slashes
         app.router.add_get("/health", self.health)
         app.router.add_get("/openapi.json", self.openapi)
         return app
@@ -257,8 +257,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         allowed = ", ".join(sorted(e.allowed_methods))
         message = f"{request.method} is not allowed on {request.path}; use {allowed}"
         return _plain_error(405, message)
-    except web.HTTPException:
-        raise
+    except (web.HTTPException, ConnectionResetError):
+        raise  # aiohttp's own answers; a client that went away needs none
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return _plain_error(500, "internal error")

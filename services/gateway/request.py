@@ -49,9 +49,16 @@ class Limits:
         )
 
 
-def validate(pb, tokenizer: Tokenizer, limits: Limits, grpc_remaining: float | None) -> Request:
+def validate(
+    pb,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    grpc_remaining: float | None,
+    default_request_id: str = "",
+) -> Request:
     """Check a gRPC GenerateRequest; InvalidRequest with an actionable message if anything is
-    off. The checks themselves are `build_request`'s, shared with the HTTP API."""
+    off. The checks themselves are `build_request`'s, shared with the HTTP API.
+    `default_request_id` (e.g. Envoy's x-request-id) is used when the request names none."""
     kind = pb.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("give a prompt: `text` or `token_ids`", param="prompt")
@@ -62,7 +69,7 @@ def validate(pb, tokenizer: Tokenizer, limits: Limits, grpc_remaining: float | N
         sampling_from_pb(pb.sampling),
         tokenizer,
         limits,
-        request_id=pb.request_id,
+        request_id=pb.request_id or default_request_id,
         budgets=budgets,
     )
 
