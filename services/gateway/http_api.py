@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.common.errors import DistServeError, InvalidRequest, NotFound
+from services.common.errors import (
+    DistServeError,
+    InvalidRequest,
+    NotFound,
+    RemoteError,
+    Unavailable,
+)
 from services.common.tokenizer import Tokenizer
 from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
@@ -35,19 +41,18 @@ log = logging.getLogger("distserve.gateway.http")
 # gRPC status (DistServeError.status) -> HTTP status. Anything else is a 500 with a safe message.
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
-    "OUT_OF_RANGE": 400,
-    "UNAUTHENTICATED": 401,
-    "PERMISSION_DENIED": 403,
     "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429,
     "FAILED_PRECONDITION": 500,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
 }
+# What a worker answers NOT_FOUND or PERMISSION_DENIED to (a KV handle that lapsed, a wrong
+# access token) is the mesh's own state, not the caller's input: 503, worth a retry.
+WORKER_STATE_LOST = {"NOT_FOUND", "PERMISSION_DENIED"}
 ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
-    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -187,7 +192,7 @@ class HttpApi:
                     await _event(response, reply.chunk(piece.text, piece.finish_reason))
         except DistServeError as e:
             # Too late for a status: the error becomes the stream's last event.
-            await _event(response, _error_body(e)[1])
+            await _event(response, error_body(e)[1])
             log.info("request %s failed mid-stream: %s", req.request_id, e)
         else:
             if last.finish_reason is None:
@@ -214,9 +219,12 @@ def _json(payload: dict, req: Request | None = None, status: int = 200) -> web.R
     )
 
 
-def _error_body(e: DistServeError) -> tuple[int, dict]:
+def error_body(e: DistServeError) -> tuple[int, dict]:
+    """The HTTP status and OpenAI-shaped body of an error: the one mapping of the HTTP API."""
+    if isinstance(e, RemoteError) and e.status in WORKER_STATE_LOST:
+        e = Unavailable(f"the mesh lost this request's state ({e}); retry it")
     status = HTTP_STATUS.get(e.status, 500)
-    message = str(e) if status < 500 or e.status in HTTP_STATUS else "internal error"
+    message = str(e) if e.status in HTTP_STATUS else "internal error"
     code = "model_not_found" if status == 404 and getattr(e, "param", None) == "model" else None
     error = {
         "message": message,
@@ -243,7 +251,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except DistServeError as e:
-        status, body = _error_body(e)
+        status, body = error_body(e)
         if status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
         return _json(body, status=status)

@@ -37,13 +37,13 @@ _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]
 _ERRORS = {
     "400": "Invalid JSON, a parameter of the wrong type or out of range, or an unsupported "
     "parameter (the `param` field names it)",
-    "401": "An API key is required (when the edge has keys): `Authorization: Bearer KEY`",
-    "403": "The API key is not valid",
+    "401": "A valid API key is required (when the edge has keys): `Authorization: Bearer KEY`",
     "404": "The model is not served here",
     "413": "The request body is larger than the limit",
     "429": "Rate limit reached (the edge's local rate limit)",
     "503": "No complete serving path (no prefill + decode, nor colocated, instance)",
     "504": "The request's deadline passed",
+    "500": "A server fault (never bad input); the message says what, where it is safe to",
 }
 
 
@@ -124,7 +124,7 @@ def _generate_op(endpoint: str, summary: str) -> dict:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors("400", "401", "403", "404", "413", "429", "503", "504"),
+                **_errors("400", "401", "404", "413", "429", "500", "503", "504"),
             },
         }
     }
@@ -171,7 +171,7 @@ def openapi_document(model: str) -> dict:
                                 }
                             },
                         },
-                        **_errors("401", "403"),
+                        **_errors("401"),
                     },
                 }
             },
@@ -184,7 +184,7 @@ def openapi_document(model: str) -> dict:
                             "description": "The model",
                             "content": {"application/json": {"schema": model_schema}},
                         },
-                        **_errors("401", "403", "404"),
+                        **_errors("401", "404"),
                     },
                 }
             },
