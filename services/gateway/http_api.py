@@ -137,7 +137,7 @@ class HttpApi:
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         try:
             body = json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
         call = oai.parse(endpoint, body, self.chat_template.render)
         model = self._served(call.model)
@@ -159,16 +159,15 @@ class HttpApi:
             # The first piece comes before any byte of the reply: errors until then (no worker,
             # a refused request) get their own HTTP status.
             first = await anext(pieces)
-            used = [len(first.token_ids)]
-            if not call.stream:
-                text, last = [first.text], first
-                async for piece in pieces:
-                    text.append(piece.text)
-                    used[0] += len(piece.token_ids)
-                    last = piece
-                total = oai.usage(len(req.prompt_ids), used[0])
-                return _json(reply.whole("".join(text), last.finish_reason, total), req)
-            return await self._stream(request, req, reply, first, pieces, used)
+            if call.stream:
+                return await self._stream(request, req, reply, first, pieces)
+            text, used, last = [first.text], len(first.token_ids), first
+            async for piece in pieces:
+                text.append(piece.text)
+                used += len(piece.token_ids)
+                last = piece
+            total = oai.usage(len(req.prompt_ids), used)
+            return _json(reply.whole("".join(text), last.finish_reason, total), req)
 
     async def _stream(
         self,
@@ -177,16 +176,15 @@ class HttpApi:
         reply: oai.Reply,
         first: Piece,
         pieces: AsyncIterator[Piece],
-        used: list[int],  # completion tokens so far, counted here
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
         chat = reply.call.endpoint == oai.CHAT
         await _event(response, reply.chunk(first.text, first.finish_reason, first=chat))
-        last = first
+        used, last = len(first.token_ids), first
         try:
             async for piece in pieces:
-                used[0] += len(piece.token_ids)
+                used += len(piece.token_ids)
                 last = piece
                 if piece.text or piece.finish_reason is not None:
                     await _event(response, reply.chunk(piece.text, piece.finish_reason))
@@ -198,7 +196,7 @@ class HttpApi:
             if last.finish_reason is None:
                 log.warning("request %s ended without a finish reason", req.request_id)
             if reply.call.include_usage:
-                await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used[0])))
+                await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
