@@ -8,9 +8,13 @@ In one run on the tiny model (the point is the mesh's own cost, not the model's)
   * the handoff: the first inter-token gap through the mesh (KV pulled over UCX, decode joins)
     beside the in-process engine's first decode step;
   * streamed tokens/s through one gateway with 64 concurrent requests, beside the in-process
-    engine running the same 64 requests.
-The mesh is 1 prefill + 1 decode, each pinned to its own core (`--pin`); the gateway and this
-client share the machine. Prints a table and one JSON line. Run: `make bench-mesh`.
+    engine running the same 64 requests;
+  * the edge: TTFT through Envoy beside straight to the gateway (p50, p99), requests alternating
+    between the two paths so that both see the same machine, over gRPC and over the HTTP API
+    (SSE); and streamed tokens/s through Envoy with 64 concurrent streams, gRPC and SSE.
+The mesh is 1 prefill + 1 decode, each pinned to its own core (`--pin`); the gateway, Envoy (one
+worker thread, access log to /dev/null, no rate limit) and this client share the machine.
+Prints a table and one JSON line. Run: `make bench-mesh`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import asyncio
 import json
 import time
 
+import aiohttp
 import grpc
 import torch
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.sampling import SamplingParams
+from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import default_model
@@ -99,6 +105,85 @@ async def mesh_stream_rate(address: str, prompts: list[list[int]], new: int) -> 
         return sum(counts) / (time.perf_counter() - t)
 
 
+async def grpc_ttft(stub, request) -> float:
+    t0 = time.perf_counter()
+    first = None
+    async for r in stub.Generate(request):
+        if first is None and r.token_ids:
+            first = time.perf_counter() - t0
+    return first
+
+
+async def http_ttft(session: aiohttp.ClientSession, url: str, body: dict) -> float:
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(url, json=body) as r:
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+    return first
+
+
+async def edge_ttft(mesh: Mesh, prompt: list[int], n: int) -> dict[str, list[float]]:
+    """Alternate requests straight to the gateway and through Envoy: TTFT of each path, for
+    gRPC and for the HTTP API (2-token requests, as above)."""
+    out: dict[str, list[float]] = {"grpc": [], "grpc_edge": [], "http": [], "http_edge": []}
+    params = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+    request = gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=params
+    )
+    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "stream": True}
+    direct = grpc.aio.insecure_channel(mesh.gateway_address)
+    edge = grpc.aio.insecure_channel(mesh.edge_address)
+    stubs = {
+        "grpc": gateway_pb2_grpc.GatewayStub(direct),
+        "grpc_edge": gateway_pb2_grpc.GatewayStub(edge),
+    }
+    urls = {
+        "http": f"http://{mesh.gateway_http_address}/v1/completions",
+        "http_edge": f"http://{mesh.edge_address}/v1/completions",
+    }
+    async with aiohttp.ClientSession() as session:
+        for i in range(n + 3):
+            for name, stub in stubs.items():
+                t = await grpc_ttft(stub, request)
+                if i >= 3:
+                    out[name].append(t)
+            for name, url in urls.items():
+                t = await http_ttft(session, url, body)
+                if i >= 3:
+                    out[name].append(t)
+    await direct.close()
+    await edge.close()
+    return out
+
+
+async def http_stream_rate(address: str, prompts: list[list[int]], new: int) -> float:
+    """Streamed tokens/s over the HTTP API (SSE): tokens counted from the final usage."""
+    url = f"http://{address}/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(p: list[int]) -> int:
+            body = {
+                "prompt": p,
+                "max_tokens": new,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            used = 0
+            async with session.post(url, json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b'data: {"id"') and b'"usage":{' in line:
+                        used = json.loads(line[6:])["usage"]["completion_tokens"]
+            return used
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(counts) / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100, help="sequential requests for TTFT")
@@ -118,13 +203,19 @@ def main() -> None:
     e_ttft, e_gap = engine_ttft_and_gap(path, prompt, args.requests)
     e_rate = engine_stream_rate(path, prompts, args.new_tokens)
     torch.set_num_threads(threads)
-    spec = MeshSpec(model=path, gateway_port=0, pin=True, worker_args=("--kv-cache-mb", "64"))
+    edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="/dev/null")
+    spec = MeshSpec(
+        model=path, gateway_port=0, pin=True, worker_args=("--kv-cache-mb", "64"), edge=edge
+    )
     with Mesh(spec) as mesh:
         m_ttft, m_gap = asyncio.run(mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests))
         m_ttft1, _ = asyncio.run(
             mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests, max_tokens=1)
         )
         m_rate = asyncio.run(mesh_stream_rate(mesh.gateway_address, prompts, args.new_tokens))
+        x = asyncio.run(edge_ttft(mesh, prompt, args.requests))
+        x_rate = asyncio.run(mesh_stream_rate(mesh.edge_address, prompts, args.new_tokens))
+        x_http_rate = asyncio.run(http_stream_rate(mesh.edge_address, prompts, args.new_tokens))
 
     ms = 1000
     rows = [
@@ -143,6 +234,17 @@ def main() -> None:
     print(f"{'measure':<28}{'mesh':>12}{'in-process':>12}{'added':>10}")
     for name, m, e in rows:
         print(f"{name:<28}{m:>12.2f}{e:>12.2f}{m - e:>10.2f}")
+    edge_rows = [
+        ("TTFT gRPC p50 (ms)", pct(x["grpc_edge"], 0.5) * ms, pct(x["grpc"], 0.5) * ms),
+        ("TTFT gRPC p99 (ms)", pct(x["grpc_edge"], 0.99) * ms, pct(x["grpc"], 0.99) * ms),
+        ("TTFT HTTP SSE p50 (ms)", pct(x["http_edge"], 0.5) * ms, pct(x["http"], 0.5) * ms),
+        ("TTFT HTTP SSE p99 (ms)", pct(x["http_edge"], 0.99) * ms, pct(x["http"], 0.99) * ms),
+        (f"tokens/s gRPC, {args.concurrency} streams", x_rate, m_rate),
+    ]
+    print(f"\n{'the edge':<28}{'via Envoy':>12}{'direct':>12}{'added':>10}")
+    for name, via, direct in edge_rows:
+        print(f"{name:<28}{via:>12.2f}{direct:>12.2f}{via - direct:>10.2f}")
+    print(f"{f'tokens/s SSE, {args.concurrency} streams':<28}{x_http_rate:>12.2f}")
     result = {
         "bench": "mesh",
         "preset": "tiny",
@@ -156,6 +258,17 @@ def main() -> None:
         "handoff_added_ms_p50": round((pct(m_gap, 0.5) - pct(e_gap, 0.5)) * ms, 3),
         "stream_tokens_per_s_64": round(m_rate, 1),
         "engine_tokens_per_s_64": round(e_rate, 1),
+        "envoy_ttft_ms_p50": round(pct(x["grpc_edge"], 0.5) * ms, 3),
+        "direct_ttft_ms_p50": round(pct(x["grpc"], 0.5) * ms, 3),
+        "envoy_added_ms_p50": round((pct(x["grpc_edge"], 0.5) - pct(x["grpc"], 0.5)) * ms, 3),
+        "envoy_added_ms_p99": round((pct(x["grpc_edge"], 0.99) - pct(x["grpc"], 0.99)) * ms, 3),
+        "envoy_added_ms_p50_http": round((pct(x["http_edge"], 0.5) - pct(x["http"], 0.5)) * ms, 3),
+        "envoy_added_ms_p99_http": round(
+            (pct(x["http_edge"], 0.99) - pct(x["http"], 0.99)) * ms, 3
+        ),
+        "http_ttft_ms_p50": round(pct(x["http"], 0.5) * ms, 3),
+        "envoy_stream_tokens_per_s_64": round(x_rate, 1),
+        "envoy_http_stream_tokens_per_s_64": round(x_http_rate, 1),
     }
     print(json.dumps(result))
 

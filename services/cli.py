@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from services.common.errors import DistServeError
+from services.edge.options import add_edge_options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,11 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--colocated", type=int, default=0, help="colocated instances")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (0: any free)")
+    up.add_argument(
+        "--gateway-http-port", type=int, default=0, help="gateway HTTP API port (0: any free)"
+    )
+    up.add_argument("--served-model-name", help="model name in the HTTP API (default: folder)")
+    up.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     up.add_argument("--pin", action="store_true", help="one CPU core, one thread per worker")
+    up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
+    add_edge_options(up.add_argument_group("edge (Envoy)"), port_flag="--edge-port")
     up.set_defaults(func=_up)
 
     client = sub.add_parser("client", help="send one request to the gateway and stream it")
-    client.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
+    client.add_argument(
+        "--address", default="127.0.0.1:8080", help="the edge (or a gateway's gRPC) host:port"
+    )
+    client.add_argument("--api-key", help="sent as 'authorization: Bearer KEY'")
+    client.add_argument("--ca-cert", type=Path, help="use TLS, trusting this PEM certificate")
     client.add_argument("--max-tokens", type=int, default=32)
     client.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     client.add_argument("--top-p", type=float, default=1.0)
@@ -184,12 +196,18 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from services.edge.options import edge_config
     from services.launcher import MeshSpec, run_until_signal
 
     if args.model is None:
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
+    gateway_args = ["--max-body-bytes", str(args.max_body_bytes)]
+    if args.served_model_name:
+        gateway_args += ["--served-model-name", args.served_model_name]
+    if args.max_tokens:
+        gateway_args += ["--max-tokens", str(args.max_tokens)]
     spec = MeshSpec(
         model=args.model,
         prefill=args.prefill,
@@ -197,7 +215,10 @@ def _up(args: argparse.Namespace) -> int:
         colocated=args.colocated,
         host=args.host,
         gateway_port=args.port,
+        gateway_http_port=args.gateway_http_port,
+        gateway_args=tuple(gateway_args),
         pin=args.pin,
+        edge=None if args.no_edge else edge_config(args, args.host),
     )
     return run_until_signal(spec)
 
@@ -223,10 +244,16 @@ def _client(args: argparse.Namespace) -> int:
     ids: list[int] = []
     text: list[str] = []
     last = None
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+    if args.ca_cert is not None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=args.ca_cert.read_bytes())
+        channel = grpc.secure_channel(args.address, credentials)
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
-            for reply in stub.Generate(request, timeout=args.timeout):
+            for reply in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 first = first or time.perf_counter()
                 ids += reply.token_ids
                 text.append(reply.text)

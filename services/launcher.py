@@ -1,9 +1,11 @@
 """`distserve up`: the mesh's processes on this host, started, watched and stopped together.
 
 Each service runs as its own process and prints one JSON "ready" line when it serves; the
-launcher waits for all of them and for every worker to appear in the gateway's registry. Stopping
-sends SIGTERM (workers first, then the gateway), and SIGKILL to any that outlive the grace
-period. Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+launcher waits for all of them and for every worker to appear in the gateway's registry, then
+starts Envoy in front of the gateway (when the spec has an edge) and waits until it is ready.
+Stopping sends SIGTERM (Envoy first, then the workers, then the gateway), and SIGKILL to any that
+outlive the grace period. Children die with the launcher even if it is killed
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 import grpc
 
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.edge.config import EdgeConfig, Upstream
+from services.edge.envoy import Envoy
 
 _PR_SET_PDEATHSIG = 1
 
@@ -37,6 +41,7 @@ class MeshSpec:
     colocated: int = 0
     host: str = "127.0.0.1"
     gateway_port: int = 50051  # 0 picks a free port
+    gateway_http_port: int = 0  # the gateway's own HTTP API (Envoy's upstream); 0: any free port
     pin: bool = False  # one CPU core and one torch thread per worker
     worker_args: tuple[str, ...] = ()  # extra options for every worker (engine options)
     prefill_args: tuple[str, ...] = ()
@@ -46,6 +51,7 @@ class MeshSpec:
     per_worker_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
     env: dict[str, str] = field(default_factory=dict)
+    edge: EdgeConfig | None = None  # Envoy in front of the gateway; None: no edge
 
 
 @dataclass
@@ -63,6 +69,9 @@ class Mesh:
         self.spec = spec
         self.processes: list[Process] = []
         self.gateway_address = ""
+        self.gateway_http_address = ""
+        self.envoy: Envoy | None = None
+        self.edge_address = ""  # Envoy's listener, when the spec has an edge
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -88,11 +97,14 @@ class Mesh:
                     spec.host,
                     "--port",
                     str(spec.gateway_port),
+                    "--http-port",
+                    str(spec.gateway_http_port),
                     *spec.gateway_args,
                 ],
             )
             self._wait_ready([gateway])
             self.gateway_address = gateway.ready["address"]
+            self.gateway_http_address = gateway.ready.get("http_address", "")
             cores = sorted(os.sched_getaffinity(0))
             started = []
             roles = [
@@ -123,12 +135,21 @@ class Mesh:
                     started.append(self._spawn(f"{role}-{i}", args))
             self._wait_ready(started)
             self._wait_registered(len(started))
+            if spec.edge is not None:
+                upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
+                self.envoy = Envoy(spec.edge, [upstream], preexec_fn=_die_with_parent)
+                self.envoy.start(timeout_s=spec.ready_timeout_s)
+                self.edge_address = self.envoy.address
         except BaseException:
             self.stop()
             raise
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM workers, then the gateway; SIGKILL what outlives the grace period."""
+        """SIGTERM Envoy, the workers, then the gateway; SIGKILL what outlives the grace
+        period."""
+        if self.envoy is not None:
+            self.envoy.stop(grace_s)
+            self.envoy = None
         for group in (self.workers, [p for p in self.processes if p.name == "gateway"]):
             for p in group:
                 if p.popen.poll() is None:
@@ -211,13 +232,26 @@ def run_until_signal(spec: MeshSpec) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Mesh(spec) as mesh:
         print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
+        print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
         for p in mesh.workers:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
+        if mesh.envoy is not None:
+            scheme = "https" if spec.edge.tls else "http"
+            keys = "API keys required" if spec.edge.api_keys else "no API keys"
+            print(
+                f"distserve: edge (Envoy; OpenAI HTTP API and gRPC) on "
+                f"{scheme}://{mesh.edge_address} ({keys}); admin on {mesh.envoy.admin_address}",
+                flush=True,
+            )
         print("distserve: serving; Ctrl-C stops", flush=True)
         while not stop.wait(timeout=0.5):
             dead = [p for p in mesh.processes if p.popen.poll() is not None]
             for p in dead:
                 print(f"distserve: {p.name} exited with code {p.popen.returncode}", flush=True)
                 mesh.processes.remove(p)
+            if mesh.envoy is not None and mesh.envoy.popen.poll() is not None:
+                print(f"distserve: envoy exited with code {mesh.envoy.popen.returncode}")
+                mesh.envoy.stop()
+                mesh.envoy = None
         print("distserve: stopping", flush=True)
     return 0

@@ -249,8 +249,9 @@ def test_bad_input_is_invalid_argument_with_a_message(mesh_1p1d, request_fields,
 
 
 def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_path):
+    argv = ["up", "--model", str(tiny_model), "--port", "0", "--edge-port", "0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model), "--port", "0"],
+        [sys.executable, "-m", "services.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -265,9 +266,12 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
         gateway = next(ln.split()[-1] for ln in lines if "gateway (gRPC) on" in ln)
         ids, _, last = asyncio.run(generate(gateway, "Hello", 5))
         assert len(ids) == 5 and last.usage.completion_tokens == 5
+        edge = next(ln.split("http://")[1].split()[0] for ln in lines if "edge (Envoy" in ln)
+        ids, _, _ = asyncio.run(generate(edge, "Hello", 5))
+        assert len(ids) == 5
         children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
         children = [int(p) for p in children_file.read_text().split()]
-        assert len(children) == 3  # gateway, prefill, decode
+        assert len(children) == 4  # gateway, prefill, decode, envoy
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         for pid in children:

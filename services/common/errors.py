@@ -14,9 +14,16 @@ class DistServeError(Exception):
 
 
 class InvalidRequest(DistServeError):
-    """The caller sent something we cannot serve; the message says what and how to fix it."""
+    """The caller sent something we cannot serve; the message says what and how to fix it.
+
+    `param` names the offending request field where there is one (the HTTP API reports it).
+    """
 
     status = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedModel(DistServeError):
@@ -43,9 +50,13 @@ class OutOfKvBlocks(DistServeError):
 
 
 class NotFound(DistServeError):
-    """The named thing (a KV handle, a request) does not exist, or no longer does."""
+    """The named thing (a KV handle, a request, a model) does not exist, or no longer does."""
 
     status = "NOT_FOUND"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PermissionDenied(DistServeError):

@@ -52,42 +52,63 @@ class SamplingParams:
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            raise InvalidRequest(
+                f"max_tokens must be an integer, got {self.max_tokens!r}", param="max_tokens"
+            )
         if self.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidRequest(
+                f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens"
+            )
         if not _is_number(self.temperature) or not math.isfinite(self.temperature):
-            raise InvalidRequest(f"temperature must be a finite number, got {self.temperature!r}")
+            raise InvalidRequest(
+                f"temperature must be a finite number, got {self.temperature!r}",
+                param="temperature",
+            )
         if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise InvalidRequest(
+                f"temperature must be >= 0 (0 is greedy), got {self.temperature}",
+                param="temperature",
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(
-                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"
+                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+                param="top_k",
             )
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)
             or not 0 <= self.seed < 2**63
         ):
-            raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidRequest(
+                f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise InvalidRequest(
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", param="stop"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequest(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequest(
+                    f"stop strings must be non-empty strings, got {s!r}", param="stop"
+                )
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequest(
                     f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                    f"got one of {len(s)}"
+                    f"got one of {len(s)}",
+                    param="stop",
                 )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(
-                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+                param="stop_token_ids",
             )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidRequest(f"stop_token_ids must be integers >= 0, got {t!r}")
+                raise InvalidRequest(
+                    f"stop_token_ids must be integers >= 0, got {t!r}", param="stop_token_ids"
+                )
 
 
 def _is_number(x: object) -> bool:

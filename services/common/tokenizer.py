@@ -66,12 +66,26 @@ class Tokenizer:
     def is_byte_level_fallback(self) -> bool:
         return self._backend is None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens the tokenizer's template adds (e.g. BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer's template adds (e.g. BOS)
+        unless `add_special_tokens` is off (a chat template that writes its own)."""
         if self._backend is None:
             ids = list(text.encode("utf-8"))
-            return [self.bos_token_id, *ids] if self.bos_token_id is not None else ids
-        return self._backend.encode(text).ids
+            bos = self.bos_token_id
+            return [bos, *ids] if bos is not None and add_special_tokens else ids
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (e.g. a special token), or None."""
+        if self._backend is None:
+            return None
+        return self._backend.token_to_id(token)
+
+    def token(self, token_id: int | None) -> str | None:
+        """The text of a vocabulary token by id (e.g. the BOS token's), or None."""
+        if self._backend is None or token_id is None:
+            return None
+        return self._backend.id_to_token(token_id)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` without special tokens; incomplete UTF-8 sequences become U+FFFD."""

@@ -1,17 +1,22 @@
-"""`python -m services.gateway`: run the gateway (public API and worker registry)."""
+"""`python -m services.gateway`: run the gateway (gRPC and OpenAI-compatible HTTP APIs, and the
+worker registry)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from aiohttp import web
 
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.model_config import ModelConfig
 from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
 from services.common.tokenizer import Tokenizer
+from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.registry import Registry
 from services.gateway.request import Limits
 from services.gateway.router import Router
@@ -27,6 +32,9 @@ class GatewayConfig:
     port: int = 50051
     worker_lease_s: float = 3.0  # a worker that does not heartbeat this long is dropped
     max_tokens: int | None = None  # largest max_tokens accepted; default: the model's context
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0: any free port; None: off
+    served_model_name: str | None = None  # the model's name in the HTTP API; default: folder name
+    max_body_bytes: int = 8 * 2**20  # largest HTTP request body
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -36,8 +44,24 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--worker-lease-s", type=float, default=3.0)
     p.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 any free, -1 off"
+    )
+    p.add_argument("--served-model-name", help="model name in the HTTP API (default: folder name)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest HTTP body")
     a = p.parse_args(argv)
-    return GatewayConfig(a.model, a.host, a.port, a.worker_lease_s, a.max_tokens)
+    if a.max_body_bytes < 1:
+        p.error("--max-body-bytes must be >= 1")
+    return GatewayConfig(
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        worker_lease_s=a.worker_lease_s,
+        max_tokens=a.max_tokens,
+        http_port=None if a.http_port < 0 else a.http_port,
+        served_model_name=a.served_model_name,
+        max_body_bytes=a.max_body_bytes,
+    )
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -57,9 +81,31 @@ async def serve(config: GatewayConfig) -> None:
         gateway_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Gateway", "WorkerRegistry")
     ]
     server, health, port = await start_server(config.host, config.port, add, names)
-    announce_ready("gateway", address=f"{config.host}:{port}")
+    ready = {"address": f"{config.host}:{port}"}
+    http = None
+    if config.http_port is not None:
+        api = HttpApi(
+            HttpApiConfig(
+                model_names=(config.served_model_name or config.model.resolve().name,),
+                max_body_bytes=config.max_body_bytes,
+            ),
+            router,
+            registry,
+            tokenizer,
+            limits,
+        )
+        # handler_cancellation: a client that disconnects cancels its request downstream.
+        http = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        await http.setup()
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.create_server((config.host, config.http_port), family=family)  # 0: free
+        await web.SockSite(http, sock).start()
+        ready["http_address"] = f"{config.host}:{sock.getsockname()[1]}"
+    announce_ready("gateway", **ready)
     await wait_for_signal()
     await health.enter_graceful_shutdown()
+    if http is not None:
+        await http.cleanup()
     await server.stop(grace=5)
     await router.close()
 

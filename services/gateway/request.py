@@ -1,9 +1,12 @@
-"""Validation of a Generate request into a domain object: everything checked before routing."""
+"""Validation of a request into a domain object: everything checked before routing, in one
+path for the gRPC and the HTTP API."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.convert import sampling_from_pb
@@ -46,50 +49,100 @@ class Limits:
         )
 
 
-def validate(pb, tokenizer: Tokenizer, limits: Limits, grpc_remaining: float | None) -> Request:
-    """Check a GenerateRequest; InvalidRequest with an actionable message if anything is off."""
+def validate(
+    pb,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    grpc_remaining: float | None,
+    default_request_id: str = "",
+) -> Request:
+    """Check a gRPC GenerateRequest; InvalidRequest with an actionable message if anything is
+    off. The checks themselves are `build_request`'s, shared with the HTTP API.
+    `default_request_id` (e.g. Envoy's x-request-id) is used when the request names none."""
     kind = pb.WhichOneof("prompt")
     if kind is None:
-        raise InvalidRequest("give a prompt: `text` or `token_ids`")
-    if kind == "text":
-        if not pb.text:
-            raise InvalidRequest("prompt is empty: give at least one character")
-        if len(pb.text) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(f"prompt text is longer than {MAX_PROMPT_CHARS} characters")
-        ids = tokenizer.encode(pb.text)
+        raise InvalidRequest("give a prompt: `text` or `token_ids`", param="prompt")
+    prompt = pb.text if kind == "text" else list(pb.token_ids.ids)
+    budgets = (grpc_remaining, pb.timeout_ms / 1000 if pb.timeout_ms else None)
+    return build_request(
+        prompt,
+        sampling_from_pb(pb.sampling),
+        tokenizer,
+        limits,
+        request_id=pb.request_id or default_request_id,
+        budgets=budgets,
+    )
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    *,
+    request_id: str = "",
+    budgets: Sequence[float | None] = (),
+    fill_context: bool = False,
+    add_special_tokens: bool = True,
+) -> Request:
+    """The one validation path of every API (gRPC and HTTP): tokenize the prompt and check it
+    and the parameters against the model and this server's limits.
+
+    `prompt` is text or token ids. `budgets` are time limits in seconds (the earliest wins; None
+    or 0 is no limit). `fill_context`: the caller did not choose max_tokens, so generate up to
+    the context (capped by the server's limit) instead of `params.max_tokens`.
+    `add_special_tokens`: add what the tokenizer adds to text (e.g. BOS); a chat template that
+    renders its own special tokens turns it off.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt is empty: give at least one character", param="prompt")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(
+                f"prompt text is longer than {MAX_PROMPT_CHARS} characters", param="prompt"
+            )
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
-        ids = list(pb.token_ids.ids)
+        ids = list(prompt)
         if not ids:
-            raise InvalidRequest("prompt is empty: give at least one token id")
-        bad = next((t for t in ids if t >= limits.vocab_size), None)
+            raise InvalidRequest("prompt is empty: give at least one token id", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(
-                f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
+                f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                param="prompt",
             )
-    params = sampling_from_pb(pb.sampling)
-    if params.max_tokens > limits.max_tokens:
-        raise InvalidRequest(
-            f"max_tokens is {params.max_tokens}; this server allows at most {limits.max_tokens}"
-        )
     if len(ids) >= limits.max_context:
         raise InvalidRequest(
             f"prompt has {len(ids)} tokens; the model's context is {limits.max_context} tokens, "
-            "shorten the prompt"
+            "shorten the prompt",
+            param="prompt",
         )
     room = limits.max_context - len(ids)
+    if fill_context:
+        params = dataclasses.replace(params, max_tokens=min(room, limits.max_tokens))
+    if params.max_tokens > limits.max_tokens:
+        raise InvalidRequest(
+            f"max_tokens is {params.max_tokens}; this server allows at most {limits.max_tokens}",
+            param="max_tokens",
+        )
     if params.max_tokens > room:
         raise InvalidRequest(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-            f"context of {limits.max_context} tokens; set max_tokens <= {room}"
+            f"context of {limits.max_context} tokens; set max_tokens <= {room}",
+            param="max_tokens",
         )
     for t in params.stop_token_ids:
         if t >= limits.vocab_size:
-            raise InvalidRequest(f"stop token id {t} is outside the vocabulary")
-    request_id = pb.request_id or uuid.uuid4().hex
+            raise InvalidRequest(
+                f"stop token id {t} is outside the vocabulary", param="stop_token_ids"
+            )
+    request_id = request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         raise InvalidRequest(
-            f"request_id must be printable and at most {MAX_REQUEST_ID_CHARS} characters"
+            f"request_id must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
+            param="request_id",
         )
-    budgets = [s for s in (grpc_remaining, pb.timeout_ms / 1000 if pb.timeout_ms else None) if s]
-    deadline = time.monotonic() + min(budgets) if budgets else None
+    limits_s = [b for b in budgets if b]
+    deadline = time.monotonic() + min(limits_s) if limits_s else None
     return Request(request_id, ids, params, deadline)

@@ -31,7 +31,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
 
     async def Generate(self, request, context):
-        req = validate(request, self.tokenizer, self.limits, context.time_remaining())
+        # Behind Envoy, its x-request-id names the request (as in its access log).
+        edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
+        req = validate(request, self.tokenizer, self.limits, context.time_remaining(), edge_id)
         completion = 0
         async for piece in self.router.generate(req):
             completion += len(piece.token_ids)

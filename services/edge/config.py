@@ -1,0 +1,71 @@
+"""What the edge (Envoy in front of the gateways) does: one frozen config, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One gateway as Envoy sees it: its gRPC and its HTTP (OpenAI API) host:port."""
+
+    grpc: str
+    http: str
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    """Envoy's listener and policies. Defaults: plain HTTP/1.1 + HTTP/2 on 127.0.0.1:8080, no
+    API keys, 8 MiB bodies, 100 requests/s (bursts of 200), streams cut after 300 s idle."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0 picks a free port
+    admin_port: int = 0  # the admin interface, always on 127.0.0.1; 0 picks a free port
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, TLS is on
+    tls_key: Path | None = None
+    api_keys: tuple[str, ...] = ()  # when set, every request but /health needs one
+    max_request_bytes: int = 8 * 2**20  # larger bodies get 413
+    rate_limit_rps: int = 100  # requests per second over the whole edge; 0 is off
+    rate_limit_burst: int = 200  # the token bucket's size
+    stream_idle_timeout_s: float = 300.0  # a stream that sends nothing this long is cut
+    request_timeout_s: float = 60.0  # time to receive a whole request (not its answer)
+    retries: int = 2  # retries of a request that failed before its first response byte
+    concurrency: int = 1  # Envoy worker threads
+    access_log: str = "-"  # "-" is stdout, "" is off, else a file path
+    log_level: str = "warn"  # Envoy's own log (stderr)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidRequest("TLS needs both a certificate and a key")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise InvalidRequest(f"TLS file {path} does not exist")
+        for key in self.api_keys:
+            if not key or not key.isprintable() or any(c.isspace() for c in key):
+                raise InvalidRequest("API keys must be non-empty printable strings without spaces")
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise InvalidRequest("API keys must be distinct")
+        if self.max_request_bytes < 1:
+            raise InvalidRequest("max_request_bytes must be >= 1")
+        if self.rate_limit_rps < 0 or (self.rate_limit_rps and self.rate_limit_burst < 1):
+            raise InvalidRequest("the rate limit needs rps >= 0 and a burst >= 1")
+        if self.stream_idle_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise InvalidRequest("timeouts must be > 0 seconds")
+        if self.retries < 0 or self.concurrency < 1:
+            raise InvalidRequest("retries must be >= 0 and concurrency >= 1")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """API keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise InvalidRequest(f"cannot read the API key file {path}: {e}") from e
+    return tuple(s for line in lines if (s := line.strip()) and not s.startswith("#"))

@@ -1,0 +1,45 @@
+"""The edge's command-line options, shared by `python -m services.edge` and `distserve up`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from services.edge.config import EdgeConfig, read_api_keys
+
+
+def add_edge_options(p: argparse.ArgumentParser, port_flag: str = "--port") -> None:
+    """The edge's options, shared with `distserve up`."""
+    d = EdgeConfig()
+    p.add_argument(port_flag, dest="edge_port", type=int, default=d.port, help="0: any free port")
+    p.add_argument(
+        "--tls-cert", type=Path, help="PEM certificate chain: serve TLS (with --tls-key)"
+    )
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    p.add_argument("--api-key-file", type=Path, help="require one of these keys (one per line)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument(
+        "--rate-limit", type=int, default=d.rate_limit_rps, help="requests/s over the edge; 0 off"
+    )
+    p.add_argument("--rate-limit-burst", type=int, help="bucket size (default: 2 x --rate-limit)")
+    p.add_argument("--stream-idle-timeout-s", type=float, default=d.stream_idle_timeout_s)
+    p.add_argument("--edge-concurrency", type=int, default=d.concurrency, help="Envoy threads")
+    p.add_argument("--access-log", default=d.access_log, help="'-' stdout, '' off, or a file")
+
+
+def edge_config(a: argparse.Namespace, host: str) -> EdgeConfig:
+    keys = tuple(a.api_key) + (read_api_keys(a.api_key_file) if a.api_key_file else ())
+    return EdgeConfig(
+        host=host,
+        port=a.edge_port,
+        tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
+        api_keys=keys,
+        max_request_bytes=a.max_body_bytes,
+        rate_limit_rps=a.rate_limit,
+        rate_limit_burst=a.rate_limit_burst or 2 * a.rate_limit,
+        stream_idle_timeout_s=a.stream_idle_timeout_s,
+        concurrency=a.edge_concurrency,
+        access_log=a.access_log,
+    )

@@ -1,0 +1,270 @@
+"""The OpenAI-compatible HTTP API of the gateway (aiohttp, on the gateway's event loop).
+
+Handlers are thin: parse the body (openai_protocol), build the Request through the same
+validation as gRPC (request.build_request), stream Router.generate's pieces back as JSON or
+server-sent events. `_errors` is the one place where exceptions become HTTP statuses and
+OpenAI-shaped error bodies. Errors before the first token get their status; an error after the
+stream has started is sent as a last `data: {"error": ...}` event (the status line is gone).
+
+A client that disconnects cancels its handler (handler_cancellation), which closes the
+router's stream and cancels the request everywhere downstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.common.errors import (
+    DistServeError,
+    InvalidRequest,
+    NotFound,
+    RemoteError,
+    Unavailable,
+)
+from services.common.tokenizer import Tokenizer
+from services.gateway import openai_protocol as oai
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.openapi import openapi_document
+from services.gateway.registry import Registry
+from services.gateway.request import Limits, Request, build_request
+from services.gateway.router import Piece, Router
+
+log = logging.getLogger("distserve.gateway.http")
+
+# gRPC status (DistServeError.status) -> HTTP status. Anything else is a 500 with a safe message.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "FAILED_PRECONDITION": 500,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+# What a worker answers NOT_FOUND or PERMISSION_DENIED to (a KV handle that lapsed, a wrong
+# access token) is the mesh's own state, not the caller's input: 503, worth a retry.
+WORKER_STATE_LOST = {"NOT_FOUND", "PERMISSION_DENIED"}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(frozen=True)
+class HttpApiConfig:
+    model_names: tuple[str, ...]  # names a request's `model` may use; the first is listed first
+    max_body_bytes: int = 8 * 2**20
+
+
+class HttpApi:
+    """Routes of the OpenAI-compatible API over one Router."""
+
+    def __init__(
+        self,
+        config: HttpApiConfig,
+        router: Router,
+        registry: Registry,
+        tokenizer: Tokenizer,
+        limits: Limits,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.chat_template = ChatTemplate(tokenizer)
+        self.created = int(time.time())
+        self._openapi = json.dumps(openapi_document(config.model_names[0]), indent=1)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold slashes
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, oai.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, oai.CHAT)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._model(n) for n in self.config.model_names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        return _json(self._model(self._served(request.match_info["model"])))
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when a request can be served now (a complete path of workers), else 503."""
+        mode = self.registry.mode()  # Unavailable -> 503 with the reason
+        counts = {r: len(self.registry.live(r)) for r in ("prefill", "decode", "colocated")}
+        return _json({"status": "ok", "mode": mode, "workers": counts})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(text=self._openapi, content_type="application/json")
+
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "distserve"}
+
+    def _served(self, name: str | None) -> str:
+        if name is None:
+            return self.config.model_names[0]
+        if name not in self.config.model_names:
+            raise NotFound(
+                f"the model '{name}' is not served here; GET /v1/models lists what is "
+                f"({', '.join(self.config.model_names)})",
+                param="model",
+            )
+        return name
+
+    async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+        call = oai.parse(endpoint, body, self.chat_template.render)
+        model = self._served(call.model)
+        req = build_request(
+            call.prompt,
+            call.params,
+            self.tokenizer,
+            self.limits,
+            request_id=request.headers.get("x-request-id", ""),
+            fill_context=call.fill_context,
+            add_special_tokens=call.add_special_tokens,
+        )
+        prefix = "chatcmpl-" if endpoint == oai.CHAT else "cmpl-"
+        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model)
+        if call.user:
+            log.info("request %s from user %r", req.request_id, call.user)
+        pieces = self.router.generate(req)
+        async with contextlib.aclosing(pieces):
+            # The first piece comes before any byte of the reply: errors until then (no worker,
+            # a refused request) get their own HTTP status.
+            first = await anext(pieces)
+            if call.stream:
+                return await self._stream(request, req, reply, first, pieces)
+            text, used, last = [first.text], len(first.token_ids), first
+            async for piece in pieces:
+                text.append(piece.text)
+                used += len(piece.token_ids)
+                last = piece
+            total = oai.usage(len(req.prompt_ids), used)
+            return _json(reply.whole("".join(text), last.finish_reason, total), req)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: Request,
+        reply: oai.Reply,
+        first: Piece,
+        pieces: AsyncIterator[Piece],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
+        await response.prepare(request)
+        chat = reply.call.endpoint == oai.CHAT
+        await _event(response, reply.chunk(first.text, first.finish_reason, first=chat))
+        used, last = len(first.token_ids), first
+        try:
+            async for piece in pieces:
+                used += len(piece.token_ids)
+                last = piece
+                if piece.text or piece.finish_reason is not None:
+                    await _event(response, reply.chunk(piece.text, piece.finish_reason))
+        except DistServeError as e:
+            # Too late for a status: the error becomes the stream's last event.
+            await _event(response, error_body(e)[1])
+            log.info("request %s failed mid-stream: %s", req.request_id, e)
+        else:
+            if last.finish_reason is None:
+                log.warning("request %s ended without a finish reason", req.request_id)
+            if reply.call.include_usage:
+                await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _event(response: web.StreamResponse, payload: dict) -> None:
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    await response.write(b"data: " + data.encode() + b"\n\n")
+
+
+def _json(payload: dict, req: Request | None = None, status: int = 200) -> web.Response:
+    headers = {"x-request-id": req.request_id} if req is not None else None
+    return web.json_response(
+        payload,
+        status=status,
+        headers=headers,
+        dumps=lambda x: json.dumps(x, ensure_ascii=False, separators=(",", ":")),
+    )
+
+
+def error_body(e: DistServeError) -> tuple[int, dict]:
+    """The HTTP status and OpenAI-shaped body of an error: the one mapping of the HTTP API."""
+    if isinstance(e, RemoteError) and e.status in WORKER_STATE_LOST:
+        e = Unavailable(f"the mesh lost this request's state ({e}); retry it")
+    status = HTTP_STATUS.get(e.status, 500)
+    message = str(e) if e.status in HTTP_STATUS else "internal error"
+    code = "model_not_found" if status == 404 and getattr(e, "param", None) == "model" else None
+    error = {
+        "message": message,
+        "type": ERROR_TYPE.get(status, "server_error"),
+        "param": getattr(e, "param", None),
+        "code": code,
+    }
+    return status, {"error": error}
+
+
+def _plain_error(status: int, message: str, code: str | None = None) -> web.Response:
+    error = {
+        "message": message,
+        "type": ERROR_TYPE.get(status, "server_error"),
+        "param": None,
+        "code": code,
+    }
+    return _json({"error": error}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """The one place where exceptions become HTTP statuses with OpenAI-shaped bodies."""
+    try:
+        return await handler(request)
+    except DistServeError as e:
+        status, body = error_body(e)
+        if status >= 500:
+            log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
+        return _json(body, status=status)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _plain_error(
+            413, f"the request body is larger than {e.max_size} bytes", "request_too_large"
+        )
+    except web.HTTPNotFound:
+        return _plain_error(404, f"no such path: {request.path}", "not_found")
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message = f"{request.method} is not allowed on {request.path}; use {allowed}"
+        return _plain_error(405, message)
+    except (web.HTTPException, ConnectionResetError):
+        raise  # aiohttp's own answers; a client that went away needs none
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _plain_error(500, "internal error")

@@ -1,0 +1,221 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at /openapi.json.
+
+Request schemas are written from openai_protocol.PARAMETERS (the table the parser checks), so
+the document describes what the server accepts; tests check the routes and the behaviour.
+"""
+
+from __future__ import annotations
+
+from services.gateway import openai_protocol as oai
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+    },
+}
+_MODEL_PATH_PARAM = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+_ERRORS = {
+    "400": "Invalid JSON, a parameter of the wrong type or out of range, or an unsupported "
+    "parameter (the `param` field names it)",
+    "401": "A valid API key is required (when the edge has keys): `Authorization: Bearer KEY`",
+    "404": "The model is not served here",
+    "413": "The request body is larger than the limit",
+    "429": "Rate limit reached (the edge's local rate limit)",
+    "503": "No complete serving path (no prefill + decode, nor colocated, instance)",
+    "504": "The request's deadline passed",
+    "500": "A server fault (never bad input); the message says what, where it is safe to",
+}
+
+
+def _request_schema(endpoint: str) -> dict:
+    props, required = {}, []
+    for p in oai.PARAMETERS:
+        if endpoint not in p.endpoints:
+            continue
+        props[p.name] = {**p.kind.schema, **(p.extra or {}), "description": p.description}
+        if p.required:
+            required.append(p.name)
+    unsupported = [u.name for u in oai.UNSUPPORTED if endpoint in u.endpoints]
+    return {
+        "type": "object",
+        "required": required,
+        "properties": props,
+        "additionalProperties": True,
+        "description": "Other fields are ignored, except these, refused with a 400 when set to "
+        "anything but their default: " + ", ".join(unsupported) + ".",
+    }
+
+
+def _completion_reply(chat: bool) -> dict:
+    if chat:
+        choice = {
+            "index": {"type": "integer"},
+            "message": {
+                "type": "object",
+                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            },
+            "finish_reason": _FINISH,
+        }
+    else:
+        choice = {"index": {"type": "integer"}, "text": {"type": "string"}}
+        choice["finish_reason"] = _FINISH
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion" if chat else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object", "properties": choice}},
+            "usage": _USAGE,
+        },
+    }
+
+
+def _errors(*codes: str) -> dict:
+    return {
+        c: {
+            "description": _ERRORS[c],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for c in codes
+    }
+
+
+def _generate_op(endpoint: str, summary: str) -> dict:
+    chat = endpoint == oai.CHAT
+    name = "ChatCompletion" if chat else "Completion"
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{name}Request"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "The completion; with `stream: true`, server-sent events "
+                    "(`data: {chunk}` lines, then `data: [DONE]`). An error after the stream "
+                    'started comes as a last `data: {"error": ...}` event.',
+                    "content": {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors("400", "401", "404", "413", "429", "500", "503", "504"),
+            },
+        }
+    }
+
+
+def openapi_document(model: str) -> dict:
+    """The document; `model` is the served model's name (used in examples)."""
+    model_schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "example": model},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "DistServe mesh: OpenAI-compatible API",
+            "version": "1",
+            "description": "Completions and chat completions over a prefill/decode-"
+            "disaggregated mesh. Errors have OpenAI's shape: "
+            '{"error": {"message", "type", "param", "code"}}.',
+        },
+        "paths": {
+            "/v1/completions": _generate_op(oai.COMPLETIONS, "Complete a prompt"),
+            "/v1/chat/completions": _generate_op(oai.CHAT, "Answer a conversation"),
+            "/v1/models": {
+                "get": {
+                    "summary": "The served models",
+                    "responses": {
+                        "200": {
+                            "description": "A list of models",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "properties": {
+                                            "object": {"const": "list"},
+                                            "data": {"type": "array", "items": model_schema},
+                                        },
+                                    }
+                                }
+                            },
+                        },
+                        **_errors("401"),
+                    },
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One served model",
+                    "parameters": [_MODEL_PATH_PARAM],
+                    "responses": {
+                        "200": {
+                            "description": "The model",
+                            "content": {"application/json": {"schema": model_schema}},
+                        },
+                        **_errors("401", "404"),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Whether a request can be served now (never needs an API key)",
+                    "responses": {
+                        "200": {
+                            "description": "Serving: the mode and the live workers per role",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        **_errors("503"),
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {"200": {"description": "OpenAPI 3.1"}},
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "CompletionRequest": _request_schema(oai.COMPLETIONS),
+                "ChatCompletionRequest": _request_schema(oai.CHAT),
+                "Completion": _completion_reply(chat=False),
+                "ChatCompletion": _completion_reply(chat=True),
+                "Error": _ERROR,
+            },
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{}, {"apiKey": []}],
+    }
