@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -70,3 +70,38 @@ class Announcer:
                     await self._register()
             except grpc.aio.AioRpcError as e:
                 log.warning("heartbeat to %s failed: %s", self.gateway, e.code().name)
+
+
+async def serve_as_worker(
+    *,
+    server: grpc.aio.Server,
+    health,
+    gateway: str | None,
+    worker_id: str,
+    role: int,
+    service: str,
+    address: str,
+    model: str,
+    load: Callable[[], common_pb2.WorkerLoad],
+    stop: Callable[[], Awaitable[None]],
+    **ready: object,
+) -> None:
+    """A worker's life after its server started: join the mesh (when a gateway is given), say
+    ready, serve until SIGINT or SIGTERM, then leave: not serving, deregistered, server stopped
+    with a grace period, and `stop()` for the worker's own resources."""
+    from services.common.server import announce_ready, wait_for_signal
+
+    announcer = None
+    if gateway:
+        announcer = Announcer(
+            gateway, worker_id=worker_id, role=role, address=address, model=model, load=load
+        )
+        await announcer.start()
+    announce_ready(service, address=address, worker_id=worker_id, **ready)
+    await wait_for_signal()
+    log.info("stopping %s", worker_id)
+    await health.enter_graceful_shutdown()
+    if announcer is not None:
+        await announcer.stop()
+    await server.stop(grace=5)
+    await stop()

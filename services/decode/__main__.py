@@ -7,9 +7,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from services.common.announcer import Announcer
+from services.common.announcer import serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
-from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
+from services.common.server import setup_logging, start_server
 from services.decode.config import ROLES, DecodeConfig
 from services.decode.servicer import DecodeServicer, role_pb, worker_load
 from services.decode.worker import DecodeWorker
@@ -68,26 +68,23 @@ async def serve(config: DecodeConfig) -> None:
     server, health, port = await start_server(config.host, config.port, add, names)
     address = f"{config.host}:{port}"
     await worker.start()
-    announcer = None
-    if config.gateway:
-        announcer = Announcer(
-            config.gateway,
-            worker_id=config.worker_id,
-            role=role_pb(worker),
-            address=address,
-            model=config.model.name,
-            load=lambda: worker_load(worker),
-        )
-        await announcer.start()
-    announce_ready(config.role, address=address, worker_id=config.worker_id)
-    await wait_for_signal()
-    log.info("stopping %s", config.worker_id)
-    await health.enter_graceful_shutdown()
-    if announcer is not None:
-        await announcer.stop()
-    await server.stop(grace=5)
-    await worker.stop()
-    shutdown_ucx()
+
+    async def stop() -> None:
+        await worker.stop()
+        shutdown_ucx()
+
+    await serve_as_worker(
+        server=server,
+        health=health,
+        gateway=config.gateway,
+        worker_id=config.worker_id,
+        role=role_pb(worker),
+        service=config.role,
+        address=address,
+        model=config.model.name,
+        load=lambda: worker_load(worker),
+        stop=stop,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from services.common.announcer import Announcer
+from services.common.announcer import serve_as_worker
 from services.common.gen.distserve.v1 import (
     common_pb2,
     kvtransfer_pb2,
@@ -15,7 +15,7 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
+from services.common.server import setup_logging, start_server
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.transports import shutdown_ucx
@@ -76,27 +76,24 @@ async def serve(config: PrefillConfig) -> None:
     server, health, port = await start_server(config.host, config.port, add, names)
     address = f"{config.host}:{port}"
     await worker.start(address)
-    announcer = None
-    if config.gateway:
-        announcer = Announcer(
-            config.gateway,
-            worker_id=config.worker_id,
-            role=common_pb2.WORKER_ROLE_PREFILL,
-            address=address,
-            model=config.model.name,
-            load=lambda: worker_load(worker),
-        )
-        await announcer.start()
-    ucx_port = worker.chunks.port if worker.chunks is not None else 0
-    announce_ready("prefill", address=address, worker_id=config.worker_id, ucx_port=ucx_port)
-    await wait_for_signal()
-    log.info("stopping %s", config.worker_id)
-    await health.enter_graceful_shutdown()
-    if announcer is not None:
-        await announcer.stop()
-    await server.stop(grace=5)
-    await worker.stop()
-    shutdown_ucx()
+
+    async def stop() -> None:
+        await worker.stop()
+        shutdown_ucx()
+
+    await serve_as_worker(
+        server=server,
+        health=health,
+        gateway=config.gateway,
+        worker_id=config.worker_id,
+        role=common_pb2.WORKER_ROLE_PREFILL,
+        service="prefill",
+        address=address,
+        model=config.model.name,
+        load=lambda: worker_load(worker),
+        stop=stop,
+        ucx_port=worker.chunks.port if worker.chunks is not None else 0,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
