@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 
 from services.common.announcer import serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
-from services.common.server import setup_logging, start_server
+from services.common.server import run, setup_logging, start_server
 from services.decode.config import ROLES, DecodeConfig
 from services.decode.servicer import DecodeServicer, role_pb, worker_load
 from services.decode.worker import DecodeWorker
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
-    asyncio.run(serve(config))
+    run(serve(config))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ worker registry)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import socket
 from dataclasses import dataclass
@@ -14,7 +13,13 @@ from aiohttp import web
 
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.model_config import ModelConfig
-from services.common.server import announce_ready, setup_logging, start_server, wait_for_signal
+from services.common.server import (
+    announce_ready,
+    run,
+    setup_logging,
+    start_server,
+    wait_for_signal,
+)
 from services.common.tokenizer import Tokenizer
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.registry import Registry
@@ -112,7 +117,7 @@ async def serve(config: GatewayConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    asyncio.run(serve(parse(argv)))
+    run(serve(parse(argv)))
 
 
 if __name__ == "__main__":

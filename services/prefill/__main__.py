@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.server import setup_logging, start_server
+from services.common.server import run, setup_logging, start_server
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.transports import shutdown_ucx
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
-    asyncio.run(serve(config))
+    run(serve(config))
 
 
 if __name__ == "__main__":
