@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.common.errors import DistServeError
 from services.edge.options import add_edge_options
+from services.trace_report import register as register_trace_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     up.add_argument("--pin", action="store_true", help="one CPU core, one thread per worker")
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
+    up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
+    up.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for the attainment metric")
     add_edge_options(up.add_argument_group("edge (Envoy)"), port_flag="--edge-port")
     up.set_defaults(func=_up)
 
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--json", action="store_true", help="print one JSON object at the end")
     client.add_argument("prompt")
     client.set_defaults(func=_client)
+
+    register_trace_report(sub)
 
     args = parser.parse_args(argv)
     try:
@@ -208,6 +213,9 @@ def _up(args: argparse.Namespace) -> int:
         gateway_args += ["--served-model-name", args.served_model_name]
     if args.max_tokens:
         gateway_args += ["--max-tokens", str(args.max_tokens)]
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None:
+            gateway_args += [flag, str(value)]
     spec = MeshSpec(
         model=args.model,
         prefill=args.prefill,

@@ -235,6 +235,9 @@ def run_until_signal(spec: MeshSpec) -> int:
         print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
         for p in mesh.workers:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
+        for p in mesh.processes:
+            if p.ready.get("metrics_address"):
+                print(f"distserve: {p.name} metrics on http://{p.ready['metrics_address']}/metrics")
         if mesh.envoy is not None:
             scheme = "https" if spec.edge.tls else "http"
             keys = "API keys required" if spec.edge.api_keys else "no API keys"

@@ -6,11 +6,14 @@ import argparse
 import logging
 from pathlib import Path
 
+from services.common import telemetry
 from services.common.announcer import serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
+from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
+from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
 from services.decode.config import ROLES, DecodeConfig
-from services.decode.servicer import DecodeServicer, role_pb, worker_load
+from services.decode.servicer import DecodeServicer, role_pb, worker_load, worker_stats
 from services.decode.worker import DecodeWorker
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.puller import PullPolicy
@@ -32,6 +35,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--chunk-timeout-s", type=float, default=10.0, help="one try at one chunk")
     p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
+    add_metrics_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -52,13 +56,17 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
             attempts=args.chunk_attempts,
         ),
         kv_transport=args.kv_transport,
+        metrics_port=args.metrics_port,
         engine=EngineConfig.from_args(args),
     )
     return config, args
 
 
 async def serve(config: DecodeConfig) -> None:
-    worker = DecodeWorker(config)
+    registry = worker_registry()
+    worker = DecodeWorker(config, registry)
+    registry.register(StatsCollector(lambda: worker_stats(worker)))
+    metrics_address = serve_metrics(registry, config.host, config.metrics_port)
 
     def add(server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
@@ -71,6 +79,7 @@ async def serve(config: DecodeConfig) -> None:
     async def stop() -> None:
         await worker.stop()
         shutdown_ucx()
+        telemetry.shutdown()
 
     await serve_as_worker(
         server=server,
@@ -83,6 +92,7 @@ async def serve(config: DecodeConfig) -> None:
         model=config.model.name,
         load=lambda: worker_load(worker),
         stop=stop,
+        metrics_address=metrics_address,
     )
 
 
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
+    telemetry.setup(config.role, config.worker_id)
     run(serve(config))
 
 

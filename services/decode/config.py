@@ -22,6 +22,7 @@ class DecodeConfig:
     worker_id: str = ""
     pull: PullPolicy = field(default_factory=PullPolicy)  # chunk size, window, retries
     kv_transport: str = "auto"  # auto (UCX when both sides have it) | ucx | grpc
+    metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common import telemetry
 from services.common.convert import finish_to_pb, sampling_from_pb
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -25,6 +26,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             sampling_from_pb(request.sampling),
             request.first_token_id if handle is not None else None,
             handle,
+            telemetry.incoming(context),
         )
         async for event in events:
             yield decode_pb2.DecodeResponse(

@@ -15,15 +15,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from services.common import telemetry
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
+from services.common.metrics import phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
 from services.engine.engine import LLMEngine
-from services.engine.loop import EngineFailed, EngineLoop
+from services.engine.loop import EngineFailed, EngineLoop, StepInfo
 from services.engine.sequence import Sequence
-from services.kvtransfer.puller import KvPuller
+from services.kvtransfer.puller import KvPuller, PullReport
 
 log = logging.getLogger("distserve.decode")
 
@@ -46,8 +49,22 @@ class DecodeEvent:
 class DecodeWorker:
     """Serves Decode calls on one engine."""
 
-    def __init__(self, config: DecodeConfig) -> None:
+    def __init__(self, config: DecodeConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
+        registry = registry or CollectorRegistry()
+        self.queue_seconds = phase_histogram(
+            registry, "distserve_decode_queue_seconds", "Time waiting for room for the KV."
+        )
+        self.transfer_seconds = phase_histogram(
+            registry, "distserve_kv_transfer_seconds", "Time of a KV pull."
+        )
+        # Colocated instances prefill too.
+        self.prefill_queue_seconds = phase_histogram(
+            registry, "distserve_prefill_queue_seconds", "Time waiting for a prefill batch."
+        )
+        self.prefill_compute_seconds = phase_histogram(
+            registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
+        )
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
         self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
         self.puller = KvPuller(config.pull, config.kv_transport)
@@ -80,25 +97,50 @@ class DecodeWorker:
         params: SamplingParams,
         first_token: int | None,
         handle: KvHandle | None,
+        trace: telemetry.Context | None = None,
     ) -> AsyncIterator[DecodeEvent]:
+        """A request's tokens. `trace` is the caller's trace context: the wait for KV room,
+        the pull, the prefill (colocated) and the decode are recorded under it as spans."""
         self.requests_total += 1
         queue = self.loop.subscribe(request_id)
         finished = False
         pending_handle = handle  # released once pulled; released on any exit before that
+        decoded, decode_start = 0, time.monotonic()
         try:
             if handle is None:
+                submitted = time.monotonic()
                 self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
-            else:
-                pulled = await self._pull(request_id, prompt, params, first_token, handle)
-                self.loop.submit(request_id, lambda e: e.start_decoding(request_id))
-                # The KV is here: the source may free it; decoding does not wait for that.
-                self._release_later(handle)
-                pending_handle = None
-                yield pulled
-            while not finished:
-                ids, reason = await self._next_tokens(queue)
+                ids, reason, info = await self._next_tokens(queue)
+                self._prefilled(trace, submitted, info)
+                decode_start = time.monotonic()
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
+            else:
+                pulled, handoff = await self._pull(
+                    request_id, prompt, params, first_token, handle, trace
+                )
+                self.loop.submit(request_id, lambda e: e.start_decoding(request_id))
+                # The KV is here: the source may free it; decoding does not wait for that.
+                self._release_later(handle, handoff)
+                pending_handle = None
+                decode_start = time.monotonic()
+                yield pulled
+            while not finished:
+                ids, reason, _ = await self._next_tokens(queue)
+                decoded += len(ids)
+                finished = reason is not None
+                yield DecodeEvent(ids, reason)
+            end = time.monotonic()
+            telemetry.record(
+                "decode",
+                trace,
+                decode_start,
+                end,
+                {
+                    "gen_ai.usage.output_tokens": decoded,
+                    "decode.tpot_ms": (end - decode_start) * 1000 / decoded if decoded else 0.0,
+                },
+            )
         finally:
             self.loop.unsubscribe(request_id)
             self._admissions.pop(request_id, None)
@@ -106,28 +148,46 @@ class DecodeWorker:
                 self.requests_aborted += 1
                 await asyncio.shield(self._forget(request_id, pending_handle))
 
-    async def _next_tokens(self, queue: asyncio.Queue) -> tuple[list[int], FinishReason | None]:
+    async def _next_tokens(
+        self, queue: asyncio.Queue
+    ) -> tuple[list[int], FinishReason | None, StepInfo]:
         """The tokens produced since the last call: one or more steps' worth when the caller
-        is slower than the engine, so a busy stream sends fewer, larger messages."""
+        is slower than the engine, so a busy stream sends fewer, larger messages. The step
+        info is the first step's."""
         ids: list[int] = []
+        first: StepInfo | None = None
         while True:
-            out, _ = await queue.get()
+            out, info = await queue.get()
             if isinstance(out, EngineFailed):
                 raise Unavailable(f"decode failed on {self.config.worker_id}: {out}")
             if isinstance(out, Exception):
                 raise out
+            first = first or info
             ids += out.new_token_ids
             if out.finished or queue.empty():
-                return ids, out.finish_reason
+                return ids, out.finish_reason, first
 
-    def _release_later(self, handle: KvHandle) -> None:
-        task = asyncio.create_task(self._release_quietly(handle))
+    def _prefilled(self, trace, submitted: float, info: StepInfo) -> None:
+        """A colocated prefill: its metrics and spans."""
+        self.prefill_queue_seconds.observe(info.started - submitted)
+        self.prefill_compute_seconds.observe(info.seconds)
+        telemetry.record("prefill.queue", trace, submitted, info.started)
+        telemetry.record(
+            "prefill.compute",
+            trace,
+            info.started,
+            info.started + info.seconds,
+            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
+        )
+
+    def _release_later(self, handle: KvHandle, trace=None) -> None:
+        task = asyncio.create_task(self._release_quietly(handle, trace))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release_quietly(self, handle: KvHandle) -> None:
+    async def _release_quietly(self, handle: KvHandle, trace=None) -> None:
         try:
-            await self.puller.release(handle)
+            await self.puller.release(handle, trace)
         except Exception as e:  # the lease lapses at the source anyway
             log.warning(
                 "release of %s at %s failed: %s", handle.handle_id, handle.source_instance, e
@@ -140,37 +200,67 @@ class DecodeWorker:
         params: SamplingParams,
         first_token: int,
         handle: KvHandle,
-    ) -> DecodeEvent:
+        trace: telemetry.Context | None,
+    ) -> tuple[DecodeEvent, telemetry.Context | None]:
+        """Wait for room, then pull the handle's KV into it; returns the first event and the
+        context of the handoff span (the release of the handle joins it)."""
         staged = self._needs_staging(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
         queued = time.monotonic()
         self.pulling += 1
+        span = None
         try:
             await self.loop.call(lambda e: e.add_prefilled(prompt, first_token, params, request_id))
             blocks = await admission
             started = time.monotonic()
+            self.queue_seconds.observe(started - queued)
+            telemetry.record("decode.queue", trace, queued, started)
+            span = telemetry.start("kv.handoff", trace, {"kv.source": handle.source_instance})
+            handoff = telemetry.context_of(span)
             try:
                 if staged:
-                    nbytes = handle.total_bytes
-                    self._write_staged(handle, blocks, await self.puller.pull_staged(handle))
+                    staging, report = await self.puller.pull_staged(handle, handoff)
+                    self._write_staged(handle, blocks, staging)
                 else:
-                    nbytes = await self.puller.pull(
-                        handle, blocks, self.engine.runner.cache.region_buffer
+                    report = await self.puller.pull(
+                        handle, blocks, self.engine.runner.cache.region_buffer, handoff
                     )
-            except DistServeError:
-                self.pulls_failed += 1
+            except BaseException as e:  # failed, or cancelled with its request
+                if isinstance(e, DistServeError):
+                    self.pulls_failed += 1
+                telemetry.fail(span, e if isinstance(e, DistServeError) else "cancelled")
+                span.end()
                 raise
         finally:
             self.pulling -= 1
-        self.pulls_total += 1
-        self.pull_bytes_total += nbytes
         done = time.monotonic()
-        return DecodeEvent(
-            [],
-            queue_ms=(started - queued) * 1000,
-            pull_ms=(done - started) * 1000,
-            pull_bytes=nbytes,
+        self._pulled(span, report, done - started)
+        span.end()
+        return (
+            DecodeEvent(
+                [],
+                queue_ms=(started - queued) * 1000,
+                pull_ms=(done - started) * 1000,
+                pull_bytes=report.nbytes,
+            ),
+            handoff,
+        )
+
+    def _pulled(self, span, report: PullReport, seconds: float) -> None:
+        self.pulls_total += 1
+        self.pull_bytes_total += report.nbytes
+        self.transfer_seconds.observe(seconds)
+        span.set_attributes(
+            {
+                "kv.bytes": report.nbytes,
+                "kv.chunks": report.chunks,
+                "kv.chunks_retried": report.retries,
+                "kv.transport": report.transport,
+                "kv.bandwidth_bytes_per_s": report.nbytes / seconds if seconds > 0 else 0.0,
+                # The pull starts once prefill has returned: nothing of it overlaps prefill yet.
+                "kv.overlap_fraction": 0.0,
+            }
         )
 
     def _needs_staging(self, handle: KvHandle) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from services.common.errors import InvalidRequest
 
@@ -36,6 +38,10 @@ class EdgeConfig:
     concurrency: int = 1  # Envoy worker threads
     access_log: str = "-"  # "-" is stdout, "" is off, else a file path
     log_level: str = "warn"  # Envoy's own log (stderr)
+    # Tracing: Envoy's own span of each request, exported over OTLP/gRPC to this host:port
+    # (a collector); "" is off (Envoy still passes a client's traceparent through).
+    otlp_endpoint: str = ""
+    trace_sampling_percent: float = 100.0  # of requests that arrive without a sampling decision
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -56,10 +62,28 @@ class EdgeConfig:
             raise InvalidRequest("timeouts must be > 0 seconds")
         if self.retries < 0 or self.concurrency < 1:
             raise InvalidRequest("retries must be >= 0 and concurrency >= 1")
+        if self.otlp_endpoint and not self.otlp_endpoint.rpartition(":")[2].isdigit():
+            raise InvalidRequest(f"the OTLP endpoint {self.otlp_endpoint!r} is not host:port")
+        if not 0 <= self.trace_sampling_percent <= 100:
+            raise InvalidRequest("trace sampling is a percentage, 0 to 100")
 
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+
+def otlp_grpc_endpoint(env: Mapping[str, str]) -> str:
+    """host:port of the OTLP/gRPC collector the standard variables name, or "" when tracing is
+    off or exports over HTTP (Envoy's exporter here speaks gRPC)."""
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return ""
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL"))
+    if protocol and protocol != "grpc":
+        return ""
+    url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not url:
+        return ""
+    return urlsplit(url if "://" in url else f"http://{url}").netloc
 
 
 def read_api_keys(path: Path) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from services.edge.config import EdgeConfig, Upstream
 
 GATEWAY_SERVICE = "distserve.v1.Gateway"  # the gRPC health service Envoy checks
-GRPC_CLUSTER, HTTP_CLUSTER = "gateway_grpc", "gateway_http"
+GRPC_CLUSTER, HTTP_CLUSTER, OTLP_CLUSTER = "gateway_grpc", "gateway_http", "otlp"
 MAX_CONNECTIONS = 10000  # downstream connections Envoy accepts at once
 RBAC, RATE_LIMIT = "envoy.filters.http.rbac", "envoy.filters.http.local_ratelimit"
 T = "type.googleapis.com/envoy."  # the common prefix of every typed config's @type
@@ -315,6 +315,51 @@ def _cluster(name: str, gateways: Sequence[Upstream], grpc: bool) -> dict:
     }
 
 
+def _tracing(config: EdgeConfig) -> dict:
+    """Envoy's span of each request, exported over OTLP; it continues a client's W3C trace
+    context and passes its own (`traceparent`) to the gateway, so the request is one trace."""
+    return {
+        "random_sampling": {"value": config.trace_sampling_percent},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": _typed(
+                "config.trace.v3.OpenTelemetryConfig",
+                grpc_service={"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                service_name="envoy",
+            ),
+        },
+    }
+
+
+def _otlp_cluster(endpoint: str) -> dict:
+    host, port = _host_port(endpoint)
+    return {
+        "name": OTLP_CLUSTER,
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "2s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+                "extensions.upstreams.http.v3.HttpProtocolOptions",
+                explicit_http_config={"http2_protocol_options": {}},
+            )
+        },
+        "load_assignment": {
+            "cluster_name": OTLP_CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": host, "port_value": port}}
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }
+
+
 def _is_ip(host: str) -> bool:
     import ipaddress
 
@@ -392,6 +437,13 @@ def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
         },
         http_filters=_filters(config),
     )
+    clusters = [
+        _cluster(GRPC_CLUSTER, gateways, grpc=True),
+        _cluster(HTTP_CLUSTER, gateways, grpc=False),
+    ]
+    if config.otlp_endpoint:
+        manager["tracing"] = _tracing(config)
+        clusters.append(_otlp_cluster(config.otlp_endpoint))
     chain: dict = {
         "filters": [
             {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
@@ -413,10 +465,7 @@ def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
                     "filter_chains": [chain],
                 }
             ],
-            "clusters": [
-                _cluster(GRPC_CLUSTER, gateways, grpc=True),
-                _cluster(HTTP_CLUSTER, gateways, grpc=False),
-            ],
+            "clusters": clusters,
         },
         "layered_runtime": {"layers": [{"name": "static", "static_layer": {}}]},
         "overload_manager": {

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from services.edge.config import EdgeConfig, read_api_keys
+from services.edge.config import EdgeConfig, otlp_grpc_endpoint, read_api_keys
 
 
 def add_edge_options(p: argparse.ArgumentParser, port_flag: str = "--port") -> None:
@@ -42,4 +43,5 @@ def edge_config(a: argparse.Namespace, host: str) -> EdgeConfig:
         stream_idle_timeout_s=a.stream_idle_timeout_s,
         concurrency=a.edge_concurrency,
         access_log=a.access_log,
+        otlp_endpoint=otlp_grpc_endpoint(os.environ),
     )

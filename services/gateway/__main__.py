@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from services.common import telemetry
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.metrics import add_metrics_args, worker_registry
+from services.common.metrics import serve as serve_metrics
 from services.common.model_config import ModelConfig
 from services.common.server import (
     announce_ready,
@@ -22,6 +25,7 @@ from services.common.server import (
 )
 from services.common.tokenizer import Tokenizer
 from services.gateway.http_api import HttpApi, HttpApiConfig
+from services.gateway.observe import GatewayMetrics, Slo
 from services.gateway.registry import Registry
 from services.gateway.request import Limits
 from services.gateway.router import Router
@@ -40,6 +44,8 @@ class GatewayConfig:
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0: any free port; None: off
     served_model_name: str | None = None  # the model's name in the HTTP API; default: folder name
     max_body_bytes: int = 8 * 2**20  # largest HTTP request body
+    metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -54,9 +60,15 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--served-model-name", help="model name in the HTTP API (default: folder name)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest HTTP body")
+    add_metrics_args(p)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO (metrics)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO (metrics)")
+    p.add_argument("--slo-window-s", type=float, default=60.0, help="SLO attainment window")
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
+    if min(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_window_s) <= 0:
+        p.error("SLOs and their window must be positive")
     return GatewayConfig(
         model=a.model,
         host=a.host,
@@ -66,6 +78,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         http_port=None if a.http_port < 0 else a.http_port,
         served_model_name=a.served_model_name,
         max_body_bytes=a.max_body_bytes,
+        metrics_port=a.metrics_port,
+        slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
     )
 
 
@@ -73,7 +87,10 @@ async def serve(config: GatewayConfig) -> None:
     model = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
     registry = Registry(config.worker_lease_s)
-    router = Router(registry, tokenizer)
+    served = config.served_model_name or config.model.resolve().name
+    metrics = GatewayMetrics(worker_registry(), config.slo)
+    metrics.watch(registry)
+    router = Router(registry, tokenizer, served, metrics)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:
@@ -86,12 +103,15 @@ async def serve(config: GatewayConfig) -> None:
         gateway_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Gateway", "WorkerRegistry")
     ]
     server, health, port = await start_server(config.host, config.port, add, names)
-    ready = {"address": f"{config.host}:{port}"}
+    ready = {
+        "address": f"{config.host}:{port}",
+        "metrics_address": serve_metrics(metrics.registry, config.host, config.metrics_port),
+    }
     http = None
     if config.http_port is not None:
         api = HttpApi(
             HttpApiConfig(
-                model_names=(config.served_model_name or config.model.resolve().name,),
+                model_names=(served,),
                 max_body_bytes=config.max_body_bytes,
             ),
             router,
@@ -113,10 +133,12 @@ async def serve(config: GatewayConfig) -> None:
         await http.cleanup()
     await server.stop(grace=5)
     await router.close()
+    telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
+    telemetry.setup("gateway")
     run(serve(parse(argv)))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from services.common import telemetry
 from services.common.errors import (
     DistServeError,
     InvalidRequest,
@@ -154,7 +155,11 @@ class HttpApi:
         reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model)
         if call.user:
             log.info("request %s from user %r", req.request_id, call.user)
-        pieces = self.router.generate(req)
+        pieces = self.router.generate(
+            req,
+            telemetry.from_headers(request.headers),
+            "chat" if endpoint == oai.CHAT else "text_completion",
+        )
         async with contextlib.aclosing(pieces):
             # The first piece comes before any byte of the reply: errors until then (no worker,
             # a refused request) get their own HTTP status.

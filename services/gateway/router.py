@@ -3,7 +3,8 @@
 The first token is streamed as soon as prefill returns it. Text is detokenized here, with stop
 strings held back and cut. Cancellation and deadlines reach every stage: a cancelled client
 cancels the downstream call, whose worker frees what it holds; KV held for a decode call that
-never took it is released here.
+never took it is released here. Each request is one trace: its root span is opened here and its
+context travels with every downstream call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry
 
+from services.common import telemetry
 from services.common.convert import finish_from_pb, sampling_to_pb
 from services.common.errors import DeadlineExceeded, DistServeError, RemoteError
 from services.common.gen.distserve.v1 import (
@@ -29,6 +32,7 @@ from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
+from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.registry import Registry
 from services.gateway.request import Request
 
@@ -53,9 +57,17 @@ class Piece:
 class Router:
     """Routes requests to workers and streams their tokens back."""
 
-    def __init__(self, registry: Registry, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        tokenizer: Tokenizer,
+        model: str = "",
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
+        self.model = model  # the served model's name, in spans and metrics
+        self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -69,35 +81,55 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
 
-    async def generate(self, req: Request) -> AsyncIterator[Piece]:
+    async def generate(
+        self,
+        req: Request,
+        parent: telemetry.Context | None = None,
+        operation: str = "text_completion",
+    ) -> AsyncIterator[Piece]:
+        """The request's answer, piece by piece. `parent` is the caller's trace context (from
+        Envoy or the client); `operation` its GenAI operation name (`text_completion`, `chat`)."""
         text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
+        seen = RequestObserver(self.metrics, req, self.model, operation, parent)
+        reason: FinishReason | None = None
+        error: BaseException | None = None
         try:
-            if self.registry.mode() == "disaggregated":
-                events = self._disaggregated(req)
+            mode = self.registry.mode()
+            seen.set_mode(mode)
+            if mode == "disaggregated":
+                events = self._disaggregated(req, seen.context)
             else:
-                events = self._colocated(req)
+                events = self._colocated(req, seen.context)
             async with contextlib.aclosing(events):
                 async for ids, reason in events:
                     delta = text.add(ids) if ids else ""
                     if reason is not None or text.stopped:
                         reason = reason or FinishReason.STOP
+                        seen.tokens_out(len(ids))
                         yield Piece(ids, delta + text.finish(), reason)
                         return
                     if ids:
+                        seen.tokens_out(len(ids))
                         yield Piece(ids, delta)
         except grpc.aio.AioRpcError as e:
-            raise _remote(e) from e
+            error = _remote(e)
+            raise error from e
+        except DistServeError as e:
+            error = e
+            raise
+        finally:
+            seen.finish(reason.value if reason is not None else None, error)
 
     async def _disaggregated(
-        self, req: Request
+        self, req: Request, trace: telemetry.Context | None
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
         tried: set[str] = set()
-        reply = await self._first_prefill(req, tried)
+        reply = await self._first_prefill(req, tried, trace)
         reason = finish_from_pb(reply.finish_reason)
         try:
             yield [reply.first_token_id], reason
         except BaseException:
-            await self._release(reply.kv)  # the client left before a decode took the KV
+            await self._release(reply.kv, trace)  # the client left before a decode took the KV
             raise
         if reason is not None:
             return
@@ -108,8 +140,9 @@ class Router:
                 # The KV could not be pulled (its source died, or a chunk ran out of retries):
                 # prefill the prompt again, elsewhere if possible. The client already has the
                 # first token; decode continues from it.
+                self.metrics.migrations.labels("kv_handoff").inc()
                 try:
-                    reply = await self._prefill(req, tried)
+                    reply = await self._prefill(req, tried, trace)
                 except (grpc.aio.AioRpcError, DistServeError) as e:
                     failures.append(_details(e))
                     continue
@@ -118,7 +151,7 @@ class Router:
                     continue
             pulled = False
             try:
-                async for ids, reason in self._decode(req, first, reply.kv):
+                async for ids, reason in self._decode(req, first, reply.kv, trace):
                     pulled = True
                     yield ids, reason
                 return
@@ -133,19 +166,20 @@ class Router:
             f"{KV_HANDOFF_ATTEMPTS} attempts: {'; '.join(failures)}",
         )
 
-    async def _first_prefill(self, req: Request, tried: set[str]):
+    async def _first_prefill(self, req: Request, tried: set[str], trace):
         """Prefill, moving to another instance when one is unreachable (nothing was streamed
         yet, so this is invisible to the client)."""
         for attempt in range(PREFILL_ATTEMPTS):
             try:
-                return await self._prefill(req, tried)
+                return await self._prefill(req, tried, trace)
             except RemoteError as e:
                 if e.status != "UNAVAILABLE" or attempt == PREFILL_ATTEMPTS - 1:
                     raise
+                self.metrics.migrations.labels("prefill_unavailable").inc()
                 log.warning("request %s: %s; trying another instance", req.request_id, e)
         raise AssertionError("unreachable")
 
-    async def _prefill(self, req: Request, tried: set[str]):
+    async def _prefill(self, req: Request, tried: set[str], trace):
         """Prefill on the least-loaded instance not tried yet (any instance if all were)."""
         prefill = self.registry.pick_prefill(exclude=tried)
         tried.add(prefill.worker_id)
@@ -159,6 +193,7 @@ class Router:
                     sampling=sampling_to_pb(req.params),
                 ),
                 timeout=_timeout(req),
+                metadata=telemetry.outgoing(trace),
             )
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -172,7 +207,7 @@ class Router:
             ) from e
 
     async def _decode(
-        self, req: Request, first_token: int, kv
+        self, req: Request, first_token: int, kv, trace
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
         """Stream a decode instance's tokens for KV held on a prefill instance."""
         handed_over = False
@@ -188,6 +223,7 @@ class Router:
                     kv=kv,
                 ),
                 timeout=_timeout(req),
+                metadata=telemetry.outgoing(trace),
             )
             try:
                 async for r in call:
@@ -197,10 +233,10 @@ class Router:
                 call.cancel()
         finally:
             if not handed_over:
-                await self._release(kv)
+                await self._release(kv, trace)
 
     async def _colocated(
-        self, req: Request
+        self, req: Request, trace
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
         worker = self.registry.pick_decode("colocated")
         worker.inflight_requests += 1
@@ -212,6 +248,7 @@ class Router:
                 sampling=sampling_to_pb(req.params),
             ),
             timeout=_timeout(req),
+            metadata=telemetry.outgoing(trace),
         )
         try:
             async for r in call:
@@ -219,7 +256,7 @@ class Router:
         finally:
             call.cancel()
 
-    async def _release(self, kv) -> None:
+    async def _release(self, kv, trace) -> None:
         """Free KV a decode instance never took (the request ended or failed in between)."""
         if not kv.handle_id:
             return
@@ -228,6 +265,7 @@ class Router:
             await stub.Release(
                 kvtransfer_pb2.KvAccess(handle_id=kv.handle_id, access_token=kv.access_token),
                 timeout=5,
+                metadata=telemetry.outgoing(trace),
             )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from services.common import telemetry
 from services.common.convert import finish_to_pb
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import (
@@ -35,7 +36,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         req = validate(request, self.tokenizer, self.limits, context.time_remaining(), edge_id)
         completion = 0
-        async for piece in self.router.generate(req):
+        async for piece in self.router.generate(req, telemetry.incoming(context)):
             completion += len(piece.token_ids)
             reply = gateway_pb2.GenerateResponse(
                 request_id=req.request_id,

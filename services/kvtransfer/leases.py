@@ -16,11 +16,16 @@ from services.common.kv_handle import KvHandle
 @dataclass
 class Lease:
     """Held KV of one request: its handle, when it lapses (monotonic seconds), and how many
-    chunk sends are reading its blocks right now (the blocks are freed only when none is)."""
+    chunk sends are reading its blocks right now (the blocks are freed only when none is).
+    `trace` is the request's trace context, for the span of the lease's life."""
 
     request_id: str
     handle: KvHandle
     expires: float
+    trace: object = None
+    created: float = field(default_factory=time.monotonic)
+    chunks_sent: int = 0
+    bytes_sent: int = 0
     blocks: list[int] = field(default_factory=list)
     sends: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -62,7 +67,7 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def create(self, request_id: str, template: KvHandle) -> KvHandle:
+    def create(self, request_id: str, template: KvHandle, trace: object = None) -> KvHandle:
         """A fresh handle (new id, new token) for `template`'s KV, leased for default_s."""
         expires = time.monotonic() + self.default_s
         handle = replace(
@@ -71,7 +76,7 @@ class LeaseTable:
             access_token=secrets.token_urlsafe(32),
             lease_expiry_unix_ms=_unix_ms(expires),
         )
-        self._leases[handle.handle_id] = Lease(request_id, handle, expires)
+        self._leases[handle.handle_id] = Lease(request_id, handle, expires, trace)
         return handle
 
     def get(self, handle_id: str, access_token: str) -> Lease:

@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import xxhash
 
+from services.common import telemetry
 from services.common.errors import (
     DistServeError,
     InvalidRequest,
@@ -72,6 +73,16 @@ class PullPolicy:
     verify: bool = True  # check each chunk's checksum
 
 
+@dataclass
+class PullReport:
+    """What one pull moved, and how: for its trace span and the transfer metrics."""
+
+    transport: str
+    chunks: int
+    nbytes: int = 0
+    retries: int = 0
+
+
 class ChecksumMismatch(Exception):
     """A chunk arrived with bytes that do not match the source's checksum."""
 
@@ -104,8 +115,15 @@ class KvPuller:
             return self._ucx
         return self._grpc
 
-    async def pull(self, handle: KvHandle, dst_blocks: list[int], dst_region: RegionFn) -> int:
-        """Fill dst_blocks with the handle's KV; returns the bytes received.
+    async def pull(
+        self,
+        handle: KvHandle,
+        dst_blocks: list[int],
+        dst_region: RegionFn,
+        trace: telemetry.Context | None = None,
+    ) -> PullReport:
+        """Fill dst_blocks with the handle's KV; returns what was moved. `trace` (the pull's
+        span) travels with the lease renewals to the source.
 
         Raises Unavailable when the source cannot be reached or a chunk runs out of attempts,
         PermissionDenied or NotFound when the source refuses the handle.
@@ -122,20 +140,27 @@ class KvPuller:
             (layer, kv, seg) for layer in range(handle.num_layers) for kv in (0, 1) for seg in segs
         ]
         gate = asyncio.Semaphore(self.policy.window)
+        report = PullReport(transport.name, len(jobs))
 
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
-                return await self._chunk(transport, handle, layer, kv, seg, dst_region)
+                return await self._chunk(transport, handle, layer, kv, seg, dst_region, report)
 
-        renewer = asyncio.ensure_future(self._keep_lease(handle))
+        renewer = asyncio.ensure_future(self._keep_lease(handle, trace))
         tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
         try:
-            return sum(await asyncio.gather(*tasks))
+            report.nbytes = sum(await asyncio.gather(*tasks))
+            return report
         finally:
-            for t in [*tasks, renewer]:  # on failure, stop the rest: nothing writes after this
+            # On failure or cancellation, stop the rest, and return only once every attempt
+            # has settled: nothing writes into the destination after this.
+            for t in [*tasks, renewer]:
                 t.cancel()
+            await asyncio.gather(*tasks, renewer, return_exceptions=True)
 
-    async def _chunk(self, transport, handle: KvHandle, layer: int, kv: int, seg, dst_region):
+    async def _chunk(
+        self, transport, handle: KvHandle, layer: int, kv: int, seg, dst_region, report: PullReport
+    ) -> int:
         """One chunk, with its own timeout, retried on its own when late, broken or corrupt."""
         policy = self.policy
         src_index, dst_first, n = seg
@@ -145,6 +170,7 @@ class KvPuller:
         for attempt in range(policy.attempts):
             if attempt:
                 self.chunks_retried += 1
+                report.retries += 1
                 # Exponential backoff with jitter, so retries of many chunks spread out.
                 await asyncio.sleep(policy.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
             request = wire.ChunkRequest(
@@ -190,7 +216,7 @@ class KvPuller:
             )
         raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
 
-    async def _keep_lease(self, handle: KvHandle) -> None:
+    async def _keep_lease(self, handle: KvHandle, trace: telemetry.Context | None) -> None:
         """Renew the handle's lease while the pull runs, well before it lapses."""
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
         access = kvtransfer_pb2.KvAccess(
@@ -202,7 +228,9 @@ class KvPuller:
             await asyncio.sleep(max(0.05, remaining / 3))
             try:
                 renewed = await stub.RenewLease(
-                    kvtransfer_pb2.RenewLeaseRequest(access=access), timeout=5
+                    kvtransfer_pb2.RenewLeaseRequest(access=access),
+                    timeout=5,
+                    metadata=telemetry.outgoing(trace),
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("lease renewal of %s failed: %s", handle.handle_id, e.code().name)
@@ -210,7 +238,9 @@ class KvPuller:
             expiry_ms = renewed.lease_expiry_unix_ms
             self.lease_renewals += 1
 
-    async def pull_staged(self, handle: KvHandle) -> np.ndarray:
+    async def pull_staged(
+        self, handle: KvHandle, trace: telemetry.Context | None = None
+    ) -> tuple[np.ndarray, PullReport]:
         """The handle's KV as it lies at the source, (layers, 2, blocks * block_bytes) bytes,
         for a caller whose own layout differs (block size, dtype) and converts it."""
         n = handle.num_blocks
@@ -220,16 +250,16 @@ class KvPuller:
         def region(layer: int, kv: int, first: int, count: int) -> np.ndarray:
             return staging[layer, kv, first * bb : (first + count) * bb]
 
-        await self.pull(handle, list(range(n)), region)
-        return staging
+        report = await self.pull(handle, list(range(n)), region, trace)
+        return staging, report
 
-    async def release(self, handle: KvHandle) -> int:
+    async def release(self, handle: KvHandle, trace: telemetry.Context | None = None) -> int:
         """Tell the source to free the handle's KV; returns the blocks it freed."""
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
         access = kvtransfer_pb2.KvAccess(
             handle_id=handle.handle_id, access_token=handle.access_token
         )
-        reply = await stub.Release(access, timeout=10)
+        reply = await stub.Release(access, timeout=10, metadata=telemetry.outgoing(trace))
         return reply.blocks_freed
 
     async def close(self) -> None:

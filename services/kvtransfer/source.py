@@ -86,6 +86,8 @@ class ChunkSource:
     def served(self, chunk: Chunk) -> None:
         self.chunks_served += 1
         self.bytes_served += chunk.data.nbytes
+        chunk.lease.chunks_sent += 1
+        chunk.lease.bytes_sent += chunk.data.nbytes
 
     def _check(self, req, blocks: list[int]) -> int:
         """The first block id of the request's range, if the range is valid and contiguous."""

@@ -23,6 +23,10 @@ from services.kvtransfer import wire
 
 log = logging.getLogger("distserve.kvtransfer")
 
+# After a failed or abandoned attempt, how long to wait for the source's answer to it before
+# the endpoint is given up (aborting it is the only way to be sure nothing lands later).
+DRAIN_S = 0.25
+
 
 def shutdown_ucx() -> None:
     """Stop ucxx's notifier thread, which is not a daemon: without this a process that used
@@ -73,13 +77,13 @@ class UcxTransport:
             await status_recv
             await data_recv
         except BaseException:
-            # Broken, or late (cancelled by the puller's timeout): drop the endpoint, so that
-            # nothing of this attempt can land in the destination after a retry.
-            self._drop(handle, ep)
+            # Broken, late (the puller's timeout) or abandoned (the pull failed elsewhere or was
+            # cancelled). Nothing of this attempt may land in the destination afterwards: if the
+            # source's answer comes at once the endpoint is clean and stays (other pulls share
+            # it); if not, it is dropped and aborted.
+            if not await _drained(status_recv, data_recv):
+                self._drop(handle, ep)
             raise
-        finally:
-            for f in (status_recv, data_recv):
-                f.cancel()
         return wire.decode(status_frame, wire.ChunkStatus)
 
     async def close(self) -> None:
@@ -115,6 +119,17 @@ class UcxTransport:
             del self._endpoints[key]
         with contextlib.suppress(Exception):
             ep.abort()
+
+
+async def _drained(*receives: asyncio.Future) -> bool:
+    """Whether an attempt's posted receives completed (within DRAIN_S)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.gather(*receives)), DRAIN_S)
+    except BaseException:
+        for r in receives:
+            r.cancel()
+        return False
+    return True
 
 
 class GrpcTransport:

@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from services.common import telemetry
 from services.common.announcer import serve_as_worker
 from services.common.gen.distserve.v1 import (
     common_pb2,
@@ -14,12 +15,14 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
+from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.transports import shutdown_ucx
 from services.prefill.config import PrefillConfig
-from services.prefill.servicer import PrefillServicer, worker_load
+from services.prefill.servicer import PrefillServicer, worker_load, worker_stats
 from services.prefill.worker import PrefillWorker
 
 log = logging.getLogger("distserve.prefill")
@@ -36,6 +39,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--lease-s", type=float, default=30.0, help="how long held KV waits for a pull")
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
     p.add_argument("--no-ucx", action="store_true", help="serve KV over gRPC only")
+    add_metrics_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -53,6 +57,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         max_lease_s=max(300.0, args.lease_s),
         kv_faults=args.kv_faults,
         ucx=not args.no_ucx,
+        metrics_port=args.metrics_port,
         engine=EngineConfig.from_args(args),
         **extra,
     )
@@ -60,7 +65,10 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
 
 
 async def serve(config: PrefillConfig) -> None:
-    worker = PrefillWorker(config)
+    registry = worker_registry()
+    worker = PrefillWorker(config, registry)
+    registry.register(StatsCollector(lambda: worker_stats(worker)))
+    metrics_address = serve_metrics(registry, config.host, config.metrics_port)
 
     def add(server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
@@ -79,6 +87,7 @@ async def serve(config: PrefillConfig) -> None:
     async def stop() -> None:
         await worker.stop()
         shutdown_ucx()
+        telemetry.shutdown()
 
     await serve_as_worker(
         server=server,
@@ -92,6 +101,7 @@ async def serve(config: PrefillConfig) -> None:
         load=lambda: worker_load(worker),
         stop=stop,
         ucx_port=worker.chunks.port if worker.chunks is not None else 0,
+        metrics_address=metrics_address,
     )
 
 
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
+    telemetry.setup("prefill", config.worker_id)
     run(serve(config))
 
 

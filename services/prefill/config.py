@@ -21,6 +21,7 @@ class PrefillConfig:
     max_lease_s: float = 300.0  # the longest a renewal may extend a lease
     ucx: bool = True  # serve KV over UCX when ucxx is importable (gRPC is served always)
     kv_faults: str = ""  # fault injection on the KV data plane (tests only; see kvtransfer.faults)
+    metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common import telemetry
 from services.common.convert import finish_to_pb, sampling_from_pb
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
@@ -17,6 +18,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             list(request.prompt_token_ids),
             sampling_from_pb(request.sampling),
             request.discard_kv,
+            telemetry.incoming(context),
         )
         reply = prefill_pb2.PrefillResponse(
             request_id=request.request_id,

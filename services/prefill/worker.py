@@ -8,8 +8,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
+from services.common import telemetry
 from services.common.errors import Unavailable
 from services.common.kv_handle import KvHandle
+from services.common.metrics import phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.loop import EngineFailed, EngineLoop
@@ -37,8 +41,18 @@ class PrefillResult:
 class PrefillWorker:
     """Runs prompts, samples their first token, holds their KV under a lease until released."""
 
-    def __init__(self, config: PrefillConfig) -> None:
+    def __init__(self, config: PrefillConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
+        registry = registry or CollectorRegistry()
+        self.queue_seconds = phase_histogram(
+            registry, "distserve_prefill_queue_seconds", "Time waiting for a prefill batch."
+        )
+        self.compute_seconds = phase_histogram(
+            registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
+        )
+        self.lease_seconds = phase_histogram(
+            registry, "distserve_kv_lease_seconds", "How long prompts' KV was held."
+        )
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
         self.loop = EngineLoop(self.engine, hold=True)
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
@@ -73,8 +87,15 @@ class PrefillWorker:
         self.loop.stop()
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, discard_kv: bool
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        discard_kv: bool,
+        trace: telemetry.Context | None = None,
     ) -> PrefillResult:
+        """Prefill a prompt; `trace` is the caller's trace context, under which the queue wait
+        and the batch are recorded as spans."""
         self.requests_total += 1
         submitted = time.monotonic()
         queue = self.loop.subscribe(request_id)
@@ -91,6 +112,17 @@ class PrefillWorker:
             raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
         if isinstance(out, Exception):
             raise out
+        done = info.started + info.seconds
+        self.queue_seconds.observe(info.started - submitted)
+        self.compute_seconds.observe(info.seconds)
+        telemetry.record("prefill.queue", trace, submitted, info.started)
+        telemetry.record(
+            "prefill.compute",
+            trace,
+            info.started,
+            done,
+            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
+        )
         result = dict(
             first_token=out.new_token_ids[0],
             finish_reason=out.finish_reason,
@@ -104,24 +136,46 @@ class PrefillWorker:
         if discard_kv:
             await self.loop.call(lambda e: e.release(request_id))
             return PrefillResult(handle=None, **result)
-        handle = self.leases.create(request_id, self._template(len(prompt), list(out.held_runs)))
+        template = self._template(len(prompt), list(out.held_runs))
+        handle = self.leases.create(request_id, template, trace)
         return PrefillResult(handle=handle, **result)
 
-    async def free(self, lease: Lease) -> int:
+    async def free(self, lease: Lease, outcome: str = "released") -> int:
         """Free a lease's blocks, once the sends still reading them are cancelled."""
         await lease.stop_sends()
-        return await self.loop.call(lambda e: e.release(lease.request_id))
+        freed = await self.loop.call(lambda e: e.release(lease.request_id))
+        self._lease_ended(lease, outcome, freed)
+        return freed
+
+    def _lease_ended(self, lease: Lease, outcome: str, blocks: int) -> None:
+        """The span and histogram of the time a prompt's KV was held, with what was sent."""
+        now = time.monotonic()
+        self.lease_seconds.observe(now - lease.created)
+        telemetry.record(
+            "kv.lease",
+            lease.trace,
+            lease.created,
+            now,
+            {
+                "kv.outcome": outcome,
+                "kv.blocks": blocks,
+                "kv.chunks_sent": lease.chunks_sent,
+                "kv.bytes_sent": lease.bytes_sent,
+            },
+        )
 
     async def _forget(self, request_id: str) -> None:
         """A cancelled request: drop it from the engine wherever it is, and its lease."""
-        self.leases.pop_request(request_id)
-        await self.loop.call(lambda e: e.abort(request_id))
+        lease = self.leases.pop_request(request_id)
+        aborted = await self.loop.call(lambda e: e.abort(request_id))
+        if lease is not None:
+            self._lease_ended(lease, "aborted", len(lease.blocks) if aborted else 0)
 
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             for lease in self.leases.expired():
-                freed = await self.free(lease)
+                freed = await self.free(lease, "expired")
                 self.blocks_reclaimed += freed
                 log.info("lease of %s lapsed; freed %d blocks", lease.request_id, freed)
 

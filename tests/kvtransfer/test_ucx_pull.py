@@ -80,10 +80,12 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
                     seq.block_table.blocks,
                     decode.runner.cache.region_buffer,
                 )
-            nbytes = await puller.pull(
+            report = await puller.pull(
                 handle, seq.block_table.blocks, decode.runner.cache.region_buffer
             )
-            assert nbytes == handle.total_bytes
+            assert report.nbytes == handle.total_bytes
+            assert (report.transport, report.retries) == ("ucx", 0)
+            assert report.chunks >= 2 * 2 * 3  # layers x K/V x chunks per layer
             assert server.source.chunks_served >= 2 * 2 * 3  # layers x K/V x chunks per layer
         finally:
             await puller.close()

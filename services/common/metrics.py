@@ -1,0 +1,111 @@
+"""Prometheus metrics of every service: one registry per process, served on `/metrics`.
+
+Counters and gauges a worker already keeps (its `WorkerStats`, the same numbers the `Stats` RPC
+returns) are read at scrape time by `StatsCollector`, so nothing is counted twice; latencies
+are histograms observed where they are measured.
+
+Names follow Prometheus conventions (`_total`, `_seconds`, `_bytes`); the GenAI semantic
+conventions' `gen_ai.server.*` histograms keep their names with dots as underscores.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.common.gen.distserve.v1 import common_pb2
+
+# Bucket boundaries the GenAI semantic conventions recommend (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)  # fmt: skip
+# Our own phases (queue waits, batches, KV transfers): from sub-millisecond up.
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0)  # fmt: skip
+
+
+def add_metrics_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 any free, -1 off"
+    )
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serve `registry` on http://host:port/metrics (port 0: any free) from a daemon thread;
+    returns host:port. A negative port serves nothing and returns ""."""
+    if port < 0:
+        return ""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return f"{host}:{server.server_port}"
+
+
+def phase_histogram(registry: CollectorRegistry, name: str, doc: str) -> Histogram:
+    return Histogram(name, doc, buckets=PHASE_BUCKETS, registry=registry)
+
+
+# WorkerStats counters: field -> (metric name without _total, help)
+_COUNTERS = {
+    "requests_total": ("distserve_worker_requests", "Requests this worker accepted."),
+    "requests_aborted": ("distserve_worker_requests_aborted", "Requests cancelled or failed."),
+    "handles_released": ("distserve_kv_handles_released", "Held KV handles released."),
+    "leases_expired": ("distserve_kv_leases_expired", "KV leases that lapsed unclaimed."),
+    "blocks_reclaimed": ("distserve_kv_blocks_reclaimed", "KV blocks freed by lapsed leases."),
+    "pulls_total": ("distserve_kv_pulls", "KV pulls completed."),
+    "pull_bytes_total": ("distserve_kv_transfer_bytes", "Bytes of KV pulled."),
+    "pulls_failed": ("distserve_kv_pulls_failed", "KV pulls that gave up."),
+    "chunks_retried": ("distserve_kv_chunks_retried", "KV chunks fetched again."),
+    "checksum_failures": ("distserve_kv_checksum_failures", "KV chunks that failed checksums."),
+    "reconnects": ("distserve_kv_reconnects", "UCX endpoints re-established."),
+    "lease_renewals": ("distserve_kv_lease_renewals", "KV leases renewed while pulling."),
+}
+# WorkerLoad gauges: field -> (metric name, help)
+_GAUGES = {
+    "queued_prompt_tokens": ("distserve_queued_prompt_tokens", "Prompt tokens waiting."),
+    "waiting_seqs": ("distserve_waiting_seqs", "Sequences waiting to be scheduled."),
+    "running_seqs": ("distserve_running_seqs", "Sequences in the running batch."),
+    "free_kv_blocks": ("distserve_kv_blocks_free", "Free KV blocks."),
+    "total_kv_blocks": ("distserve_kv_blocks_total", "KV blocks in the pool."),
+    "pending_pulls": ("distserve_kv_pulls_pending", "Requests waiting for or pulling KV."),
+    "held_kv_handles": ("distserve_kv_handles_held", "KV handles held for decode instances."),
+}
+
+
+class StatsCollector(Collector):
+    """Reads a worker's `WorkerStats` at each scrape and exposes it as metrics."""
+
+    def __init__(self, stats: Callable[[], common_pb2.WorkerStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        labels = ["worker"]
+        values = [stats.worker_id]
+        for field, (name, doc) in _COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, getattr(stats, field))
+            yield c
+        load = stats.load
+        for field, (name, doc) in _GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, getattr(load, field))
+            yield g
+        used = GaugeMetricFamily("distserve_kv_blocks_used", "KV blocks in use.", labels=labels)
+        used.add_metric(values, load.total_kv_blocks - load.free_kv_blocks)
+        yield used
+
+
+def worker_registry() -> CollectorRegistry:
+    """A registry with the process's own metrics (CPU, memory, open files, GC); a worker adds
+    its `StatsCollector` and histograms."""
+    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry

@@ -1,0 +1,245 @@
+"""Tracing for every service: one OpenTelemetry trace per request, across processes.
+
+Configured by the standard environment variables, read once at start by `setup`:
+
+- `OTEL_SDK_DISABLED=true` switches tracing off (so does having no exporter configured: then
+  no span is even created).
+- `OTEL_TRACES_EXPORTER`: a comma-separated list of `otlp`, `console`, `none`. Without it,
+  tracing is on when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set, exporting
+  over OTLP; the OTLP exporters read their own `OTEL_EXPORTER_OTLP_*` variables, and
+  `OTEL_EXPORTER_OTLP_PROTOCOL` (or `..._TRACES_PROTOCOL`) picks `grpc` (default) or
+  `http/protobuf`.
+- `DISTSERVE_TRACE_FILE=PATH`: also append every span to PATH as one JSON line (see
+  `span_json`), for local use and `distserve trace-report`. Processes of one mesh may share it.
+- `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`: sampling (the SDK's standard samplers, e.g.
+  `parentbased_traceidratio` and `0.1`); `OTEL_BSP_*` tune the batching of exports.
+
+Context crosses processes as W3C trace context (`traceparent`) in gRPC metadata: callers pass
+`metadata=outgoing(ctx)`, servers read `incoming(context)`. Spans of work already timed by a
+worker (a queue wait, a batch) are recorded after the fact with their real start and end
+(`record`), so the hot paths carry no span objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import Span, Status, StatusCode
+
+log = logging.getLogger("distserve.telemetry")
+
+# wall-clock ns = monotonic s * 1e9 + this offset (spans carry wall-clock times)
+_MONO_TO_WALL_NS = time.time_ns() - time.monotonic_ns()
+
+_provider = None  # the SDK's TracerProvider once `setup` turned tracing on
+_tracer: trace.Tracer = trace.NoOpTracer()
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A `time.monotonic()` reading as wall-clock nanoseconds since the epoch."""
+    return int(monotonic_s * 1e9) + _MONO_TO_WALL_NS
+
+
+def enabled() -> bool:
+    return _provider is not None
+
+
+def tracer() -> trace.Tracer:
+    return _tracer
+
+
+def setup(service: str, instance: str = "") -> bool:
+    """Turn tracing on for this process as the environment says; returns whether it is on.
+
+    `service` names the process in every span (`distserve-<service>`), `instance` tells
+    instances of one service apart (`service.instance.id`).
+    """
+    global _provider, _tracer
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = _exporters()
+    if not exporters:
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    attributes = {"service.name": f"distserve-{service}"}
+    if instance:
+        attributes["service.instance.id"] = instance
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    _provider, _tracer = provider, provider.get_tracer("distserve")
+    return True
+
+
+def shutdown() -> None:
+    """Export what is left; call before the process exits."""
+    global _provider, _tracer
+    if _provider is not None:
+        _provider.shutdown()
+    _provider, _tracer = None, trace.NoOpTracer()
+
+
+def _exporters() -> list:
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    if not wanted and (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        wanted = {"otlp"}
+    out: list = []
+    if "otlp" in wanted:
+        protocol = os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+        )
+        if protocol.startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        out.append(OTLPSpanExporter())
+    if "console" in wanted:
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        out.append(ConsoleSpanExporter())
+    unknown = wanted - {"otlp", "console", "none"}
+    if unknown:
+        log.warning("OTEL_TRACES_EXPORTER: unknown exporters %s ignored", sorted(unknown))
+    path = os.environ.get("DISTSERVE_TRACE_FILE")
+    if path:
+        out.append(JsonLinesExporter(path))
+    return out
+
+
+def outgoing(ctx: Context | None) -> tuple[tuple[str, str], ...] | None:
+    """gRPC metadata carrying `ctx` (its current span) to the callee; None when not tracing."""
+    if _provider is None or ctx is None:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return tuple(carrier.items()) or None
+
+
+def incoming(grpc_context) -> Context | None:
+    """The caller's trace context from a grpc.aio servicer context (None when not tracing)."""
+    if _provider is None:
+        return None
+    return from_headers(dict(grpc_context.invocation_metadata() or ()))
+
+
+def from_headers(headers: Mapping[str, str]) -> Context | None:
+    """The trace context in HTTP headers or gRPC metadata (`traceparent`, `tracestate`)."""
+    if _provider is None:
+        return None
+    return propagate.extract(headers)
+
+
+def start(name: str, parent: Context | None, attributes: Mapping | None = None) -> Span:
+    """Start a span under `parent` (a no-op span when not tracing). End it with `span.end()`."""
+    return _tracer.start_span(name, context=parent, attributes=attributes)
+
+
+def context_of(span: Span) -> Context:
+    return trace.set_span_in_context(span)
+
+
+def record(
+    name: str,
+    parent: Context | None,
+    start_s: float,
+    end_s: float,
+    attributes: Mapping | None = None,
+    error: str | None = None,
+) -> Context | None:
+    """A span of work already done, from monotonic `start_s` to `end_s`; returns its context
+    (for children), or None when not tracing."""
+    if _provider is None:
+        return None
+    span = _tracer.start_span(
+        name, context=parent, attributes=attributes, start_time=wall_ns(start_s)
+    )
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end(end_time=wall_ns(end_s))
+    return trace.set_span_in_context(span)
+
+
+def fail(span: Span, error: BaseException | str) -> None:
+    span.set_status(Status(StatusCode.ERROR, str(error)))
+
+
+# -- JSON lines ----------------------------------------------------------------------------------
+
+
+def span_json(span) -> dict:
+    """One finished SDK span as the dict written per line of a trace file:
+
+    `trace_id` (32 hex), `span_id` (16 hex), `parent_span_id` (16 hex or null), `name`,
+    `service` (`service.name`), `start_unix_nano`, `end_unix_nano`, `attributes`, `status`
+    (`UNSET`, `OK`, `ERROR`), `status_message`, `events` (`name`, `time_unix_nano`, `attributes`).
+    """
+    ctx = span.get_span_context()
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name", ""),
+        "start_unix_nano": span.start_time,
+        "end_unix_nano": span.end_time,
+        "attributes": _plain(span.attributes),
+        "status": span.status.status_code.name,
+        "status_message": span.status.description or "",
+        "events": [
+            {"name": e.name, "time_unix_nano": e.timestamp, "attributes": _plain(e.attributes)}
+            for e in span.events
+        ],
+    }
+
+
+def _plain(attributes: Mapping | None) -> dict:
+    return {
+        k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+        for k, v in (attributes or {}).items()
+    }
+
+
+class JsonLinesExporter(SpanExporter):
+    """Appends spans to a file, one JSON object per line. Each batch is one `write` on a file
+    opened for appending, so processes sharing the file do not interleave within a line."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Iterable) -> SpanExportResult:
+        data = "".join(json.dumps(span_json(s), separators=(",", ":")) + "\n" for s in spans)
+        try:
+            with self._lock:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    view = memoryview(data.encode())
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            log.warning("cannot write spans to %s: %s", self.path, e)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

@@ -1,0 +1,226 @@
+"""What the gateway sees of each request: its root span and the client-facing latencies.
+
+The gateway is where a request's tokens reach the client, so TTFT, the first inter-token gap
+(the handoff bubble of a disaggregated request: the pull of its KV sits between its first and
+second token) and TPOT are measured here, on the span and in the metrics, and SLO attainment is
+kept over a sliding window.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common import telemetry
+from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from services.gateway.request import Request
+
+_GENAI = ["gen_ai_operation_name", "gen_ai_request_model"]
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The latency objectives a request is held to (both must hold), and the window over which
+    attainment is reported."""
+
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+    window_s: float = 60.0
+
+
+class SloWindow:
+    """Joint SLO attainment of the requests that finished in the last `window_s` seconds."""
+
+    def __init__(self, slo: Slo) -> None:
+        self.slo = slo
+        self._done: collections.deque[tuple[float, bool]] = collections.deque()
+
+    def add(self, ok: bool, now: float | None = None) -> None:
+        self._done.append((time.monotonic() if now is None else now, ok))
+
+    def attainment(self, now: float | None = None) -> tuple[float, int]:
+        """(share of requests that met both SLOs, how many requests); (1.0, 0) when idle."""
+        cutoff = (time.monotonic() if now is None else now) - self.slo.window_s
+        while self._done and self._done[0][0] < cutoff:
+            self._done.popleft()
+        n = len(self._done)
+        return (sum(ok for _, ok in self._done) / n if n else 1.0), n
+
+
+class GatewayMetrics:
+    """The gateway's Prometheus metrics."""
+
+    def __init__(self, registry: CollectorRegistry, slo: Slo) -> None:
+        self.registry = registry
+        self.slo = slo
+        self.window = SloWindow(slo)
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Time to generate the first token (gen_ai.server.time_to_first_token).",
+            _GENAI,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Time per output token after the first (gen_ai.server.time_per_output_token).",
+            _GENAI,
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Request duration, first byte in to last token out (gen_ai.server.request.duration).",
+            [*_GENAI, "error_type"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.first_gap = Histogram(
+            "distserve_first_token_gap_seconds",
+            "Gap between the first and second token: the handoff bubble when disaggregated.",
+            ["mode"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "distserve_gateway_requests",
+            "Requests that ended, by outcome (a finish reason or an error status).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "distserve_gateway_requests_in_flight", "Requests being served.", registry=registry
+        )
+        self.migrations = Counter(
+            "distserve_migrations",
+            "Requests moved to another instance mid-flight, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        attainment = Gauge(
+            "distserve_slo_attainment",
+            "Share of requests finished in the window that met both the TTFT and TPOT SLO.",
+            ["ttft_slo_seconds", "tpot_slo_seconds", "window_seconds"],
+            registry=registry,
+        )
+        attainment.labels(slo.ttft_s, slo.tpot_s, slo.window_s).set_function(
+            lambda: self.window.attainment()[0]
+        )
+        Gauge(
+            "distserve_slo_window_requests",
+            "Requests finished in the SLO window.",
+            registry=registry,
+        ).set_function(lambda: self.window.attainment()[1])
+
+    def watch(self, registry) -> None:
+        """Live workers per role, from the worker registry, at each scrape."""
+        workers = Gauge(
+            "distserve_workers", "Live workers by role.", ["role"], registry=self.registry
+        )
+        for role in ("prefill", "decode", "colocated"):
+            workers.labels(role).set_function(lambda role=role: len(registry.live(role)))
+
+
+class RequestObserver:
+    """One request at the gateway: opens its root span, notes when tokens reach the client,
+    and on `finish` sets the span's attributes and feeds the metrics."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        req: Request,
+        model: str,
+        operation: str,
+        parent: telemetry.Context | None,
+    ) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.operation = operation
+        self.mode = "none"  # no serving path yet
+        self.start = time.monotonic()
+        self.first: float | None = None  # first token out
+        self.second: float | None = None  # the message with the second token
+        self.last: float | None = None
+        self.tokens = 0
+        self.span = telemetry.start(
+            f"{operation} {model}",
+            parent,
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": req.params.max_tokens,
+                "gen_ai.request.temperature": req.params.temperature,
+                "gen_ai.request.top_p": req.params.top_p,
+                "gen_ai.usage.input_tokens": len(req.prompt_ids),
+                "distserve.request_id": req.request_id,
+            },
+        )
+        self.context = telemetry.context_of(self.span) if telemetry.enabled() else None
+        metrics.in_flight.inc()
+
+    def set_mode(self, mode: str) -> None:
+        """How the request is served: disaggregated or colocated."""
+        self.mode = mode
+        self.span.set_attribute("distserve.mode", mode)
+
+    def tokens_out(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            if n > 1:
+                self.second = now
+        elif self.second is None:
+            self.second = now
+        self.tokens += n
+        self.last = now
+
+    def finish(self, reason: str | None, error: BaseException | None = None) -> None:
+        """The request ended: with a finish reason, or an error (None: the client left)."""
+        m = self.metrics
+        m.in_flight.dec()
+        end = time.monotonic()
+        genai = (self.operation, self.model)
+        outcome = reason or _error_type(error)
+        m.requests.labels(outcome).inc()
+        m.duration.labels(*genai, "" if reason else outcome).observe(end - self.start)
+        attrs: dict = {"gen_ai.usage.output_tokens": self.tokens}
+        if reason:
+            attrs["gen_ai.response.finish_reasons"] = [reason]
+        ttft = tpot = None
+        if self.first is not None:
+            ttft = self.first - self.start
+            m.ttft.labels(*genai).observe(ttft)
+            attrs["distserve.ttft_ms"] = ttft * 1000
+        if self.second is not None:
+            gap = self.second - self.first
+            m.first_gap.labels(self.mode).observe(gap)
+            attrs["distserve.first_itl_ms"] = gap * 1000
+        if self.tokens > 1:
+            tpot = (self.last - self.first) / (self.tokens - 1)
+            m.tpot.labels(*genai).observe(tpot)
+        if self.tokens > 2 and self.second is not None:
+            attrs["distserve.tpot_ms"] = (self.last - self.second) / (self.tokens - 2) * 1000
+        if reason:
+            ok = ttft is not None and ttft <= m.slo.ttft_s and (tpot or 0.0) <= m.slo.tpot_s
+            m.window.add(ok, end)
+            attrs["distserve.slo_met"] = ok
+        elif error is not None:
+            m.window.add(False, end)
+            telemetry.fail(self.span, error)
+            attrs["error.type"] = outcome
+        else:
+            telemetry.fail(self.span, "cancelled by the client")
+            attrs["error.type"] = outcome
+        self.span.set_attributes(attrs)
+        self.span.end()
+
+
+def _error_type(error: BaseException | None) -> str:
+    if error is None:
+        return "CANCELLED"
+    return getattr(error, "status", None) or type(error).__name__

@@ -1,0 +1,121 @@
+"""Tracing set-up from the environment, the JSON-lines exporter, context propagation."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from services.common import telemetry
+from services.edge.config import otlp_grpc_endpoint
+from services.gateway.observe import Slo, SloWindow
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (
+        "OTEL_SDK_DISABLED",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+        "DISTSERVE_TRACE_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+    telemetry.shutdown()
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_tracing_is_off_without_an_exporter(clean_env):
+    assert telemetry.setup("gateway") is False
+    span = telemetry.start("x", None)
+    assert not span.is_recording()
+    assert telemetry.outgoing(telemetry.context_of(span)) is None
+    assert telemetry.record("y", None, 0.0, 1.0) is None
+
+
+def test_spans_go_to_the_file_with_their_times_and_parents(clean_env, tmp_path):
+    path = tmp_path / "spans.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    assert telemetry.setup("prefill", "prefill-7")
+    root = telemetry.start("root", None, {"a": 1})
+    t0 = time.monotonic()
+    telemetry.record("child", telemetry.context_of(root), t0, t0 + 0.25, {"b": [1, 2]})
+    telemetry.fail(root, "it broke")
+    root.end()
+    telemetry.shutdown()  # flushes
+    spans = {s["name"]: s for s in read(path)}
+    child, parent = spans["child"], spans["root"]
+    assert child["trace_id"] == parent["trace_id"]
+    assert child["parent_span_id"] == parent["span_id"] and parent["parent_span_id"] is None
+    assert child["end_unix_nano"] - child["start_unix_nano"] == pytest.approx(0.25e9, abs=1e3)
+    assert abs(child["start_unix_nano"] - time.time_ns()) < 60e9  # wall clock, not monotonic
+    assert child["attributes"] == {"b": [1, 2]} and parent["attributes"] == {"a": 1}
+    assert (parent["status"], parent["status_message"]) == ("ERROR", "it broke")
+    assert {s["service"] for s in spans.values()} == {"distserve-prefill"}
+
+
+def test_context_crosses_processes_as_a_w3c_traceparent(clean_env, tmp_path):
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(tmp_path / "s.jsonl"))
+    telemetry.setup("gateway")
+    span = telemetry.start("root", None)
+    metadata = dict(telemetry.outgoing(telemetry.context_of(span)))
+    ctx = span.get_span_context()
+    version, trace_id, span_id, flags = metadata["traceparent"].split("-")
+    assert (version, trace_id, span_id) == ("00", f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled
+    # The receiving side continues the same trace under that span.
+    child = telemetry.start("child", telemetry.from_headers(metadata))
+    assert child.get_span_context().trace_id == ctx.trace_id
+    assert child.parent.span_id == ctx.span_id
+    child.end()
+    span.end()
+
+
+def test_sdk_disabled_wins_and_sampling_ratio_zero_records_nothing(clean_env, tmp_path):
+    path = tmp_path / "s.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    clean_env.setenv("OTEL_SDK_DISABLED", "true")
+    assert telemetry.setup("decode") is False
+    clean_env.delenv("OTEL_SDK_DISABLED")
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    assert telemetry.setup("decode")
+    for _ in range(20):
+        telemetry.start("unsampled", None).end()
+    telemetry.shutdown()
+    assert not path.exists() or read(path) == []
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, ""),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, "collector:4317"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "10.0.0.5:4317"}, "10.0.0.5:4317"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http"},
+            "",
+        ),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, ""),
+    ],
+)
+def test_envoy_exports_to_the_grpc_collector_the_environment_names(env, expected):
+    assert otlp_grpc_endpoint(env) == expected
+
+
+def test_slo_attainment_counts_only_the_window():
+    window = SloWindow(Slo(ttft_s=1, tpot_s=0.1, window_s=10))
+    assert window.attainment(now=0) == (1.0, 0)
+    window.add(True, now=0)
+    window.add(False, now=5)
+    window.add(True, now=9)
+    assert window.attainment(now=9.5) == (pytest.approx(2 / 3), 3)
+    assert window.attainment(now=12) == (0.5, 2)  # the one at t=0 left the window
+    assert window.attainment(now=30) == (1.0, 0)
