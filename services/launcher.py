@@ -10,8 +10,6 @@ outlive the grace period. Children die with the launcher even if it is killed
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -24,11 +22,10 @@ from pathlib import Path
 
 import grpc
 
+from services.common import orphan_guard
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy import Envoy
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -137,7 +134,7 @@ class Mesh:
             self._wait_registered(len(started))
             if spec.edge is not None:
                 upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
-                self.envoy = Envoy(spec.edge, [upstream], preexec_fn=_die_with_parent)
+                self.envoy = Envoy(spec.edge, [upstream], die_with_parent=True)
                 self.envoy.start(timeout_s=spec.ready_timeout_s)
                 self.edge_address = self.envoy.address
         except BaseException:
@@ -166,12 +163,11 @@ class Mesh:
     def _spawn(self, name: str, module_args: list[str]) -> Process:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         popen = subprocess.Popen(
-            [sys.executable, "-m", *module_args],
+            orphan_guard.command([sys.executable, "-m", *module_args]),
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
             env=env,
-            preexec_fn=_die_with_parent,
         )
         proc = Process(name, popen)
         self.processes.append(proc)
@@ -218,11 +214,6 @@ def _watch_stdout(proc: Process) -> None:
                 continue
         sys.stdout.write(f"[{proc.name}] {line}")
         sys.stdout.flush()
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def run_until_signal(spec: MeshSpec) -> int:

@@ -284,6 +284,35 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
             proc.kill()
 
 
+def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
+    argv = ["up", "--model", str(tiny_model), "--port", "0", "--edge-port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        for line in proc.stdout:
+            if "serving" in line:
+                break
+        children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        children = [int(p) for p in children_file.read_text().split()]
+        assert len(children) == 4  # gateway, prefill, decode, envoy
+        proc.kill()  # no chance to stop them: the kernel tells them (PR_SET_PDEATHSIG)
+        proc.wait()
+
+        def alive(pid):
+            status = Path(f"/proc/{pid}/status")
+            return status.exists() and "zombie" not in status.read_text().lower()
+
+        wait_until(lambda: not any(alive(pid) for pid in children), 30, "children to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_deadline_ends_the_request_everywhere(mesh_1p1d):
     with grpc.insecure_channel(mesh_1p1d.gateway_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

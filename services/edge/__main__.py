@@ -9,8 +9,6 @@ itself, e.g. on Kubernetes).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import signal
 import sys
@@ -52,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    envoy = Envoy(config, gateways, preexec_fn=_die_with_parent)
+    envoy = Envoy(config, gateways, die_with_parent=True)
     envoy.start()
     try:
         announce_ready(
@@ -68,11 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         envoy.stop()
     return 0
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common import orphan_guard
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy_config import envoy_config
 
@@ -40,12 +41,12 @@ class Envoy:
         config: EdgeConfig,
         gateways: Sequence[Upstream],
         binary: Path | None = None,
-        preexec_fn=None,
+        die_with_parent: bool = False,
     ) -> None:
         self.config = config
         self.gateways = list(gateways)
         self.binary = binary or envoy_binary()
-        self.preexec_fn = preexec_fn
+        self.die_with_parent = die_with_parent  # Envoy gets SIGTERM when this process dies
         self.popen: subprocess.Popen | None = None
         self.address = ""  # host:port of the listener, once ready
         self.admin_address = ""
@@ -72,7 +73,9 @@ class Envoy:
             "--drain-time-s",
             "1",
         ]
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=self.preexec_fn)
+        if self.die_with_parent:
+            argv = orphan_guard.command(argv)
+        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready(admin_path, timeout_s)
         except BaseException:
