@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.common.errors import DistServeError
 from services.edge.options import add_edge_options
+from services.planner.cli import register as register_planner
 from services.trace_report import register as register_trace_report
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     client.set_defaults(func=_client)
 
     register_trace_report(sub)
+    register_planner(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,147 @@
+"""Planner benchmark: placement search time and simulator speed, on this CPU.
+
+(2) Placement search for an OPT-175B-sized model on 4 nodes x 8 A100-80GB GPUs (latency scaled
+    from DistServe's published OPT-66B profile, chat workload, SLO TTFT 4 s / TPOT 200 ms at 90%,
+    25 Gb/s between nodes): wall time of `plan()` (both algorithms and the colocated baseline).
+    Baseline: DistServe reports under 1.3 minutes for this search; our target is <= 10 s.
+(3) Simulator speed: simulated requests per second of `simulate()` on OPT-13B, chat workload, for
+    a disaggregated cluster (2 prefill + 2 decode) near its goodput and a colocated one (2
+    instances). Target: >= 50,000 requests/s (the disaggregated figure is the headline).
+
+Part (1) of the planner's benchmarks, the simulator's fidelity against the real mesh, is measured
+elsewhere (it needs the mesh running); its hook is `services.planner.simulator.simulate_1p1d`.
+
+Prints each figure beside its baseline or target, then one JSON line.
+Run: .venv/bin/python bench/planner.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from services.planner.cluster import ClusterSpec, kv_capacity
+from services.planner.latency import for_model
+from services.planner.model_spec import PRESETS
+from services.planner.placement import PlanSpec, plan
+from services.planner.simulator import Instance, SimCluster, Slo, simulate
+from services.planner.workload import PRESETS as WORKLOADS
+
+PAPER_SEARCH_S = 78.0  # DistServe: "under 1.3 minutes" for OPT-175B
+TARGET_SEARCH_S = 10.0
+TARGET_SIM_RPS = 50_000
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def placement_search() -> tuple[float, dict]:
+    model = PRESETS["opt-175b"]
+    spec = PlanSpec(
+        model=model,
+        cluster=ClusterSpec(4, 8),
+        workload=WORKLOADS["chat"],
+        slo=Slo(4.0, 0.2),
+        latency=for_model(model, None),
+        colocated_latency=for_model(model, None, "vllm"),
+    )
+    start = time.perf_counter()
+    result = plan(spec)
+    return time.perf_counter() - start, result.to_json()
+
+
+def simulator_speed(reps: int = 3) -> dict[str, float]:
+    model = PRESETS["opt-13b"]
+    cluster_spec = ClusterSpec(1, 8)
+    capacity = kv_capacity(model, 1, 1, cluster_spec)
+    latency = for_model(model, None)
+    requests = WORKLOADS["chat"].sample(100_000, 0)
+    clusters = {
+        "disaggregated_2p2d": (
+            SimCluster(
+                (Instance("prefill", max_batch_tokens=1024),) * 2
+                + (Instance("decode", kv_capacity=capacity),) * 2,
+                latency,
+                kv_bytes_per_token=model.kv_bytes_per_token,
+            ),
+            12.0,
+        ),
+        "colocated_2": (
+            SimCluster(
+                (Instance("colocated", max_batch_tokens=1024, kv_capacity=capacity),) * 2,
+                latency,
+                colocated_latency=for_model(model, None, "vllm"),
+            ),
+            5.0,
+        ),
+    }
+    out = {}
+    for name, (cluster, rate) in clusters.items():
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            simulate(cluster, requests.at_rate(rate))
+            times.append(time.perf_counter() - start)
+        out[name] = len(requests) / statistics.median(times)
+    return out
+
+
+def main() -> None:
+    seconds, plan_json = placement_search()
+    speeds = simulator_speed()
+    placement = plan_json["placement"]
+    print(f"planner benchmark on {cpu_name()} ({os.cpu_count()} CPUs), {platform.platform()}")
+    print(
+        f"(2) placement search, OPT-175B on 4x8: {seconds:.2f} s"
+        f"   [paper: < {PAPER_SEARCH_S:.0f} s; target <= {TARGET_SEARCH_S:.0f} s]"
+    )
+    print(
+        f"    chose {placement['algorithm']}: "
+        + ", ".join(
+            f"{role} tp={p['tp']} pp={p['pp']} x{p['replicas']}"
+            for role, p in placement["phases"].items()
+        )
+        + f"; {placement['goodput_per_gpu_rps']:.3g} req/s per GPU, "
+        f"{plan_json['ratio_over_colocated']}x colocated"
+    )
+    for name, rps in speeds.items():
+        print(
+            f"(3) simulator, {name}: {rps:,.0f} simulated requests/s"
+            f"   [target >= {TARGET_SIM_RPS:,}]"
+        )
+    result = {
+        "bench": "planner",
+        "placement_seconds_175b_4x8": round(seconds, 3),
+        "placement_baseline_paper_s": PAPER_SEARCH_S,
+        "placement_target_s": TARGET_SEARCH_S,
+        "placement_175b_4x8": {
+            "algorithm": placement["algorithm"],
+            "phases": placement["phases"],
+            "goodput_per_gpu_rps": placement["goodput_per_gpu_rps"],
+            "ratio_over_colocated": plan_json["ratio_over_colocated"],
+        },
+        "sim_requests_per_s": round(speeds["disaggregated_2p2d"]),
+        "sim_requests_per_s_by_cluster": {k: round(v) for k, v in speeds.items()},
+        "sim_target_requests_per_s": TARGET_SIM_RPS,
+        "model_params": {name: spec.num_params for name, spec in PRESETS.items()},
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

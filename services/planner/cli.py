@@ -1,0 +1,169 @@
+"""`distserve plan` and `distserve profile`: the planner's command line.
+
+`register(subparsers)` adds both subcommands to the `distserve` parser; `main(argv)` runs them
+on their own (`python -m services.planner.cli plan ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.common.errors import DistServeError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `plan` and `profile` to a subparsers object, each with its `func`."""
+    p = sub.add_parser(
+        "plan", help="search the placement with the best goodput per GPU for a workload and SLO"
+    )
+    p.add_argument(
+        "--model-spec",
+        required=True,
+        help="opt-13b, opt-66b, opt-175b, or a model folder with a config.json",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="latency profile: `distserve profile` output or DistServe's published JSON "
+        "(default: the published A100 profile, scaled for models it lacks)",
+    )
+    p.add_argument(
+        "--colocated-profile",
+        type=Path,
+        help="latency of the colocated baseline (default: the vLLM fit published beside a "
+        "DistServe profile, else --profile)",
+    )
+    p.add_argument(
+        "--cluster", required=True, help="NODESxGPUS[,INTRA_GBS,INTER_GBS], e.g. 4x8,300,3.1"
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)"
+    )
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help="chat | code | summarization [:cv=X] | trace:FILE | prompt=DIST,output=DIST[,cv=X]",
+    )
+    p.add_argument("--slo", required=True, help="TTFT_MS,TPOT_MS, e.g. 400,100")
+    p.add_argument("--attainment", type=float, default=0.9, help="fraction meeting both SLOs")
+    p.add_argument("--rate", type=float, help="target requests/s (default: fill the cluster)")
+    p.add_argument("--affinity", choices=("auto", "high", "low"), default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per instance")
+    p.add_argument("--num-requests", type=int, default=1000, help="simulated per instance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("plan.json"), help="where to write the JSON")
+    p.set_defaults(func=plan_command)
+
+    q = sub.add_parser("profile", help="measure the engine here and fit the latency model")
+    q.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    q.add_argument("--out", type=Path, help="profile file (default: profile-MODEL.json)")
+    q.add_argument("--quick", action="store_true", help="a small grid (seconds on the tiny model)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=profile_command)
+
+
+def plan_spec(args: argparse.Namespace):
+    """The PlanSpec the arguments describe (validated)."""
+    from services.planner.cluster import GIB, ClusterSpec
+    from services.planner.latency import for_model
+    from services.planner.model_spec import model_spec
+    from services.planner.placement import PlanSpec
+    from services.planner.simulator import Slo
+    from services.planner.workload import parse_workload
+
+    model = model_spec(args.model_spec)
+    cluster = ClusterSpec.parse(args.cluster)
+    if args.gpu_memory_gib != 80.0:
+        cluster = ClusterSpec(
+            cluster.nodes,
+            cluster.gpus_per_node,
+            int(args.gpu_memory_gib * GIB),
+            cluster.intra_node_bandwidth,
+            cluster.inter_node_bandwidth,
+        )
+    latency = for_model(model, args.profile)
+    colocated = for_model(model, args.colocated_profile or args.profile, engine="vllm")
+    return PlanSpec(
+        model=model,
+        cluster=cluster,
+        workload=parse_workload(args.workload),
+        slo=Slo.parse(args.slo),
+        latency=latency,
+        colocated_latency=colocated,
+        alpha=args.attainment,
+        rate=args.rate,
+        affinity=args.affinity,
+        max_num_seqs=args.max_num_seqs,
+        num_requests=args.num_requests,
+        seed=args.seed,
+    )
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from services.planner.placement import plan
+
+    result = plan(plan_spec(args))
+    print(describe_plan(result))
+    args.out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def describe_plan(result) -> str:
+    """The placement as a person reads it: per phase TP, PP, replicas, nodes; goodputs."""
+    p, c = result.placement, result.colocated
+    lines = [
+        f"{result.spec.model.name} on {result.spec.cluster.nodes}x"
+        f"{result.spec.cluster.gpus_per_node} GPUs, workload {result.spec.workload.name}, "
+        f"SLO TTFT {result.spec.slo.ttft_s * 1000:g} ms / TPOT {result.spec.slo.tpot_s * 1000:g} "
+        f"ms at {result.spec.alpha:.0%}",
+        f"placement ({p.algorithm}):",
+    ]
+    for phase in p.phases:
+        lines.append(
+            f"  {phase.role:<8} tp={phase.tp} pp={phase.pp} x{phase.replicas}"
+            f"  (one instance alone: {phase.instance_goodput:.3g} req/s)"
+        )
+    for i, inst in enumerate(p.instances):
+        stages = ", ".join(f"n{s[0][0]}:{','.join(str(g) for _, g in s)}" for s in inst.gpus)
+        lines.append(f"    {inst.role}[{i}] stages {stages}")
+    lines += [
+        f"goodput {p.goodput:.3g} req/s on {p.num_gpus} GPUs = {p.per_device:.3g} req/s per GPU",
+        f"colocated baseline: tp={c.phases[0].tp} pp={c.phases[0].pp} x{c.phases[0].replicas}, "
+        f"{c.goodput:.3g} req/s on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
+        f"ratio over colocated: {result.ratio:.2f}x  (search {result.search_seconds:.1f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def profile_command(args: argparse.Namespace) -> int:
+    from services.planner.profiler import FULL, QUICK, describe, profile
+
+    if args.model is None:
+        from services.engine.presets import default_model
+
+        args.model = default_model("tiny")
+    out = args.out or Path(f"profile-{args.model.name}.json")
+    result = profile(args.model, QUICK if args.quick else FULL, progress=not args.no_progress)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(describe(result))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DistServeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Configuration of the planner service, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.errors import InvalidRequest
+from services.planner.drift import DriftConfig
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Where it listens, what it plans with, and how it watches for drift.
+
+    workers > 0 makes it a single-host planner: plans split that many one-device workers
+    between prefill and decode. Otherwise plans place instances on `cluster`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    profile: Path | None = None  # latency profile (default: DistServe's published A100 one)
+    colocated_profile: Path | None = None
+    cluster: str = "1x8"  # NODESxGPUS[,INTRA_GBS,INTER_GBS], when a request names none
+    workers: int = 0
+    max_num_seqs: int = 256  # running requests per decode or colocated instance
+    num_requests: int = 1000  # simulated per instance per goodput probe
+    drift: DriftConfig = field(default_factory=DriftConfig)
+
+    def __post_init__(self) -> None:
+        if self.workers == 1 or self.workers < 0:
+            raise InvalidRequest("workers: 0 (a cluster) or at least 2 (one prefill, one decode)")
+        if self.max_num_seqs < 1 or self.num_requests < 10:
+            raise InvalidRequest("max_num_seqs >= 1 and num_requests >= 10")

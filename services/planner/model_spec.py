@@ -1,0 +1,115 @@
+"""The shape of a model as the planner sees it: layers, heads, sizes, bytes per parameter.
+
+The planner needs only what decides memory and parallelism: weight bytes, KV bytes per token,
+how many heads (tensor parallelism splits them) and layers (pipeline parallelism splits them).
+Presets name the OPT models DistServe evaluates; any other model is read from a Hugging Face
+folder's config.json (our `tiny` and `small` presets are such folders).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer; `published` is its name in DistServe's data files, if any."""
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int  # longest prompt + output the model serves
+    dtype_bytes: int = 2
+    mlp_matrices: int = 2  # OPT: fc1, fc2; Llama: gate, up, down
+    learned_positions: bool = False  # OPT learns a position table (max_context x hidden)
+    published: str | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        layer = attention + self.mlp_matrices * h * self.intermediate_size
+        embeddings = 2 * self.vocab_size * h  # input table and LM head
+        positions = self.max_context * h if self.learned_positions else 0
+        return self.num_layers * layer + embeddings + positions
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token leaves in the cache, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def attention_flops_per_token2(self) -> int:
+        """FLOPs of attention scores and values per (query, key) pair, summed over layers."""
+        return 4 * self.num_layers * self.hidden_size
+
+
+def _opt(name: str, layers: int, heads: int, hidden: int) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        vocab_size=50272,
+        max_context=2048,
+        learned_positions=True,
+        published=f"facebook/{name}",
+    )
+
+
+# The OPT family as published (Zhang et al. 2022, table 1), in fp16.
+PRESETS: dict[str, ModelSpec] = {
+    "opt-13b": _opt("opt-13b", 40, 40, 5120),
+    "opt-66b": _opt("opt-66b", 64, 72, 9216),
+    "opt-175b": _opt("opt-175b", 96, 96, 12288),
+}
+
+
+def model_spec(name_or_dir: str | Path) -> ModelSpec:
+    """A preset by name (opt-13b, opt-66b, opt-175b), or the model of a Hugging Face folder."""
+    key = str(name_or_dir).lower().removeprefix("facebook/")
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        raise InvalidRequest(
+            f"unknown model {name_or_dir!r}: give one of {', '.join(PRESETS)} or a model folder "
+            "with a config.json",
+            param="model_spec",
+        )
+    return from_dir(path)
+
+
+def from_dir(path: Path) -> ModelSpec:
+    """The spec of a Hugging Face folder our engine serves (Llama family), in its stored dtype."""
+    from services.common.model_config import ModelConfig
+
+    mc = ModelConfig.from_dir(path)
+    return ModelSpec(
+        name=path.name,
+        num_layers=mc.num_layers,
+        num_heads=mc.num_heads,
+        num_kv_heads=mc.num_kv_heads,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        vocab_size=mc.vocab_size,
+        max_context=mc.max_position_embeddings,
+        dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[mc.dtype],
+        mlp_matrices=3,
+    )

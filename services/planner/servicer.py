@@ -1,0 +1,128 @@
+"""gRPC servicer of the planner: decode the request, one replanner call, encode the reply."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from services.common.errors import DistServeError, InvalidRequest
+from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.server import status_code
+from services.planner.config import PlannerConfig
+from services.planner.drift import Sample
+from services.planner.placement import Placement, PlanSpec
+from services.planner.replanner import Current, Replanner
+
+log = logging.getLogger("distserve.planner")
+
+
+class PlannerServicer(planner_pb2_grpc.PlannerServicer):
+    def __init__(self, config: PlannerConfig, replanner: Replanner) -> None:
+        self.config = config
+        self.replanner = replanner
+
+    async def Plan(self, request, context):
+        result, current = await self.replanner.plan(plan_spec(request, self.config))
+        reply = planner_pb2.PlanResponse(placement=placement_to_pb(current))
+        if result is not None:
+            reply.colocated.CopyFrom(placement_to_pb(Current(result.colocated, 0, "baseline")))
+            reply.ratio_over_colocated = result.ratio
+            reply.search_seconds = result.search_seconds
+            reply.plan_json = json.dumps(result.to_json())
+        return reply
+
+    async def GetPlacement(self, request, context):
+        return placement_to_pb(self.replanner.placement())
+
+    async def ReportWorkload(self, request_iterator, context):
+        # Client streaming is not covered by the shared ErrorInterceptor: map errors here.
+        try:
+            return await self._report(request_iterator)
+        except DistServeError as e:
+            await context.abort(status_code(e), str(e))
+
+    async def _report(self, request_iterator) -> planner_pb2.ReportWorkloadResponse:
+        samples, reasons, replans = 0, [], []
+        async for pb in request_iterator:
+            sample = Sample(
+                pb.arrival_unix_s, pb.prompt_tokens, pb.output_tokens, pb.ttft_ms, pb.tpot_ms
+            )
+            drift = self.replanner.observe(sample)
+            samples += 1
+            if drift is not None:
+                log.info("workload drift: %s", "; ".join(drift.reasons))
+                reasons.append("; ".join(drift.reasons))
+                replans.append(asyncio.create_task(self.replanner.replan(drift)))
+        await asyncio.gather(*replans)
+        reply = planner_pb2.ReportWorkloadResponse(
+            samples=samples, drifts=len(reasons), reasons=reasons
+        )
+        if self.replanner.current is not None:
+            reply.placement.CopyFrom(placement_to_pb(self.replanner.current))
+        return reply
+
+
+def plan_spec(request, config: PlannerConfig) -> PlanSpec:
+    """The PlanSpec of a PlanRequest, with the service's defaults for what it leaves out."""
+    from services.planner.cluster import ClusterSpec
+    from services.planner.latency import for_model
+    from services.planner.model_spec import model_spec
+    from services.planner.simulator import Slo
+    from services.planner.workload import parse_workload
+
+    if not request.model_spec:
+        raise InvalidRequest("model_spec is required", param="model_spec")
+    if request.ttft_slo_ms <= 0 or request.tpot_slo_ms <= 0:
+        raise InvalidRequest("ttft_slo_ms and tpot_slo_ms must be positive", param="slo")
+    model = model_spec(request.model_spec)
+    if config.workers:
+        cluster = ClusterSpec(1, config.workers)
+    else:
+        cluster = ClusterSpec.parse(request.cluster or config.cluster)
+    return PlanSpec(
+        model=model,
+        cluster=cluster,
+        workload=parse_workload(request.workload or "chat"),
+        slo=Slo(request.ttft_slo_ms / 1000, request.tpot_slo_ms / 1000),
+        latency=for_model(model, config.profile),
+        colocated_latency=for_model(model, config.colocated_profile or config.profile, "vllm"),
+        alpha=request.attainment or 0.9,
+        rate=request.rate or None,
+        affinity=request.affinity or "auto",
+        max_num_seqs=config.max_num_seqs,
+        num_requests=config.num_requests,
+    )
+
+
+def placement_to_pb(current: Current) -> planner_pb2.Placement:
+    p: Placement = current.placement
+    return planner_pb2.Placement(
+        algorithm=p.algorithm,
+        phases=[
+            planner_pb2.PhasePlacement(
+                role=ph.role,
+                tensor_parallel=ph.tp,
+                pipeline_parallel=ph.pp,
+                replicas=ph.replicas,
+                instance_goodput_rps=ph.instance_goodput,
+            )
+            for ph in p.phases
+        ],
+        instances=[
+            planner_pb2.InstancePlacement(
+                role=i.role,
+                tensor_parallel=i.tp,
+                pipeline_parallel=i.pp,
+                stages=[
+                    planner_pb2.StagePlacement(node=s[0][0], gpus=[g for _, g in s]) for s in i.gpus
+                ],
+            )
+            for i in p.instances
+        ],
+        goodput_rps=p.goodput,
+        goodput_per_gpu_rps=p.per_device,
+        num_gpus=p.num_gpus,
+        version=current.version,
+        reason=current.reason,
+    )

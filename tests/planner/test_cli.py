@@ -1,0 +1,59 @@
+"""`distserve profile` on the tiny model and `distserve plan`, through the planner's CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from services.planner import cli
+from services.planner.latency import load
+
+
+def test_profile_writes_a_profile_with_a_sane_fit(tiny_model, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert cli.main(["profile", "--model", str(tiny_model), "--quick", "--out", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["fit_error"]["prefill"]["mean_rel"] < 0.5
+    assert raw["fit_error"]["decode"]["mean_rel"] < 0.5
+    assert raw["fit_error"]["prefill"]["samples"] == len(raw["samples"]["prefill"])
+    model = load(out)
+    tp1 = model.at(1)
+    # more tokens take longer, in both phases, and everything is non-negative
+    assert tp1.prefill_ms(512, 512**2) > tp1.prefill_ms(16, 16**2) > 0
+    assert tp1.decode_ms(16, 16 * 256) > tp1.decode_ms(1, 32) > 0
+    assert min(tp1.prefill.to_list() + tp1.decode_small.to_list()) >= 0
+    assert model.max_batch_tokens in dict(raw["samples"]["lm_tokens_per_s"])
+    assert "L_m =" in capsys.readouterr().out
+
+
+def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = [
+        "plan", "--model-spec", "opt-13b", "--cluster", "1x4", "--workload", "code",
+        "--slo", "250,100", "--num-requests", "300", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "placement (" in printed and "colocated baseline" in printed and "ratio over" in printed
+    plan = json.loads(out.read_text())
+    assert plan["placement"]["num_gpus"] <= 4
+    assert set(plan["placement"]["phases"]) == {"prefill", "decode"}
+    assert plan["ratio_over_colocated"] > 0
+
+
+def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    argv = ["plan", "--model-spec", "opt-175b", "--cluster", "1x2", "--slo", "1000,100"]
+    assert cli.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distserve: error: opt-175b fits no parallel configuration")
+
+
+def test_register_adds_both_commands_with_their_functions():
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["profile", "--quick"])
+    assert args.func is cli.profile_command
+    args = parser.parse_args(
+        ["plan", "--model-spec", "opt-13b", "--cluster", "1x8", "--slo", "1,1"]
+    )
+    assert args.func is cli.plan_command

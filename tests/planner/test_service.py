@@ -1,0 +1,113 @@
+"""The planner service over a real socket: Plan, GetPlacement, ReportWorkload with drift, errors;
+and the single-host split it recommends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.planner.cluster import ClusterSpec
+from services.planner.latency import for_model
+from services.planner.model_spec import PRESETS
+from services.planner.placement import PlanSpec, split_workers
+from services.planner.simulator import Slo
+from services.planner.workload import parse_workload
+
+WINDOW = 50
+
+
+@pytest.fixture(scope="module")
+def planner():
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "services.planner", "--port", "0", "--cluster", "1x4",
+            "--num-requests", "200", "--drift-window", str(WINDOW),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready" and ready["service"] == "planner"
+        with grpc.insecure_channel(ready["address"]) as channel:
+            yield planner_pb2_grpc.PlannerStub(channel)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def samples(rate: float, n: int, start: float, seed: int):
+    rng = np.random.default_rng(seed)
+    t = start
+    for _ in range(n):
+        t += rng.exponential(1 / rate)
+        yield planner_pb2.WorkloadSample(
+            arrival_unix_s=t, prompt_tokens=170, output_tokens=100, ttft_ms=50, tpot_ms=30
+        )
+
+
+def test_plan_report_drift_and_replan(planner):
+    with pytest.raises(grpc.RpcError) as e:
+        planner.GetPlacement(planner_pb2.GetPlacementRequest())
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    request = planner_pb2.PlanRequest(
+        model_spec="opt-13b", workload="code", ttft_slo_ms=250, tpot_slo_ms=100, rate=5
+    )
+    reply = planner.Plan(request, timeout=120)
+    assert reply.placement.version == 1 and reply.placement.reason == "plan"
+    assert reply.placement.num_gpus <= 4 and reply.ratio_over_colocated > 0
+    assert {p.role for p in reply.placement.phases} == {"prefill", "decode"}
+    assert json.loads(reply.plan_json)["placement"]["algorithm"] == reply.placement.algorithm
+    assert planner.GetPlacement(planner_pb2.GetPlacementRequest()).version == 1
+
+    # steady at 5 req/s: the reference, then quiet
+    quiet = planner.ReportWorkload(samples(5, 4 * WINDOW, 0.0, 1), timeout=60)
+    assert (quiet.samples, quiet.drifts, quiet.placement.version) == (4 * WINDOW, 0, 1)
+
+    # the rate triples and stays: one drift, one replan at the new rate
+    shifted = planner.ReportWorkload(samples(15, 4 * WINDOW, 1000.0, 2), timeout=120)
+    assert shifted.drifts == 1 and shifted.reasons[0].startswith("rate")
+    assert shifted.placement.version == 2
+    assert shifted.placement.reason.startswith("drift: rate")
+    assert planner.GetPlacement(planner_pb2.GetPlacementRequest()).version == 2
+
+
+def test_bad_requests_get_invalid_argument(planner):
+    with pytest.raises(grpc.RpcError) as e:
+        planner.Plan(planner_pb2.PlanRequest(model_spec="gpt-9", ttft_slo_ms=1, tpot_slo_ms=1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown model" in e.value.details()
+    bad = [planner_pb2.WorkloadSample(arrival_unix_s=1.0, prompt_tokens=0, output_tokens=5)]
+    with pytest.raises(grpc.RpcError) as e:
+        planner.ReportWorkload(iter(bad))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def split_for(workload: str) -> tuple[int, int]:
+    model = PRESETS["opt-13b"]
+    spec = PlanSpec(
+        model=model,
+        cluster=ClusterSpec(1, 6),
+        workload=parse_workload(workload),
+        slo=Slo(0.4, 0.05),
+        latency=for_model(model, None),
+        colocated_latency=for_model(model, None, "vllm"),
+        num_requests=300,
+    )
+    placement = split_workers(spec, 6)
+    n_p, n_d = placement.phase("prefill").replicas, placement.phase("decode").replicas
+    assert n_p + n_d == 6 and placement.algorithm == "single-host"
+    return n_p, n_d
+
+
+def test_single_host_split_follows_the_workload():
+    long_prompts = split_for("prompt=fixed:1500,output=fixed:20")
+    long_outputs = split_for("prompt=fixed:100,output=fixed:400")
+    assert long_prompts[0] > long_outputs[0]  # more prefill workers for prefill-heavy work
