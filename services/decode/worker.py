@@ -79,6 +79,7 @@ class DecodeWorker:
 
     async def start(self) -> None:
         self.loop.start()
+        await self.puller.warm_up()
 
     async def stop(self) -> None:
         await self.puller.close()

@@ -105,6 +105,14 @@ class KvPuller:
         self.checksum_failures = 0
         self.lease_renewals = 0
 
+    async def warm_up(self) -> None:
+        """Pay the data plane's one-time set-up now rather than in the first pull."""
+        if self._ucx is not None:
+            try:
+                await self._ucx.warm_up()
+            except Exception as e:  # the first pull will show whether UCX works
+                log.warning("UCX warm-up failed: %s", e)
+
     @property
     def reconnects(self) -> int:
         return self._ucx.reconnects if self._ucx is not None else 0
