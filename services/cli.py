@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     up.add_argument("--pin", action="store_true", help="one CPU core, one thread per worker")
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
+    up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
     up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
     up.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for the attainment metric")
     add_edge_options(up.add_argument_group("edge (Envoy)"), port_flag="--edge-port")
@@ -229,6 +230,7 @@ def _up(args: argparse.Namespace) -> int:
         gateway_args=tuple(gateway_args),
         pin=args.pin,
         edge=None if args.no_edge else edge_config(args, args.host),
+        planner=args.planner,
     )
     return run_until_signal(spec)
 

@@ -49,6 +49,8 @@ class MeshSpec:
     ready_timeout_s: float = 180.0
     env: dict[str, str] = field(default_factory=dict)
     edge: EdgeConfig | None = None  # Envoy in front of the gateway; None: no edge
+    planner: bool = False  # a planner, fed the live workload by the gateway
+    planner_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -79,11 +81,14 @@ class Mesh:
 
     @property
     def workers(self) -> list[Process]:
-        return [p for p in self.processes if p.name != "gateway"]
+        return [p for p in self.processes if p.name not in ("gateway", "planner")]
 
     def start(self) -> None:
         spec = self.spec
         try:
+            gateway_args = list(spec.gateway_args)
+            if spec.planner:
+                gateway_args += ["--planner", self._start_planner()]
             gateway = self._spawn(
                 "gateway",
                 [
@@ -96,7 +101,7 @@ class Mesh:
                     str(spec.gateway_port),
                     "--http-port",
                     str(spec.gateway_http_port),
-                    *spec.gateway_args,
+                    *gateway_args,
                 ],
             )
             self._wait_ready([gateway])
@@ -141,13 +146,24 @@ class Mesh:
             self.stop()
             raise
 
+    def _start_planner(self) -> str:
+        """The planner process; on this single host it splits the disaggregated workers."""
+        spec = self.spec
+        args = ["services.planner", "--host", spec.host]
+        if spec.prefill + spec.decode >= 2:
+            args += ["--workers", str(spec.prefill + spec.decode)]
+        planner = self._spawn("planner", [*args, *spec.planner_args])
+        self._wait_ready([planner])
+        return planner.ready["address"]
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM Envoy, the workers, then the gateway; SIGKILL what outlives the grace
         period."""
         if self.envoy is not None:
             self.envoy.stop(grace_s)
             self.envoy = None
-        for group in (self.workers, [p for p in self.processes if p.name == "gateway"]):
+        last = [p for p in self.processes if p.name in ("gateway", "planner")]
+        for group in (self.workers, last):
             for p in group:
                 if p.popen.poll() is None:
                     p.popen.send_signal(signal.SIGTERM)
@@ -224,7 +240,7 @@ def run_until_signal(spec: MeshSpec) -> int:
     with Mesh(spec) as mesh:
         print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
         print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
-        for p in mesh.workers:
+        for p in [*mesh.workers, *(p for p in mesh.processes if p.name == "planner")]:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
         for p in mesh.processes:
             if p.ready.get("metrics_address"):

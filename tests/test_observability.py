@@ -157,14 +157,17 @@ def value(samples, name: str, **labels) -> float:
 def mesh_with_metrics(tiny_model):
     from tests.conftest import start_mesh
 
-    mesh = start_mesh(tiny_model, prefill=1, decode=1)
+    mesh = start_mesh(tiny_model, prefill=1, decode=1, planner=True)
     yield mesh
     mesh.stop()
 
 
 def test_metrics_endpoints_scrape_and_move_with_requests(mesh_with_metrics):
     mesh = mesh_with_metrics
-    by_name = {p.name: p.ready["metrics_address"] for p in mesh.processes}
+    by_name = {p.name: p.ready["metrics_address"] for p in mesh.workers}
+    by_name["gateway"] = next(p for p in mesh.processes if p.name == "gateway").ready[
+        "metrics_address"
+    ]
     assert set(by_name) == {"gateway", "prefill-0", "decode-0"}
     before = {name: scrape(addr) for name, addr in by_name.items()}
     n = 3
@@ -199,3 +202,9 @@ def test_metrics_endpoints_scrape_and_move_with_requests(mesh_with_metrics):
     assert value(after[d], "distserve_kv_blocks_used") == 0  # all finished, all freed
     assert value(after[p], "distserve_kv_handles_held") == 0
     assert value(after[p], "process_resident_memory_bytes") > 0
+    # The gateway streams each finished request to the planner.
+    deadline = time.monotonic() + 10
+    sent = lambda: value(scrape(by_name[g]), "distserve_planner_samples_total", outcome="sent")  # noqa: E731
+    while sent() - value(before[g], "distserve_planner_samples_total", outcome="sent") < n:
+        assert time.monotonic() < deadline, "samples never reached the planner's stream"
+        time.sleep(0.1)

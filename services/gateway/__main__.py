@@ -26,6 +26,7 @@ from services.common.server import (
 from services.common.tokenizer import Tokenizer
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.observe import GatewayMetrics, Slo
+from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
 from services.gateway.request import Limits
 from services.gateway.router import Router
@@ -46,6 +47,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 2**20  # largest HTTP request body
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
+    planner: str | None = None  # host:port of the planner, which gets the live workload
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -64,6 +66,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO (metrics)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO (metrics)")
     p.add_argument("--slo-window-s", type=float, default=60.0, help="SLO attainment window")
+    p.add_argument("--planner", help="planner host:port: report the live workload to it")
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -80,6 +83,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         max_body_bytes=a.max_body_bytes,
         metrics_port=a.metrics_port,
         slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
+        planner=a.planner,
     )
 
 
@@ -90,7 +94,8 @@ async def serve(config: GatewayConfig) -> None:
     served = config.served_model_name or config.model.resolve().name
     metrics = GatewayMetrics(worker_registry(), config.slo)
     metrics.watch(registry)
-    router = Router(registry, tokenizer, served, metrics)
+    feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
+    router = Router(registry, tokenizer, served, metrics, feed)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:
@@ -126,12 +131,16 @@ async def serve(config: GatewayConfig) -> None:
         sock = socket.create_server((config.host, config.http_port), family=family)  # 0: free
         await web.SockSite(http, sock).start()
         ready["http_address"] = f"{config.host}:{sock.getsockname()[1]}"
+    if feed is not None:
+        feed.start()
     announce_ready("gateway", **ready)
     await wait_for_signal()
     await health.enter_graceful_shutdown()
     if http is not None:
         await http.cleanup()
     await server.stop(grace=5)
+    if feed is not None:
+        await feed.stop()
     await router.close()
     telemetry.shutdown()
 

@@ -140,11 +140,15 @@ class RequestObserver:
         self.model = model
         self.operation = operation
         self.mode = "none"  # no serving path yet
+        self.prompt_tokens = len(req.prompt_ids)
+        self.arrival_unix_s = time.time()
         self.start = time.monotonic()
         self.first: float | None = None  # first token out
         self.second: float | None = None  # the message with the second token
         self.last: float | None = None
         self.tokens = 0
+        self.ttft_s: float | None = None  # set by finish
+        self.tpot_s = 0.0
         self.span = telemetry.start(
             f"{operation} {model}",
             parent,
@@ -203,6 +207,7 @@ class RequestObserver:
         if self.tokens > 1:
             tpot = (self.last - self.first) / (self.tokens - 1)
             m.tpot.labels(*genai).observe(tpot)
+        self.ttft_s, self.tpot_s = ttft, tpot or 0.0
         if self.tokens > 2 and self.second is not None:
             attrs["distserve.tpot_ms"] = (self.last - self.second) / (self.tokens - 2) * 1000
         if reason:

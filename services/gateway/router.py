@@ -33,6 +33,7 @@ from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
+from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
 from services.gateway.request import Request
 
@@ -63,11 +64,13 @@ class Router:
         tokenizer: Tokenizer,
         model: str = "",
         metrics: GatewayMetrics | None = None,
+        feed: PlannerFeed | None = None,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
+        self.feed = feed  # finished requests' samples for the planner
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -119,6 +122,10 @@ class Router:
             raise
         finally:
             seen.finish(reason.value if reason is not None else None, error)
+            if self.feed is not None and reason is not None and seen.ttft_s is not None:
+                self.feed.add(
+                    seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
+                )
 
     async def _disaggregated(
         self, req: Request, trace: telemetry.Context | None

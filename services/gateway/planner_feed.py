@@ -1,0 +1,128 @@
+"""The gateway's report of the live workload to the planner (`Planner.ReportWorkload`).
+
+One sample per finished request: when it arrived, its lengths, its measured TTFT and TPOT. A
+request never waits for this: samples go through a bounded queue and are dropped (and counted)
+when the planner is slow or away. Samples travel in client streams of at most `stream_samples`
+samples or `stream_s` seconds; the planner's reply at the end of each stream says whether the
+workload drifted and what it now recommends, which is logged. A broken stream is re-opened
+with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.server import CHANNEL_OPTIONS
+
+log = logging.getLogger("distserve.gateway")
+
+
+class PlannerFeed:
+    def __init__(
+        self,
+        address: str,
+        registry: CollectorRegistry,
+        capacity: int = 10_000,
+        stream_samples: int = 500,
+        stream_s: float = 30.0,
+    ) -> None:
+        self.address = address
+        self.stream_samples = stream_samples
+        self.stream_s = stream_s
+        self._queue: asyncio.Queue[planner_pb2.WorkloadSample] = asyncio.Queue(capacity)
+        self._task: asyncio.Task | None = None
+        self.samples = Counter(
+            "distserve_planner_samples",
+            "Workload samples for the planner, by outcome (sent, dropped).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.placement_version = Gauge(
+            "distserve_planner_placement_version",
+            "Version of the placement the planner recommends (0: none yet).",
+            registry=registry,
+        )
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def add(
+        self,
+        arrival_unix_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        ttft_s: float,
+        tpot_s: float,
+    ) -> None:
+        """A finished request (never blocks; dropped when the queue is full)."""
+        sample = planner_pb2.WorkloadSample(
+            arrival_unix_s=arrival_unix_s,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            ttft_ms=ttft_s * 1000,
+            tpot_ms=tpot_s * 1000,
+        )
+        try:
+            self._queue.put_nowait(sample)
+        except asyncio.QueueFull:
+            self.samples.labels("dropped").inc()
+
+    async def _run(self) -> None:
+        backoff = 0.5
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            stub = planner_pb2_grpc.PlannerStub(channel)
+            while True:
+                first = await self._queue.get()  # no empty streams
+                try:
+                    reply = await stub.ReportWorkload(self._window(first))
+                except grpc.aio.AioRpcError as e:
+                    log.warning("planner at %s: %s; retrying", self.address, e.code().name)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+                backoff = 0.5
+                if reply.HasField("placement"):
+                    self.placement_version.set(reply.placement.version)
+                for reason in reply.reasons:
+                    log.info(
+                        "planner: workload drifted (%s); placement v%d recommended: %s",
+                        reason,
+                        reply.placement.version,
+                        _describe(reply.placement),
+                    )
+
+    async def _window(self, first: planner_pb2.WorkloadSample):
+        """One stream's samples: up to stream_samples, or until stream_s passed."""
+        end = time.monotonic() + self.stream_s
+        sample, sent = first, 0
+        while True:
+            yield sample
+            self.samples.labels("sent").inc()
+            sent += 1
+            left = end - time.monotonic()
+            if sent >= self.stream_samples or left <= 0:
+                return
+            try:
+                sample = await asyncio.wait_for(self._queue.get(), left)
+            except TimeoutError:
+                return
+
+
+def _describe(placement: planner_pb2.Placement) -> str:
+    return ", ".join(
+        f"{p.role} tp={p.tensor_parallel} pp={p.pipeline_parallel} x{p.replicas}"
+        for p in placement.phases
+    )
