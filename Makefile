@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-tracing bench-planner protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ bench-mesh: $(GEN)
 
 bench-kvtransfer: $(GEN)
 	$(BIN)/python bench/kvtransfer.py
+
+bench-tracing: $(GEN)
+	$(BIN)/python bench/tracing.py
+
+bench-planner: $(GEN)
+	$(BIN)/python bench/planner.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen

@@ -1,0 +1,140 @@
+"""Tracing overhead benchmark: the same load with tracing off and on, in one run.
+
+Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own core with
+`--pin`; only one mesh is busy at a time), identical but for tracing:
+  * off: no exporter configured (no span is created);
+  * file: every span appended to a JSON-lines file (`DISTSERVE_TRACE_FILE`);
+  * otlp: every span exported over OTLP/gRPC to a receiver in this process (a collector's work
+    is done on the same two cores, so this is the pessimistic case).
+Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` at once,
+straight to the gateway over gRPC. Rounds alternate between the meshes (off, file, otlp, off,
+...) so that all see the same machine; the figure is the median throughput over rounds, and the
+overhead is 1 - traced / off. Also the TTFT p50 of sequential 2-token requests on each mesh.
+Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
+Run: `python bench/tracing.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.mesh import mesh_stream_rate, mesh_ttft_and_gap, pct
+from services.engine.presets import default_model
+from services.launcher import Mesh, MeshSpec
+from tests.otlp_receiver import OtlpReceiver
+
+WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
+
+
+def start(model: Path, env: dict[str, str]) -> Mesh:
+    spec = MeshSpec(model=model, gateway_port=0, pin=True, worker_args=WORKER_ARGS, env=env)
+    mesh = Mesh(spec)
+    mesh.start()
+    return mesh
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=128, help="streamed requests per round")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--ttft-requests", type=int, default=50)
+    args = ap.parse_args()
+    model = default_model("tiny")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.requests)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DISTSERVE_TRACE"))}
+    os.environ.clear()
+    os.environ.update(base)  # the meshes inherit this environment, plus their own
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
+    spans_file = tmp / "spans.jsonl"
+    with OtlpReceiver() as receiver:
+        envs = {
+            "off": {},
+            "file": {"DISTSERVE_TRACE_FILE": str(spans_file)},
+            "otlp": {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"},
+        }
+        meshes = {name: start(model, env) for name, env in envs.items()}
+        try:
+            rates: dict[str, list[float]] = {name: [] for name in meshes}
+            ttft: dict[str, float] = {}
+
+            async def load(address: str) -> float:
+                out = []
+                for i in range(0, len(prompts), args.concurrency):
+                    batch = prompts[i : i + args.concurrency]
+                    out.append((await mesh_stream_rate(address, batch, args.new_tokens), batch))
+                tokens = sum(len(b) * args.new_tokens for _, b in out)
+                return tokens / sum(len(b) * args.new_tokens / r for r, b in out)
+
+            for mesh in meshes.values():  # warm-up: connections, UCX endpoints
+                asyncio.run(load(mesh.gateway_address))
+            for r in range(args.rounds):
+                for name, mesh in meshes.items():
+                    rates[name].append(asyncio.run(load(mesh.gateway_address)))
+                print(
+                    f"round {r + 1}/{args.rounds}: "
+                    + ", ".join(f"{n} {v[-1]:,.0f} tok/s" for n, v in rates.items()),
+                    flush=True,
+                )
+            prompt = prompts[0]
+            for name, mesh in meshes.items():
+                t, _ = asyncio.run(
+                    mesh_ttft_and_gap(mesh.gateway_address, prompt, args.ttft_requests)
+                )
+                ttft[name] = pct(t, 0.5) * 1000
+        finally:
+            for mesh in meshes.values():
+                mesh.stop()
+        exported = len(receiver.spans)
+    traced_lines = sum(1 for _ in spans_file.open()) if spans_file.exists() else 0
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    overhead = {name: 1 - median[name] / median["off"] for name in ("file", "otlp")}
+    print()
+    print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
+    print(
+        f"model: tiny (embedded), {args.requests} requests x {args.new_tokens} tokens per round, "
+        f"{args.concurrency} at once, {args.rounds} rounds"
+    )
+    print(f"{'tracing':8} {'tok/s (median)':>15} {'overhead':>9} {'TTFT p50 ms':>12}")
+    for name in meshes:
+        o = f"{overhead[name]:+.1%}" if name in overhead else "baseline"
+        print(f"{name:8} {median[name]:15,.0f} {o:>9} {ttft[name]:12.2f}")
+    print(f"spans exported: {traced_lines} to the file, {exported} over OTLP")
+    print("target: throughput cost <= 3%")
+    result = {
+        "bench": "tracing",
+        "model": "tiny",
+        "cpu_count": os.cpu_count(),
+        "rounds": args.rounds,
+        "requests_per_round": args.requests,
+        "new_tokens": args.new_tokens,
+        "concurrency": args.concurrency,
+        "tok_per_s_off": round(median["off"], 1),
+        "tok_per_s_file": round(median["file"], 1),
+        "tok_per_s_otlp": round(median["otlp"], 1),
+        "overhead_file": round(overhead["file"], 4),
+        "overhead_otlp": round(overhead["otlp"], 4),
+        "ttft_p50_ms": {k: round(v, 3) for k, v in ttft.items()},
+        "spans_file": traced_lines,
+        "spans_otlp": exported,
+        "tracing_overhead_fraction": round(max(overhead.values()), 4),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
