@@ -99,9 +99,17 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(tiny_m
                 assert (
                     compute["attributes"]["prefill.batch_tokens"] >= a["gen_ai.usage.input_tokens"]
                 )
-                # Phases in order: prefill ends before the handoff starts, decode after it.
-                assert compute["end_unix_nano"] <= handoff["start_unix_nano"]
-                assert handoff["end_unix_nano"] <= kids["decode"][0]["start_unix_nano"]
+                # Phases in order: prefill ends before the handoff starts, decode after it (to
+                # within 1 ms: spans carry wall-clock times, read from monotonic clocks).
+                ms = 1_000_000
+                assert compute["end_unix_nano"] <= handoff["start_unix_nano"] + ms
+                assert handoff["end_unix_nano"] <= kids["decode"][0]["start_unix_nano"] + ms
+                # The release reaches the source with the pull's context: its span is the
+                # kvtransfer hop of the trace, under kv.handoff, in the prefill process.
+                released = receiver.wait_for(trace_id, {"kv.release"}, 10)
+                [release] = [s for s in released if s["name"] == "kv.release"]
+                assert release["parent_span_id"] == handoff["span_id"]
+                assert release["service"] == "distserve-prefill"
                 [lease] = kids["kv.lease"]
                 assert lease["attributes"]["kv.outcome"] == "released"
                 # (a send whose bytes arrived may be cancelled by the release before it counts)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 import numpy as np
 
+from services.common import telemetry
 from services.common.errors import DistServeError
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer.leases import Lease, LeaseTable
@@ -30,8 +32,15 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
         return self.leases.get(request.handle_id, request.access_token).handle.to_pb()
 
     async def Release(self, request, context):
+        """Free held KV. The caller's trace context (the pull's span) gets the source's side of
+        the release as a span: how long freeing took once the last sends stopped."""
+        start = time.monotonic()
         lease = self.leases.pop(request.handle_id, request.access_token)
-        return kvtransfer_pb2.ReleaseResponse(blocks_freed=await self.free(lease))
+        freed = await self.free(lease)
+        telemetry.record(
+            "kv.release", telemetry.incoming(context), start, time.monotonic(), {"kv.blocks": freed}
+        )
+        return kvtransfer_pb2.ReleaseResponse(blocks_freed=freed)
 
     async def RenewLease(self, request, context):
         access = request.access
