@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-tracing bench-planner protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ bench-mesh: $(GEN)
 
 bench-kvtransfer: $(GEN)
 	$(BIN)/python bench/kvtransfer.py
+
+bench-handoff: $(GEN)
+	$(BIN)/python bench/handoff.py
 
 bench-tracing: $(GEN)
 	$(BIN)/python bench/tracing.py

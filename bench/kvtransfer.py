@@ -200,12 +200,13 @@ async def handoff(address_prefill: str, address_decode: str, lengths: list[int])
             for i in range(3):
                 prompt = rng.integers(2, 900, n).tolist()
                 sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
-                reply = await prefill.Prefill(
+                async for event in prefill.Prefill(
                     prefill_pb2.PrefillRequest(
                         request_id=f"h{n}-{i}", prompt_token_ids=prompt, sampling=sampling
                     ),
                     timeout=600,
-                )
+                ):
+                    reply = event.done
                 request = decode_pb2.DecodeRequest(
                     request_id=f"h{n}-{i}",
                     prompt_token_ids=prompt,

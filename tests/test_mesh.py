@@ -167,7 +167,7 @@ def test_a_lapsed_lease_frees_kv_nobody_pulled(mesh_factory):
     mesh = mesh_factory(prefill=1, decode=0, colocated=1, prefill_args=("--lease-s", "1"))
     address = addresses(mesh, "prefill")[0]
     with grpc.insecure_channel(address) as channel:
-        reply = prefill_pb2_grpc.PrefillStub(channel).Prefill(
+        [event] = prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(
                 request_id="orphan",
                 prompt_token_ids=list(range(5, 60)),
@@ -175,6 +175,7 @@ def test_a_lapsed_lease_frees_kv_nobody_pulled(mesh_factory):
             ),
             timeout=30,
         )
+        reply = event.done
         assert reply.HasField("kv") and reply.kv.access_token
         held = stats(address, "prefill")
         assert held.load.held_kv_handles == 1

@@ -94,15 +94,18 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(tiny_m
                 h = handoff["attributes"]
                 assert h["kv.bytes"] > 0 and h["kv.chunks"] >= 2 and h["kv.chunks_retried"] == 0
                 assert h["kv.transport"] == "ucx" and h["kv.bandwidth_bytes_per_s"] > 0
-                assert h["kv.overlap_fraction"] == 0.0
+                # Layer-wise: the pull starts while prefill computes (how much of it hides
+                # behind prefill depends on timing; tests/kvtransfer/test_layerwise.py checks it).
+                assert h["kv.streaming"] is True and 0.0 <= h["kv.overlap_fraction"] <= 1.0
                 [compute] = kids["prefill.compute"]
                 assert (
                     compute["attributes"]["prefill.batch_tokens"] >= a["gen_ai.usage.input_tokens"]
                 )
-                # Phases in order: prefill ends before the handoff starts, decode after it (to
-                # within 1 ms: spans carry wall-clock times, read from monotonic clocks).
+                # Phases in order: the handoff starts once the prompt is scheduled (before its
+                # compute ends), decode after the handoff (to within 1 ms: spans carry
+                # wall-clock times, read from monotonic clocks).
                 ms = 1_000_000
-                assert compute["end_unix_nano"] <= handoff["start_unix_nano"] + ms
+                assert compute["start_unix_nano"] <= handoff["start_unix_nano"] + ms
                 assert handoff["end_unix_nano"] <= kids["decode"][0]["start_unix_nano"] + ms
                 # The release reaches the source with the pull's context: its span is the
                 # kvtransfer hop of the trace, under kv.handoff, in the prefill process.
@@ -116,7 +119,9 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(tiny_m
                 assert 0 < lease["attributes"]["kv.bytes_sent"] <= h["kv.bytes"]
                 # The span's TTFT is the client's, less the hops in between (Envoy, gRPC).
                 gaps.append(client_ttft * 1000 - a["distserve.ttft_ms"])
-            assert 0 <= statistics.median(gaps) < 5, gaps
+            # The client's TTFT is the span's plus Envoy and the client's own gRPC: never less,
+            # a few ms more (more when the two cores are busy with other work: the median then).
+            assert min(gaps) >= 0 and min(gaps) < 5 and statistics.median(gaps) < 10, gaps
         finally:
             mesh.stop()
 

@@ -30,6 +30,7 @@ class KvHandle:
     block_bytes: int
     lease_expiry_unix_ms: int
     access_token: str
+    streaming: bool = False  # layers published as prefill computes them (see common.proto)
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +65,7 @@ class KvHandle:
             block_bytes=pb.block_bytes,
             lease_expiry_unix_ms=pb.lease_expiry_unix_ms,
             access_token=pb.access_token,
+            streaming=pb.streaming,
         )
 
     def to_pb(self) -> common_pb2.KvHandle:
@@ -84,4 +86,5 @@ class KvHandle:
             layer_bytes=self.layer_bytes,
             lease_expiry_unix_ms=self.lease_expiry_unix_ms,
             access_token=self.access_token,
+            streaming=self.streaming,
         )

@@ -144,9 +144,16 @@ def from_headers(headers: Mapping[str, str]) -> Context | None:
     return propagate.extract(headers)
 
 
-def start(name: str, parent: Context | None, attributes: Mapping | None = None) -> Span:
-    """Start a span under `parent` (a no-op span when not tracing). End it with `span.end()`."""
-    return _tracer.start_span(name, context=parent, attributes=attributes)
+def start(
+    name: str,
+    parent: Context | None,
+    attributes: Mapping | None = None,
+    start_s: float | None = None,
+) -> Span:
+    """Start a span under `parent` (a no-op span when not tracing), now or at monotonic
+    `start_s`. End it with `span.end()`."""
+    when = None if start_s is None else wall_ns(start_s)
+    return _tracer.start_span(name, context=parent, attributes=attributes, start_time=when)
 
 
 def context_of(span: Span) -> Context:

@@ -18,13 +18,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request, context):
         handle = KvHandle.from_pb(request.kv) if request.HasField("kv") else None
-        if handle is not None and not request.HasField("first_token_id"):
-            raise InvalidRequest("a request with a KV handle needs first_token_id")
+        first = request.first_token_id if request.HasField("first_token_id") else None
+        if handle is not None and not handle.streaming and first is None:
+            raise InvalidRequest("a request with a (non-streaming) KV handle needs first_token_id")
         events = self.worker.generate(
             request.request_id,
             list(request.prompt_token_ids),
             sampling_from_pb(request.sampling),
-            request.first_token_id if handle is not None else None,
+            first if handle is not None else None,
             handle,
             telemetry.incoming(context),
         )

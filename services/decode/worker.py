@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from services.common import telemetry
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
@@ -57,6 +57,12 @@ class DecodeWorker:
         )
         self.transfer_seconds = phase_histogram(
             registry, "distserve_kv_transfer_seconds", "Time of a KV pull."
+        )
+        self.hidden_fraction = Histogram(
+            "distserve_kv_overlap_fraction",
+            "Part of a KV pull that ran while prefill was still computing (layer-wise handoff).",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=registry,
         )
         # Colocated instances prefill too.
         self.prefill_queue_seconds = phase_histogram(
@@ -117,10 +123,10 @@ class DecodeWorker:
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
             else:
-                pulled, handoff = await self._pull(
+                pulled, handoff, late_first = await self._pull(
                     request_id, prompt, params, first_token, handle, trace
                 )
-                self.loop.submit(request_id, lambda e: e.start_decoding(request_id))
+                self.loop.submit(request_id, lambda e: e.start_decoding(request_id, late_first))
                 # The KV is here: the source may free it; decoding does not wait for that.
                 self._release_later(handle, handoff)
                 pending_handle = None
@@ -199,12 +205,17 @@ class DecodeWorker:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        first_token: int,
+        first_token: int | None,
         handle: KvHandle,
         trace: telemetry.Context | None,
-    ) -> tuple[DecodeEvent, telemetry.Context | None]:
-        """Wait for room, then pull the handle's KV into it; returns the first event and the
-        context of the handoff span (the release of the handle joins it)."""
+    ) -> tuple[DecodeEvent, telemetry.Context | None, int | None]:
+        """Wait for room, then pull the handle's KV into it; returns the first event, the
+        context of the handoff span (the release of the handle joins it) and, for a streaming
+        handle, the first token (which the queued request did not have yet).
+
+        A streaming handle (layer-wise handoff) is pulled while its prompt is computed: each
+        chunk waits at the source for its layer; the first token is asked of the source once
+        the KV is here (first_token is None then)."""
         staged = self._needs_staging(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
@@ -227,6 +238,12 @@ class DecodeWorker:
                     report = await self.puller.pull(
                         handle, blocks, self.engine.runner.cache.region_buffer, handoff
                     )
+                done = time.monotonic()
+                prefill_done = started  # the prompt was computed before the pull began
+                late_first = None
+                if handle.streaming:
+                    late_first, done_unix_s = await self.puller.first_token(handle, handoff)
+                    prefill_done = time.monotonic() - (time.time() - done_unix_s)
             except BaseException as e:  # failed, or cancelled with its request
                 if isinstance(e, DistServeError):
                     self.pulls_failed += 1
@@ -235,8 +252,9 @@ class DecodeWorker:
                 raise
         finally:
             self.pulling -= 1
-        done = time.monotonic()
-        self._pulled(span, report, done - started)
+        # The part of the pull that ran while prefill was still computing: hidden behind it.
+        hidden = max(0.0, min(done, prefill_done) - started)
+        self._pulled(span, report, done - started, hidden)
         span.end()
         return (
             DecodeEvent(
@@ -246,12 +264,14 @@ class DecodeWorker:
                 pull_bytes=report.nbytes,
             ),
             handoff,
+            late_first,
         )
 
-    def _pulled(self, span, report: PullReport, seconds: float) -> None:
+    def _pulled(self, span, report: PullReport, seconds: float, hidden: float) -> None:
         self.pulls_total += 1
         self.pull_bytes_total += report.nbytes
         self.transfer_seconds.observe(seconds)
+        self.hidden_fraction.observe(hidden / seconds if seconds > 0 else 0.0)
         span.set_attributes(
             {
                 "kv.bytes": report.nbytes,
@@ -259,8 +279,8 @@ class DecodeWorker:
                 "kv.chunks_retried": report.retries,
                 "kv.transport": report.transport,
                 "kv.bandwidth_bytes_per_s": report.nbytes / seconds if seconds > 0 else 0.0,
-                # The pull starts once prefill has returned: nothing of it overlaps prefill yet.
-                "kv.overlap_fraction": 0.0,
+                "kv.overlap_fraction": hidden / seconds if seconds > 0 else 0.0,
+                "kv.streaming": report.streaming,
             }
         )
 

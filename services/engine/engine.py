@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,18 +196,28 @@ class LLMEngine:
         """One iteration: a prefill batch if prompts are waiting and fit, else a decode step."""
         return self.prefill_step(hold=False) or self.decode_step()
 
-    def prefill_step(self, *, hold: bool) -> list[StepOutput]:
+    def prefill_step(
+        self,
+        *,
+        hold: bool,
+        on_scheduled: Callable[[list[Sequence]], None] | None = None,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> list[StepOutput]:
         """Prefill one batch of waiting prompts and sample their first tokens.
 
         hold=False: the sequences join the decode batch. hold=True (a prefill instance): their
-        KV stays in place, untouched, until `release`.
+        KV stays in place, untouched, until `release`. `on_scheduled(seqs)` is called once the
+        batch has its blocks, before the model runs; `on_layer(i)` once each layer's KV is in
+        place (a prefill instance publishes layers as they are computed).
         """
         seats = self.config.max_num_seqs if hold else self.running.free_seats
         seqs = self.batcher.next_batch(self.waiting, self._admit, seats)
         if not seqs:
             return []
         self.last_step = ("prefill", len(seqs), sum(s.num_tokens for s in seqs))
-        tokens = self.runner.sample(self.runner.prefill(seqs), seqs)
+        if on_scheduled is not None:
+            on_scheduled(seqs)
+        tokens = self.runner.sample(self.runner.prefill(seqs, on_layer), seqs)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             out = self._postprocess(seq, token)
@@ -273,17 +284,16 @@ class LLMEngine:
     def add_prefilled(
         self,
         prompt_ids: list[int],
-        first_token: int,
+        first_token: int | None,
         params: SamplingParams,
         request_id: str,
     ) -> str:
-        """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls)."""
+        """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls).
+        `first_token` None: prefill is still running; the token comes with `start_decoding`."""
         self._validate(prompt_ids, params)
         seq = self._new_sequence(prompt_ids, params, request_id)
-        seq.append(first_token)
-        if seq.finish_reason is not None:
-            del self._requests[request_id]
-            raise InvalidRequest(f"request {request_id} already ended at its first token")
+        if first_token is not None:
+            self._append_first(seq, first_token)
         seq.status = SequenceStatus.PULL_WAITING
         self.pull_waiting.append(seq)
         return request_id
@@ -309,14 +319,28 @@ class LLMEngine:
             admitted.append(seq)
         return admitted
 
-    def start_decoding(self, request_id: str) -> bool:
-        """The KV of a pulled request is in place: it joins the decode batch at the next step."""
+    def start_decoding(self, request_id: str, first_token: int | None = None) -> bool:
+        """The KV of a pulled request is in place: it joins the decode batch at the next step
+        (with its first token, if it was queued without one)."""
         seq = self._requests.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PULLING:
             return False
+        if first_token is not None:
+            self._append_first(seq, first_token)
+        elif seq.num_output_tokens == 0:
+            raise InvalidRequest(f"request {request_id} has no first token")
         seq.status = SequenceStatus.RUNNING
         self.running.join(seq)
         return True
+
+    def _append_first(self, seq: Sequence, token: int) -> None:
+        """A pulled request's first token (sampled by prefill); it is in no queue here."""
+        seq.append(token)
+        if seq.finish_reason is not None:
+            self._requests.pop(seq.request_id, None)
+            self._free(seq)
+            seq.status = SequenceStatus.FINISHED
+            raise InvalidRequest(f"request {seq.request_id} already ended at its first token")
 
     # -- convenience -----------------------------------------------------------------------------
 

@@ -61,10 +61,18 @@ class EngineLoop:
         *,
         hold: bool = False,
         on_admitted: Callable[[list[Sequence]], None] | None = None,
+        on_scheduled: Callable[[list[tuple[str, tuple]]], None] | None = None,
+        on_layer: Callable[[list[str], int], None] | None = None,
     ) -> None:
+        """on_admitted(seqs): pulled requests got their blocks (decode). For a prefill
+        instance, on the event loop: on_scheduled([(request id, block runs)]) when a batch has
+        its blocks, before it runs; on_layer(request ids, i) once its layer i is computed."""
         self.engine = engine
         self.hold = hold
         self._on_admitted = on_admitted
+        self._on_scheduled = on_scheduled
+        self._on_layer = on_layer
+        self._batch: list[str] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -136,12 +144,27 @@ class EngineLoop:
         if not self._busy():
             return
         started = time.monotonic()
-        outputs = engine.prefill_step(hold=True) if self.hold else engine.step()
+        if self.hold:
+            outputs = engine.prefill_step(
+                hold=True,
+                on_scheduled=self._scheduled if self._on_scheduled else None,
+                on_layer=self._layer if self._on_layer else None,
+            )
+        else:
+            outputs = engine.step()
         if not outputs:
             return
         kind, size, tokens = engine.last_step
         info = StepInfo(kind, size, tokens, started, time.monotonic() - started)
         self._loop.call_soon_threadsafe(self._dispatch, outputs, info)
+
+    def _scheduled(self, seqs: list[Sequence]) -> None:
+        self._batch = [s.request_id for s in seqs]
+        runs = [(s.request_id, tuple((f, n) for f, n in s.block_table.runs)) for s in seqs]
+        self._loop.call_soon_threadsafe(self._on_scheduled, runs)
+
+    def _layer(self, layer: int) -> None:
+        self._loop.call_soon_threadsafe(self._on_layer, self._batch, layer)
 
     def _run_commands(self) -> None:
         while True:

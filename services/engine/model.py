@@ -7,6 +7,8 @@ each; the weight loader fills the fused weights from the checkpoint's separate t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,13 +113,20 @@ class CausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> final hidden states (T, hidden)."""
+        """input_ids, positions (T,) -> final hidden states (T, hidden). `on_layer(i)` is
+        called once layer i has run (its KV is in the cache)."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, D) each
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attn)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

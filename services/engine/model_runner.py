@@ -8,6 +8,7 @@ token of context is tensor work.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,8 +38,11 @@ class ModelRunner:
         self._ctx = np.zeros(max_num_seqs, dtype=np.int32)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run whole prompts (packed) -> logits of each prompt's last token (N, vocab)."""
+    def prefill(
+        self, seqs: list[Sequence], on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Run whole prompts (packed) -> logits of each prompt's last token (N, vocab).
+        `on_layer(i)`: layer i's KV is in the cache (on a GPU, once the device got there)."""
         bs = self.block_size
         ids: list[int] = []
         slots: list[int] = []
@@ -61,10 +65,18 @@ class ModelRunner:
         )
         if self.backend.name == "flash":
             meta.cu_seqlens_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        if on_layer is not None and self.device.type == "cuda":
+            user = on_layer
+
+            def on_layer(i: int) -> None:  # the KV must be written before anyone reads it
+                torch.cuda.current_stream(self.device).synchronize()
+                user(i)
+
         hidden = self.model(
             self._to_device(np.asarray(ids, dtype=np.int64)),
             self._to_device(positions),
             AttentionContext(self.cache, meta, self.backend),
+            on_layer,
         )
         last = torch.tensor([b - 1 for b in cu[1:]], device=self.device)
         return self.model.logits(hidden[last])

@@ -48,6 +48,7 @@ class GatewayConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
     planner: str | None = None  # host:port of the planner, which gets the live workload
+    layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -67,6 +68,12 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO (metrics)")
     p.add_argument("--slo-window-s", type=float, default=60.0, help="SLO attainment window")
     p.add_argument("--planner", help="planner host:port: report the live workload to it")
+    p.add_argument(
+        "--kv-handoff",
+        choices=("layerwise", "after-prefill"),
+        default="layerwise",
+        help="layerwise: decode pulls each layer as prefill computes it",
+    )
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -84,6 +91,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         metrics_port=a.metrics_port,
         slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
         planner=a.planner,
+        layerwise_handoff=a.kv_handoff == "layerwise",
     )
 
 
@@ -95,7 +103,7 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics(worker_registry(), config.slo)
     metrics.watch(registry)
     feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
-    router = Router(registry, tokenizer, served, metrics, feed)
+    router = Router(registry, tokenizer, served, metrics, feed, config.layerwise_handoff)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:

@@ -136,6 +136,7 @@ class HttpApi:
         return name
 
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        received = time.monotonic()
         try:
             body = json.loads(await request.read())
         except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
@@ -159,6 +160,7 @@ class HttpApi:
             req,
             telemetry.from_headers(request.headers),
             "chat" if endpoint == oai.CHAT else "text_completion",
+            received,
         )
         async with contextlib.aclosing(pieces):
             # The first piece comes before any byte of the reply: errors until then (no worker,

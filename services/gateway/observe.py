@@ -135,14 +135,17 @@ class RequestObserver:
         model: str,
         operation: str,
         parent: telemetry.Context | None,
+        received: float | None = None,
     ) -> None:
+        """`received`: when the request arrived (monotonic s; default now): TTFT and the
+        span count from there, validation and tokenization included."""
         self.metrics = metrics
         self.model = model
         self.operation = operation
         self.mode = "none"  # no serving path yet
         self.prompt_tokens = len(req.prompt_ids)
-        self.arrival_unix_s = time.time()
-        self.start = time.monotonic()
+        self.start = time.monotonic() if received is None else received
+        self.arrival_unix_s = time.time() - (time.monotonic() - self.start)
         self.first: float | None = None  # first token out
         self.second: float | None = None  # the message with the second token
         self.last: float | None = None
@@ -161,6 +164,7 @@ class RequestObserver:
                 "gen_ai.usage.input_tokens": len(req.prompt_ids),
                 "distserve.request_id": req.request_id,
             },
+            self.start,
         )
         self.context = telemetry.context_of(self.span) if telemetry.enabled() else None
         metrics.in_flight.inc()

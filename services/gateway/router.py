@@ -65,12 +65,15 @@ class Router:
         model: str = "",
         metrics: GatewayMetrics | None = None,
         feed: PlannerFeed | None = None,
+        early_handoff: bool = True,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
         self.feed = feed  # finished requests' samples for the planner
+        # Layer-wise handoff: decode pulls the KV while prefill computes it.
+        self.early_handoff = early_handoff
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -89,11 +92,13 @@ class Router:
         req: Request,
         parent: telemetry.Context | None = None,
         operation: str = "text_completion",
+        received: float | None = None,
     ) -> AsyncIterator[Piece]:
         """The request's answer, piece by piece. `parent` is the caller's trace context (from
-        Envoy or the client); `operation` its GenAI operation name (`text_completion`, `chat`)."""
+        Envoy or the client); `operation` its GenAI operation name (`text_completion`, `chat`);
+        `received` when the API got it (monotonic s)."""
         text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
-        seen = RequestObserver(self.metrics, req, self.model, operation, parent)
+        seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         reason: FinishReason | None = None
         error: BaseException | None = None
         try:
@@ -131,14 +136,19 @@ class Router:
         self, req: Request, trace: telemetry.Context | None
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
         tried: set[str] = set()
-        reply = await self._first_prefill(req, tried, trace)
+        # With the layer-wise handoff, a decode call is already pulling (`early`) by now.
+        reply, early = await self._first_prefill(req, tried, trace)
         reason = finish_from_pb(reply.finish_reason)
         try:
             yield [reply.first_token_id], reason
         except BaseException:
+            if early is not None:
+                early.cancel()  # the decode instance releases the KV it was pulling
             await self._release(reply.kv, trace)  # the client left before a decode took the KV
             raise
         if reason is not None:
+            if early is not None:
+                early.cancel()  # nothing to decode (the prefill instance freed the KV)
             return
         first = reply.first_token_id
         failures: list[str] = []
@@ -149,7 +159,7 @@ class Router:
                 # first token; decode continues from it.
                 self.metrics.migrations.labels("kv_handoff").inc()
                 try:
-                    reply = await self._prefill(req, tried, trace)
+                    reply, early = await self._prefill(req, tried, trace, early=False)
                 except (grpc.aio.AioRpcError, DistServeError) as e:
                     failures.append(_details(e))
                     continue
@@ -157,8 +167,10 @@ class Router:
                     failures.append("prefill returned no KV")
                     continue
             pulled = False
+            call = early if early is not None else self._start_decode(req, first, reply.kv, trace)
+            early = None
             try:
-                async for ids, reason in self._decode(req, first, reply.kv, trace):
+                async for ids, reason in self._decode(call, reply.kv, trace):
                     pulled = True
                     yield ids, reason
                 return
@@ -186,24 +198,39 @@ class Router:
                 log.warning("request %s: %s; trying another instance", req.request_id, e)
         raise AssertionError("unreachable")
 
-    async def _prefill(self, req: Request, tried: set[str], trace):
-        """Prefill on the least-loaded instance not tried yet (any instance if all were)."""
+    async def _prefill(self, req: Request, tried: set[str], trace, early: bool | None = None):
+        """Prefill on the least-loaded instance not tried yet (any instance if all were).
+
+        Returns the result and, with the layer-wise handoff (`early`, default: the router's
+        setting), the decode call started on the KV handle the prefill instance sent as soon as
+        the prompt was scheduled: it pulls the layers while they are computed."""
         prefill = self.registry.pick_prefill(exclude=tried)
         tried.add(prefill.worker_id)
         prefill.inflight_tokens += len(req.prompt_ids)
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
+        early = self.early_handoff if early is None else early
+        decode = None
         try:
-            return await stub.Prefill(
+            events = stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=req.request_id,
                     prompt_token_ids=req.prompt_ids,
                     sampling=sampling_to_pb(req.params),
+                    early_handle=early,
                 ),
                 timeout=_timeout(req),
                 metadata=telemetry.outgoing(trace),
             )
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+            async for event in events:
+                if event.HasField("kv"):
+                    decode = self._start_decode(req, None, event.kv, trace)
+                else:
+                    return event.done, decode
+            raise RemoteError("UNAVAILABLE", f"prefill instance {prefill.worker_id} sent no result")
+        except BaseException as e:
+            if decode is not None:
+                decode.cancel()
+            if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             # Unreachable: stop routing to it until it heartbeats (and registers) again.
             self.registry.deregister(prefill.worker_id)
@@ -213,32 +240,35 @@ class Router:
                 f"{e.details()}",
             ) from e
 
+    def _start_decode(self, req: Request, first_token: int | None, kv, trace):
+        """A Decode call on the least-loaded decode instance for KV held on a prefill
+        instance (`first_token` None: a streaming handle; the decode instance asks the source
+        for it)."""
+        decode = self.registry.pick_decode()
+        decode.inflight_requests += 1
+        return decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
+            decode_pb2.DecodeRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.params),
+                first_token_id=first_token,
+                kv=kv,
+            ),
+            timeout=_timeout(req),
+            metadata=telemetry.outgoing(trace),
+        )
+
     async def _decode(
-        self, req: Request, first_token: int, kv, trace
+        self, call, kv, trace
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        """Stream a decode instance's tokens for KV held on a prefill instance."""
+        """Stream a decode call's tokens; KV it never took is released here."""
         handed_over = False
         try:
-            decode = self.registry.pick_decode()
-            decode.inflight_requests += 1
-            call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
-                decode_pb2.DecodeRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_ids,
-                    sampling=sampling_to_pb(req.params),
-                    first_token_id=first_token,
-                    kv=kv,
-                ),
-                timeout=_timeout(req),
-                metadata=telemetry.outgoing(trace),
-            )
-            try:
-                async for r in call:
-                    handed_over = True  # the decode instance has the KV (and releases it)
-                    yield list(r.token_ids), finish_from_pb(r.finish_reason)
-            finally:
-                call.cancel()
+            async for r in call:
+                handed_over = True  # the decode instance has the KV (and releases it)
+                yield list(r.token_ids), finish_from_pb(r.finish_reason)
         finally:
+            call.cancel()
             if not handed_over:
                 await self._release(kv, trace)
 

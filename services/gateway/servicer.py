@@ -32,11 +32,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
 
     async def Generate(self, request, context):
+        received = time.monotonic()
         # Behind Envoy, its x-request-id names the request (as in its access log).
         edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         req = validate(request, self.tokenizer, self.limits, context.time_remaining(), edge_id)
         completion = 0
-        async for piece in self.router.generate(req, telemetry.incoming(context)):
+        pieces = self.router.generate(req, telemetry.incoming(context), received=received)
+        async for piece in pieces:
             completion += len(piece.token_ids)
             reply = gateway_pb2.GenerateResponse(
                 request_id=req.request_id,

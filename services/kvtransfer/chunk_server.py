@@ -68,7 +68,7 @@ class ChunkServer:
     async def _serve_chunk(self, ep, req) -> None:
         status_tag, data_tag = 2 * req.tag, 2 * req.tag + 1
         try:
-            chunk = self.source.open(req)
+            chunk = await self.source.open_when_ready(req)
         except DistServeError as e:
             refusal = wire.encode(wire.ChunkStatus(ok=False, error=str(e)))
             await _send_quietly(ep, refusal, status_tag)

@@ -17,12 +17,20 @@ from services.common.kv_handle import KvHandle
 class Lease:
     """Held KV of one request: its handle, when it lapses (monotonic seconds), and how many
     chunk sends are reading its blocks right now (the blocks are freed only when none is).
-    `trace` is the request's trace context, for the span of the lease's life."""
+    `trace` is the request's trace context, for the span of the lease's life.
+
+    A streaming lease (layer-wise handoff) is created before its prompt is computed: layers
+    become readable as `publish` announces them, and `first_token` resolves when prefill has
+    sampled it. Closing the lease (released, lapsed, cancelled) wakes everyone waiting."""
 
     request_id: str
     handle: KvHandle
     expires: float
     trace: object = None
+    layers_ready: int = 0
+    closed: bool = False
+    first_token: asyncio.Future | None = None  # (token id, prefill done unix s), streaming only
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     chunks_sent: int = 0
     bytes_sent: int = 0
@@ -33,6 +41,34 @@ class Lease:
     def __post_init__(self) -> None:
         self.blocks = self.handle.blocks()
         self.idle.set()
+        if self.handle.streaming:
+            self.first_token = asyncio.get_running_loop().create_future()
+        else:
+            self.layers_ready = self.handle.num_layers
+
+    def publish(self, layers: int) -> None:
+        """The first `layers` layers are computed and may be sent."""
+        if layers > self.layers_ready:
+            self.layers_ready = layers
+            self._wake()
+
+    async def wait_layer(self, layer: int) -> None:
+        """Until `layer` may be sent, or the lease closed."""
+        while self.layers_ready <= layer and not self.closed:
+            await self.changed.wait()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.first_token is not None and not self.first_token.done():
+            self.first_token.set_exception(
+                NotFound(f"KV handle {self.handle.handle_id} is gone before its first token")
+            )
+            self.first_token.exception()  # retrieved: nobody may be waiting
+        self._wake()
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     @property
     def inflight(self) -> int:
@@ -79,6 +115,12 @@ class LeaseTable:
         self._leases[handle.handle_id] = Lease(request_id, handle, expires, trace)
         return handle
 
+    def of_request(self, request_id: str) -> Lease | None:
+        for lease in self._leases.values():
+            if lease.request_id == request_id:
+                return lease
+        return None
+
     def get(self, handle_id: str, access_token: str) -> Lease:
         """The live lease, if the token is right. NotFound if unknown or lapsed."""
         lease = self._leases.get(handle_id)
@@ -99,6 +141,7 @@ class LeaseTable:
         """Remove a lease on release."""
         lease = self.get(handle_id, access_token)
         del self._leases[handle_id]
+        lease.close()
         self.released_total += 1
         return lease
 
@@ -106,6 +149,7 @@ class LeaseTable:
         """Remove the lease of a request (its KV is freed for another reason)."""
         for handle_id, lease in list(self._leases.items()):
             if lease.request_id == request_id:
+                lease.close()
                 return self._leases.pop(handle_id)
         return None
 
@@ -118,6 +162,7 @@ class LeaseTable:
         ]
         for lease in out:
             del self._leases[lease.handle.handle_id]
+            lease.close()
         self.expired_total += len(out)
         return out
 

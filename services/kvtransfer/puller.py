@@ -26,6 +26,7 @@ import xxhash
 from services.common import telemetry
 from services.common.errors import (
     DistServeError,
+    FailedPrecondition,
     InvalidRequest,
     NotFound,
     PermissionDenied,
@@ -81,6 +82,7 @@ class PullReport:
     chunks: int
     nbytes: int = 0
     retries: int = 0
+    streaming: bool = False  # pulled while prefill computed the layers
 
 
 class ChecksumMismatch(Exception):
@@ -148,7 +150,7 @@ class KvPuller:
             (layer, kv, seg) for layer in range(handle.num_layers) for kv in (0, 1) for seg in segs
         ]
         gate = asyncio.Semaphore(self.policy.window)
-        report = PullReport(transport.name, len(jobs))
+        report = PullReport(transport.name, len(jobs), streaming=handle.streaming)
 
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
@@ -260,6 +262,27 @@ class KvPuller:
 
         report = await self.pull(handle, list(range(n)), region, trace)
         return staging, report
+
+    async def first_token(
+        self, handle: KvHandle, trace: telemetry.Context | None = None
+    ) -> tuple[int, float]:
+        """A streaming handle's first token, once prefill sampled it, and when prefill finished
+        (unix s). FailedPrecondition if it ended the request; NotFound if the handle is gone;
+        Unavailable if the source cannot be reached."""
+        stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
+        access = kvtransfer_pb2.KvAccess(
+            handle_id=handle.handle_id, access_token=handle.access_token
+        )
+        try:
+            reply = await stub.AwaitFirstToken(access, metadata=telemetry.outgoing(trace))
+        except grpc.aio.AioRpcError as e:
+            error = {
+                grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+                grpc.StatusCode.NOT_FOUND: NotFound,
+                grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+            }.get(e.code(), Unavailable)
+            raise error(f"first token from {handle.source_instance}: {e.details()}") from e
+        return reply.token_id, reply.prefill_done_unix_s
 
     async def release(self, handle: KvHandle, trace: telemetry.Context | None = None) -> int:
         """Tell the source to free the handle's KV; returns the blocks it freed."""

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from services.common import telemetry
-from services.common.errors import DistServeError
+from services.common.errors import DistServeError, FailedPrecondition
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
@@ -31,6 +31,13 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
     async def Describe(self, request, context):
         return self.leases.get(request.handle_id, request.access_token).handle.to_pb()
 
+    async def AwaitFirstToken(self, request, context):
+        lease = self.leases.get(request.handle_id, request.access_token)
+        if lease.first_token is None:
+            raise FailedPrecondition("the handle is not streaming: its first token came with it")
+        token, done_unix_s = await asyncio.shield(lease.first_token)
+        return kvtransfer_pb2.FirstToken(token_id=token, prefill_done_unix_s=done_unix_s)
+
     async def Release(self, request, context):
         """Free held KV. The caller's trace context (the pull's span) gets the source's side of
         the release as a span: how long freeing took once the last sends stopped."""
@@ -48,7 +55,7 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
 
     async def FetchChunk(self, request, context):
         try:
-            chunk = self.source.open(request)
+            chunk = await self.source.open_when_ready(request)
         except DistServeError as e:
             # A refusal is an answer, as on the UCX path: the puller maps it to its error.
             return kvtransfer_pb2.KvChunkReply(

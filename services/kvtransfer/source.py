@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from services.common.errors import InvalidRequest
+from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.kvtransfer import wire
 from services.kvtransfer.faults import Fault, FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
@@ -56,6 +56,19 @@ class ChunkSource:
         self.faults = faults  # tests and drills only
         self.chunks_served = 0
         self.bytes_served = 0
+
+    async def open_when_ready(self, req) -> Chunk:
+        """`open`, once the chunk's layer is computed (a streaming handle's layers are
+        published as prefill computes them; the wait ends early if the lease closes)."""
+        lease = self.leases.get(req.handle_id, req.access_token)
+        if lease.layers_ready <= req.layer < self.num_layers:
+            try:
+                await asyncio.wait_for(lease.wait_layer(req.layer), SEND_TIMEOUT_S)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"layer {req.layer} was not computed within {SEND_TIMEOUT_S} s"
+                ) from None
+        return self.open(req)
 
     def open(self, req) -> Chunk:
         """The chunk a request asks for; DistServeError (NotFound, PermissionDenied,

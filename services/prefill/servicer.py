@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from services.common import telemetry
 from services.common.convert import finish_to_pb, sampling_from_pb
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -13,13 +15,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker = worker
 
     async def Prefill(self, request, context):
-        result = await self.worker.prefill(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_from_pb(request.sampling),
-            request.discard_kv,
-            telemetry.incoming(context),
+        early = None
+        if request.early_handle and not request.discard_kv:
+            early = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(
+            self.worker.prefill(
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling_from_pb(request.sampling),
+                request.discard_kv,
+                telemetry.incoming(context),
+                early,
+            )
         )
+        try:
+            if early is not None:
+                await asyncio.wait({task, early}, return_when=asyncio.FIRST_COMPLETED)
+                if early.done():
+                    yield prefill_pb2.PrefillEvent(kv=early.result().to_pb())
+            result = await task
+        finally:
+            task.cancel()  # the caller left: the worker frees what the request holds
+            if early is not None:
+                early.cancel()
         reply = prefill_pb2.PrefillResponse(
             request_id=request.request_id,
             first_token_id=result.first_token,
@@ -31,7 +49,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if result.handle is not None:
             reply.kv.CopyFrom(result.handle.to_pb())
-        return reply
+        yield prefill_pb2.PrefillEvent(done=reply)
 
     async def Stats(self, request, context):
         return worker_stats(self.worker)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
@@ -54,7 +54,13 @@ class PrefillWorker:
             registry, "distserve_kv_lease_seconds", "How long prompts' KV was held."
         )
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
-        self.loop = EngineLoop(self.engine, hold=True)
+        self.loop = EngineLoop(
+            self.engine, hold=True, on_scheduled=self._scheduled, on_layer=self._layer_done
+        )
+        # Layer-wise handoff: requests waiting for their early handle (request id -> (future,
+        # prompt tokens, trace)), and the streaming leases of prompts being computed.
+        self._early: dict[str, tuple[asyncio.Future, int, object]] = {}
+        self._streaming: dict[str, Lease] = {}
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
         self.source = ChunkSource(
             self.leases,
@@ -93,25 +99,32 @@ class PrefillWorker:
         params: SamplingParams,
         discard_kv: bool,
         trace: telemetry.Context | None = None,
+        early: asyncio.Future | None = None,
     ) -> PrefillResult:
         """Prefill a prompt; `trace` is the caller's trace context, under which the queue wait
-        and the batch are recorded as spans."""
+        and the batch are recorded as spans. `early` (layer-wise handoff) gets the KV handle
+        as soon as the prompt is scheduled, before it is computed: its layers are published
+        as they are computed, its first token when sampled."""
         self.requests_total += 1
         submitted = time.monotonic()
         queue = self.loop.subscribe(request_id)
+        if early is not None and not discard_kv:
+            self._early[request_id] = (early, len(prompt), trace)
         try:
             self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
             out, info = await queue.get()
-        except asyncio.CancelledError:
-            self.requests_aborted += 1
+            if isinstance(out, EngineFailed):
+                raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
+            if isinstance(out, Exception):
+                raise out
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                self.requests_aborted += 1
             await asyncio.shield(self._forget(request_id))
             raise
         finally:
             self.loop.unsubscribe(request_id)
-        if isinstance(out, EngineFailed):
-            raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
-        if isinstance(out, Exception):
-            raise out
+            self._early.pop(request_id, None)
         done = info.started + info.seconds
         self.queue_seconds.observe(info.started - submitted)
         self.compute_seconds.observe(info.seconds)
@@ -131,14 +144,50 @@ class PrefillWorker:
             batch_size=info.batch_size,
             batch_tokens=info.batch_tokens,
         )
-        if out.finished:
+        streaming = self._streaming.pop(request_id, None)
+        if streaming is not None and streaming.closed:
+            # Released (or lapsed) while the prompt was computed: its decode instance gave up.
+            if not out.finished:
+                await self.loop.call(lambda e: e.release(request_id))
             return PrefillResult(handle=None, **result)
-        if discard_kv:
-            await self.loop.call(lambda e: e.release(request_id))
+        if out.finished or discard_kv:
+            if streaming is not None:  # a decode instance may be pulling: nothing to decode
+                streaming.first_token.set_exception(
+                    FailedPrecondition(f"request {request_id} ended at its first token")
+                )
+                streaming.first_token.exception()  # retrieved: nobody may be waiting
+                self.leases.pop_request(request_id)
+                self._lease_ended(streaming, "finished", len(streaming.blocks))
+            if not out.finished:
+                await self.loop.call(lambda e: e.release(request_id))
             return PrefillResult(handle=None, **result)
+        if streaming is not None:
+            streaming.publish(self.engine.model_config.num_layers)
+            streaming.first_token.set_result((result["first_token"], time.time()))
+            return PrefillResult(handle=streaming.handle, **result)
         template = self._template(len(prompt), list(out.held_runs))
         handle = self.leases.create(request_id, template, trace)
         return PrefillResult(handle=handle, **result)
+
+    def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:
+        """A batch has its blocks: early-handle requests get their streaming handle now."""
+        for request_id, runs in batch:
+            waiting = self._early.pop(request_id, None)
+            if waiting is None:
+                continue
+            future, num_tokens, trace = waiting
+            if future.done():  # the caller left
+                continue
+            template = replace(self._template(num_tokens, list(runs)), streaming=True)
+            handle = self.leases.create(request_id, template, trace)
+            self._streaming[request_id] = self.leases.of_request(request_id)
+            future.set_result(handle)
+
+    def _layer_done(self, request_ids: list[str], layer: int) -> None:
+        for request_id in request_ids:
+            lease = self._streaming.get(request_id)
+            if lease is not None:
+                lease.publish(layer + 1)
 
     async def free(self, lease: Lease, outcome: str = "released") -> int:
         """Free a lease's blocks, once the sends still reading them are cancelled."""
@@ -165,7 +214,10 @@ class PrefillWorker:
         )
 
     async def _forget(self, request_id: str) -> None:
-        """A cancelled request: drop it from the engine wherever it is, and its lease."""
+        """A cancelled or failed request: drop it from the engine wherever it is, and its
+        lease (a streaming lease's waiters are told)."""
+        self._early.pop(request_id, None)
+        self._streaming.pop(request_id, None)
         lease = self.leases.pop_request(request_id)
         aborted = await self.loop.call(lambda e: e.abort(request_id))
         if lease is not None:

@@ -106,9 +106,9 @@ def test_prefill_batches_respect_the_token_budget(tiny_model):
     sizes = []
     original = engine.runner.prefill
 
-    def spy(seqs):
+    def spy(seqs, on_layer=None):
         sizes.append([s.num_tokens for s in seqs])
-        return original(seqs)
+        return original(seqs, on_layer)
 
     engine.runner.prefill = spy
     ps = [[3] * 20, [4] * 30, [5] * 30, [6] * 100, [7] * 10]
