@@ -1,5 +1,11 @@
-"""Planner benchmark: placement search time and simulator speed, on this CPU.
+"""Planner benchmark: simulator fidelity, placement search time and simulator speed, on this CPU.
 
+(1) Simulator fidelity: the tiny model's profile measured here (pinned, one torch thread, the
+    full grid), the mesh's costs beyond the engine measured on a running 1P1D mesh (pinned;
+    services/loadgen/fidelity.py states them), then the same seeded requests (300 per rate)
+    through `simulate_1p1d` and through the mesh with the load generator, at the 4 rates where
+    the simulator predicts 90/70/50/30% attainment; SLOs 5x the unloaded TTFT, 3x the unloaded
+    TPOT. Figure: the largest gap between predicted and measured attainment. Target: <= 2 pp.
 (2) Placement search for an OPT-175B-sized model on 4 nodes x 8 A100-80GB GPUs (latency scaled
     from DistServe's published OPT-66B profile, chat workload, SLO TTFT 4 s / TPOT 200 ms at 90%,
     25 Gb/s between nodes): wall time of `plan()` (both algorithms and the colocated baseline).
@@ -7,9 +13,6 @@
 (3) Simulator speed: simulated requests per second of `simulate()` on OPT-13B, chat workload, for
     a disaggregated cluster (2 prefill + 2 decode) near its goodput and a colocated one (2
     instances). Target: >= 50,000 requests/s (the disaggregated figure is the headline).
-
-Part (1) of the planner's benchmarks, the simulator's fidelity against the real mesh, is measured
-elsewhere (it needs the mesh running); its hook is `services.planner.simulator.simulate_1p1d`.
 
 Prints each figure beside its baseline or target, then one JSON line.
 Run: .venv/bin/python bench/planner.py
@@ -34,6 +37,9 @@ from services.planner.workload import PRESETS as WORKLOADS
 PAPER_SEARCH_S = 78.0  # DistServe: "under 1.3 minutes" for OPT-175B
 TARGET_SEARCH_S = 10.0
 TARGET_SIM_RPS = 50_000
+TARGET_FIDELITY_PP = 2.0
+FIDELITY_TARGETS = (0.9, 0.7, 0.5, 0.3)
+FIDELITY_REQUESTS = 300
 
 
 def cpu_name() -> str:
@@ -97,11 +103,74 @@ def simulator_speed(reps: int = 3) -> dict[str, float]:
     return out
 
 
+def simulator_fidelity() -> dict:
+    """Predicted vs measured attainment of 1P1D on this machine (part (1))."""
+    import tempfile
+
+    from services.common.model_config import ModelConfig
+    from services.engine.presets import create_model
+    from services.launcher import Mesh, MeshSpec
+    from services.loadgen import fidelity
+    from services.planner.latency import load
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = create_model("tiny", Path(tmp) / "tiny")
+        profile = fidelity.profile_pinned(model, "full")
+        (Path(tmp) / "profile.json").write_text(json.dumps(profile))
+        latency = load(Path(tmp) / "profile.json")
+        vocab = ModelConfig.from_dir(model).vocab_size
+        mesh = Mesh(MeshSpec(model, gateway_port=0, worker_args=fidelity.WORKER_ARGS, pin=True))
+        try:
+            mesh.start()
+            params = fidelity.EngineParams.of(mesh, model)
+            fidelity.warm_up(mesh.gateway_address, vocab)
+            cal_requests = fidelity.WORKLOAD.sample(60, seed=99).at_rate(6.0)
+            cal = fidelity.calibrate(mesh, latency, cal_requests, vocab, seed=99)
+            base = fidelity.WORKLOAD.sample(FIDELITY_REQUESTS, seed=7)
+            slo = fidelity.slo_rule(latency, cal, base, params)
+            rates = fidelity.choose_rates(latency, cal, base, params, slo, FIDELITY_TARGETS)
+            rows = fidelity.compare(mesh, latency, cal, base, params, slo, rates, vocab, seed=7)
+        finally:
+            mesh.stop()
+    return {
+        "slo_ms": [round(slo.ttft_s * 1000, 3), round(slo.tpot_s * 1000, 3)],
+        "calibration": cal.to_json(),
+        "engine": {
+            "kv_capacity_tokens": params.kv_capacity,
+            "max_batch_tokens": params.max_batch_tokens,
+            "max_num_seqs": params.max_num_seqs,
+        },
+        "rows": [
+            {
+                "rate_rps": r.rate,
+                "predicted": round(r.predicted, 4),
+                "measured": round(r.measured, 4),
+                "gap_pp": round(r.gap_pp, 2),
+                "errors": r.errors,
+                "send_lag_max_ms": round(r.send_lag_max_ms, 2),
+            }
+            for r in rows
+        ],
+        "max_gap_pp": round(max(r.gap_pp for r in rows), 2),
+    }
+
+
 def main() -> None:
+    fid = simulator_fidelity()
     seconds, plan_json = placement_search()
     speeds = simulator_speed()
     placement = plan_json["placement"]
     print(f"planner benchmark on {cpu_name()} ({os.cpu_count()} CPUs), {platform.platform()}")
+    print(
+        f"(1) simulator fidelity, tiny model 1P1D pinned, SLO TTFT {fid['slo_ms'][0]:.1f} ms / "
+        f"TPOT {fid['slo_ms'][1]:.2f} ms, {FIDELITY_REQUESTS} requests per rate:"
+    )
+    for r in fid["rows"]:
+        print(
+            f"    {r['rate_rps']:6.2f} req/s: predicted {r['predicted']:6.1%}  measured "
+            f"{r['measured']:6.1%}  gap {r['gap_pp']:5.1f} pp"
+        )
+    print(f"    largest gap {fid['max_gap_pp']:.1f} pp   [target <= {TARGET_FIDELITY_PP:.0f} pp]")
     print(
         f"(2) placement search, OPT-175B on 4x8: {seconds:.2f} s"
         f"   [paper: < {PAPER_SEARCH_S:.0f} s; target <= {TARGET_SEARCH_S:.0f} s]"
@@ -122,6 +191,9 @@ def main() -> None:
         )
     result = {
         "bench": "planner",
+        "sim_attainment_max_gap_pp": fid["max_gap_pp"],
+        "sim_attainment_target_pp": TARGET_FIDELITY_PP,
+        "sim_fidelity": fid,
         "placement_seconds_175b_4x8": round(seconds, 3),
         "placement_baseline_paper_s": PAPER_SEARCH_S,
         "placement_target_s": TARGET_SEARCH_S,

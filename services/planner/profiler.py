@@ -15,9 +15,9 @@ The profile covers tp = 1 (the engine runs one device per instance).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.errors import InvalidRequest
 from services.planner.latency import FitError, LatencyModel, fit_decode, fit_prefill, with_prefill
 
 GAIN = 1.1  # L_m: doubling the batch must gain at least this factor in throughput
@@ -40,6 +41,21 @@ class ProfileGrid:
     decode_contexts: tuple[int, ...]
     decode_steps: int = 4
     reps: int = 3
+
+    def within(self, context: int) -> ProfileGrid:
+        """The shapes a model with this context can run (a prompt must leave room for a token,
+        a decode context for the steps)."""
+        grid = dataclasses.replace(
+            self,
+            prefill_batches=tuple(b for b in self.prefill_batches if max(b) < context),
+            lm_tokens=tuple(t for t in self.lm_tokens if min(64, t) < context),
+            decode_contexts=tuple(
+                c for c in self.decode_contexts if c + self.decode_steps + 2 <= context
+            ),
+        )
+        if not (grid.prefill_batches and grid.lm_tokens and grid.decode_contexts):
+            raise InvalidRequest(f"a context of {context} tokens is too short to profile")
+        return grid
 
 
 def _compositions(lengths: tuple[int, ...], counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -76,9 +92,11 @@ def profile(model_dir: Path, grid: ProfileGrid, progress: bool = True) -> dict:
     """Measure, fit and return the profile as a JSON object (see latency's module docstring)."""
     from tqdm import tqdm
 
+    from services.common.model_config import ModelConfig
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
+    grid = grid.within(ModelConfig.from_dir(model_dir).max_position_embeddings)
     longest = max(
         max(sum(b) for b in grid.prefill_batches),
         max(grid.lm_tokens),
@@ -157,7 +175,8 @@ class _Runner:
         return rids
 
     def prefill_ms(self, lengths: list[int], reps: int) -> float:
-        """Median ms of one prefill batch of exactly these prompts."""
+        """Ms of one prefill batch of exactly these prompts: the fastest of `reps` (other work
+        on the machine only ever adds time)."""
         times = []
         for _ in range(reps):
             rids = self._add(lengths, max_tokens=2)
@@ -169,7 +188,7 @@ class _Runner:
                 raise RuntimeError(f"profiler: batch {lengths} ran as {n} prompts, {tokens} tokens")
             for rid in rids:
                 self.engine.release(rid)
-        return statistics.median(times)
+        return min(times)
 
     def decode_steps(self, batch: int, context: int, steps: int) -> list[tuple[int, int, float]]:
         """(batch, sum of context, ms) of `steps` decode steps of `batch` requests."""

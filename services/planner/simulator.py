@@ -148,7 +148,8 @@ def simulate_1p1d(
     the shape of `distserve up --prefill 1 --decode 1`, for checking the simulator against it."""
     cluster = SimCluster(
         instances=(
-            Instance("prefill", max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
+            # The prefill worker's batcher caps prompts per batch at its max_num_seqs too.
+            Instance("prefill", max_batch_tokens=max_batch_tokens, max_batch_size=max_num_seqs),
             Instance("decode", kv_capacity=kv_capacity, max_num_seqs=max_num_seqs),
         ),
         latency=latency,

@@ -1,0 +1,58 @@
+"""The open loop: every request leaves at its arrival time, whatever earlier ones are doing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.loadgen.requests import LoadRequest
+from services.loadgen.results import LoadResult, RequestRecord
+from services.loadgen.targets import LoadError, Target
+
+
+async def run_load(
+    target: Target, requests: list[LoadRequest], timeout_s: float | None = 120.0
+) -> LoadResult:
+    """Send `requests` to `target` open loop (each at its `arrival_s` after the start, streamed,
+    never waiting for earlier ones) and return what every one of them measured.
+
+    One task schedules: it sleeps until the next arrival and starts that request's task, so the
+    schedule does not drift with the number of requests. `timeout_s` bounds each request
+    (DEADLINE_EXCEEDED or an HTTP timeout then counts as its error).
+    """
+    records = [RequestRecord(r.arrival_s, len(r.prompt_ids), r.max_tokens) for r in requests]
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    await target.open()
+    try:
+        t0 = time.perf_counter()
+        tasks = []
+        for i in order:
+            delay = t0 + requests[i].arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(target, requests[i], records[i], t0, timeout_s)))
+        await asyncio.gather(*tasks)
+        ends = [r.message_s[-1] for r in records if r.message_s]
+        first = min((r.sent_s for r in records), default=0.0)
+        duration = (max(ends) - first) if ends else 0.0
+    finally:
+        await target.close()
+    return LoadResult.from_records(target.name, records, duration)
+
+
+async def _one(
+    target: Target, req: LoadRequest, rec: RequestRecord, t0: float, timeout_s: float | None
+) -> None:
+    rec.sent_s = time.perf_counter() - t0
+    try:
+        async for chunk in target.stream(req, timeout_s):
+            now = time.perf_counter() - t0
+            if chunk.tokens != 0:
+                rec.message_s.append(now)
+                rec.message_tokens.append(chunk.tokens)
+            if chunk.total is not None:
+                rec.server_tokens = chunk.total
+    except LoadError as e:
+        rec.error, rec.error_message = e.status, e.message
+    except Exception as e:  # a bug in a target must not take the run down with it
+        rec.error, rec.error_message = type(e).__name__, str(e)

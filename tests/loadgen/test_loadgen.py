@@ -1,0 +1,80 @@
+"""The load generator against a real 1P1D mesh (tiny model): exact lengths, the open-loop
+schedule, errors as values, and the same token counts over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.common.model_config import ModelConfig
+from services.loadgen import GrpcTarget, HttpTarget, LoadRequest, load_requests, run_load
+from services.planner.simulator import Slo
+from services.planner.workload import LengthDist, Requests, Workload
+from tests.conftest import start_mesh
+
+WORKLOAD = Workload(
+    "lg", LengthDist("uniform", low=4, high=200), LengthDist("uniform", low=1, high=24)
+)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    m = start_mesh(tiny_model, prefill=1, decode=1)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model) -> int:
+    return ModelConfig.from_dir(tiny_model).vocab_size
+
+
+def test_prompts_have_exact_lengths_and_are_seeded(vocab):
+    reqs = WORKLOAD.sample(20, seed=3)
+    a, b = load_requests(reqs, vocab, seed=5), load_requests(reqs, vocab, seed=5)
+    assert a == b
+    assert [len(r.prompt_ids) for r in a] == reqs.prompt.tolist()
+    assert all(4 <= t < vocab for r in a for t in r.prompt_ids)
+    assert [r.max_tokens for r in a] == reqs.output.tolist()
+
+
+def test_every_request_completes_with_its_exact_output_length_on_schedule(mesh, vocab):
+    reqs = WORKLOAD.sample(40, seed=1).at_rate(20.0)
+    result = asyncio.run(run_load(GrpcTarget(mesh.gateway_address), load_requests(reqs, vocab)))
+    assert result.ok.all(), result.error_message
+    assert (result.output_tokens == reqs.output).all()
+    # Open loop: each request left at its arrival time, whatever the others were doing.
+    lag = result.send_lag_s
+    assert lag.min() >= 0 and lag.max() < 0.010, lag
+    assert (result.ttft_s > 0).all() and (result.latency_s >= result.ttft_s).all()
+    assert [len(g) for g in result.token_gaps_s] == (reqs.output - 1).tolist()
+    summary = result.summary(Slo(10.0, 10.0))
+    assert summary["attainment"] == 1.0 and summary["exact_lengths"] == 40
+    assert np.isclose(result.attainment(Slo(0.0, 0.0)), 0.0)
+
+
+def test_a_prompt_longer_than_the_context_is_an_error_not_a_crash(mesh, vocab):
+    good = load_requests(Requests(np.array([0.0, 0.01]), np.array([8, 8]), np.array([4, 4])), vocab)
+    too_long = LoadRequest(0.005, tuple([5] * 2000), 4)
+    reqs = [good[0], too_long, good[1]]
+    for target in (
+        GrpcTarget(mesh.gateway_address),
+        HttpTarget(f"http://{mesh.gateway_http_address}"),
+    ):
+        result = asyncio.run(run_load(target, reqs))
+        assert result.ok.tolist() == [True, False, True]
+        assert result.error[1] in ("INVALID_ARGUMENT", "HTTP 400")
+        assert "context" in result.error_message[1]
+        assert np.isnan(result.ttft_s[1])
+        assert result.summary()["errors"] == {result.error[1]: 1}
+
+
+def test_http_and_grpc_give_the_same_token_counts(mesh, vocab):
+    reqs = load_requests(WORKLOAD.sample(12, seed=2).at_rate(30.0), vocab, seed=2)
+    grpc_result = asyncio.run(run_load(GrpcTarget(mesh.gateway_address), reqs))
+    http_result = asyncio.run(run_load(HttpTarget(f"http://{mesh.gateway_http_address}"), reqs))
+    assert grpc_result.ok.all() and http_result.ok.all()
+    assert (grpc_result.output_tokens == http_result.output_tokens).all()
+    assert (http_result.output_tokens == [r.max_tokens for r in reqs]).all()
