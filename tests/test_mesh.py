@@ -401,10 +401,15 @@ def test_a_dead_prefill_instance_is_bypassed_before_its_lease_lapses(mesh_factor
 
 @pytest.mark.parametrize(
     ("prefill_args", "decode_args"),
-    [((), ("--kv-transport", "grpc")), (("--no-ucx",), ())],
-    ids=["decode-chooses-grpc", "source-without-ucx"],
+    [
+        ((), ("--kv-transport", "grpc")),
+        (("--no-ucx",), ()),
+        (("--ucx-tls", "tcp"), ("--ucx-tls", "tcp")),
+    ],
+    ids=["decode-chooses-grpc", "source-without-ucx", "ucx-over-tcp-only"],
 )
 def test_the_grpc_fallback_moves_the_same_kv(mesh_factory, tiny_model, prefill_args, decode_args):
+    """The gRPC fallback, and UCX restricted to one transport, move the same KV."""
     mesh = mesh_factory(prefill=1, decode=1, prefill_args=prefill_args, decode_args=decode_args)
     ids, _, _ = asyncio.run(generate(mesh.gateway_address, PROMPTS[2]))
     assert ids == expected(tiny_model, [PROMPTS[2]])[0][0]

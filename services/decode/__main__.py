@@ -17,7 +17,7 @@ from services.decode.servicer import DecodeServicer, role_pb, worker_load, worke
 from services.decode.worker import DecodeWorker
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.puller import PullPolicy
-from services.kvtransfer.transports import shutdown_ucx
+from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
 
 log = logging.getLogger("distserve.decode")
 
@@ -36,6 +36,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_metrics_args(p)
+    add_ucx_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
+    configure_ucx(args)
     telemetry.setup(config.role, config.worker_id)
     run(serve(config))
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Callable
 
 import grpc
@@ -36,6 +37,21 @@ def shutdown_ucx() -> None:
     ucxx = sys.modules.get("ucxx")
     if ucxx is not None:
         ucxx.stop_notifier_thread()
+
+
+def add_ucx_args(p) -> None:
+    p.add_argument(
+        "--ucx-tls",
+        default="",
+        help="UCX transports (UCX_TLS), e.g. tcp; sm,tcp; rc,cuda_copy,cuda_ipc (default: UCX's "
+        "choice: shared memory on one host, RDMA or tcp across hosts, CUDA paths on GPUs)",
+    )
+
+
+def configure_ucx(args) -> None:
+    """Apply --ucx-tls; before ucxx is first used (UCX reads it when its context starts)."""
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
 
 
 def ucx_available() -> bool:

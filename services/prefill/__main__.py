@@ -20,7 +20,7 @@ from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
 from services.engine.config import EngineConfig, add_engine_args, configure_process
 from services.kvtransfer.servicer import KvTransferServicer
-from services.kvtransfer.transports import shutdown_ucx
+from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer, worker_load, worker_stats
 from services.prefill.worker import PrefillWorker
@@ -40,6 +40,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
     p.add_argument("--no-ucx", action="store_true", help="serve KV over gRPC only")
     add_metrics_args(p)
+    add_ucx_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     if args.model is None:
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config, args = parse(argv)
     configure_process(args)
+    configure_ucx(args)
     telemetry.setup("prefill", config.worker_id)
     run(serve(config))
 
