@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.common.errors import DistServeError
 from services.edge.options import add_edge_options
+from services.loadgen.cli import register as register_bench
 from services.planner.cli import register as register_planner
 from services.trace_report import register as register_trace_report
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_trace_report(sub)
     register_planner(sub)
+    register_bench(sub)
 
     args = parser.parse_args(argv)
     try:

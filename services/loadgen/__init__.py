@@ -6,18 +6,25 @@ OpenAI-compatible HTTP `/v1/completions`, through Envoy or straight to the gatew
     result.attainment(Slo(ttft_s=0.2, tpot_s=0.05)); result.summary()
 """
 
-from services.loadgen.requests import LoadRequest, load_requests
-from services.loadgen.results import LoadResult, RequestRecord
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget, HttpTarget, Target
+import importlib
 
-__all__ = [
-    "GrpcTarget",
-    "HttpTarget",
-    "LoadRequest",
-    "LoadResult",
-    "RequestRecord",
-    "Target",
-    "load_requests",
-    "run_load",
-]
+# Imported on first use, so that `distserve --help` (which registers `bench`) stays instant.
+_EXPORTS = {
+    "GrpcTarget": "targets",
+    "HttpTarget": "targets",
+    "Target": "targets",
+    "LoadRequest": "requests",
+    "load_requests": "requests",
+    "LoadResult": "results",
+    "RequestRecord": "results",
+    "run_load": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"services.loadgen.{module}"), name)

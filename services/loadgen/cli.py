@@ -1,0 +1,350 @@
+"""`distserve bench goodput`: goodput of the disaggregated mesh (1 prefill + 1 decode) against
+the colocated baseline (2 colocated instances) on this host, measured with the load generator.
+
+Each mode runs as a mesh of two workers, each pinned to its own core with one torch thread
+(`MeshSpec.pin`), with the same engine options (`WORKER_ARGS`). With `--mode both` the two meshes
+run side by side (the idle one costs next to nothing) so that the SLO can come from both: the
+rule is `services.loadgen.goodput.slo_from_unloaded` (5x the unloaded TTFT, 3x the unloaded
+TPOT of the workload's median request, the smaller of the two modes' for each) unless `--slo`
+gives it. Both searches start from the same rate bracket, so they share their first probe, where
+the TTFT and TPOT distributions are compared at equal load (the largest rate both probed).
+
+Writes `goodput.json`, `attainment.png` (attainment vs rate, one line per mode) and
+`latency_cdf.png` (TTFT and TPOT CDFs at equal load) into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import DistServeError
+
+MODES = ("disaggregated", "colocated")
+# Engine options of every worker in both modes: a 384 MB KV pool (16k tokens of the `small`
+# model at 24 KB/token: 16 sequences of 1,000 tokens), 16 decode seats, 2048-token prefill
+# batches (L_m).
+WORKER_ARGS = ("--kv-cache-mb", "384", "--max-num-seqs", "16", "--max-batch-tokens", "2048")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One `bench goodput` run."""
+
+    model: Path
+    workload: str = "chat"
+    modes: tuple[str, ...] = MODES
+    arrivals: str = "poisson"
+    slo: str | None = None  # "TTFT_MS,TPOT_MS"; None: from the unloaded latency
+    requests: int = 24
+    max_probes: int = 6
+    rates: tuple[float, float] | None = None  # the first bracket; None: from the unloaded
+    alpha: float = 0.9
+    seed: int = 0
+    protocol: str = "grpc"  # or "http"
+    edge: bool = False  # through Envoy
+    out: Path = Path("bench-goodput")
+    progress: bool = True
+    worker_args: tuple[str, ...] = WORKER_ARGS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` with its `goodput` subcommand to a subparsers object."""
+    bench = sub.add_parser("bench", help="benchmarks against the running mesh").add_subparsers(
+        dest="bench_command", required=True
+    )
+    p = bench.add_parser(
+        "goodput", help="goodput of disaggregated vs colocated serving on this host"
+    )
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help="chat | code | summarization (CPU-scaled presets) | trace:FILE | "
+        "prompt=DIST,output=DIST",
+    )
+    p.add_argument("--arrivals", default="poisson", help="poisson | gamma:CV (CV > 1: bursty)")
+    p.add_argument("--slo", help="TTFT_MS,TPOT_MS (default: 5x / 3x the unloaded median request)")
+    p.add_argument("--requests", type=int, default=24, help="requests per probe (default 24)")
+    p.add_argument("--max-probes", type=int, default=6, help="rates probed per mode (default 6)")
+    p.add_argument("--rates", help="LO,HI: the first bracket in req/s (default: from unloaded)")
+    p.add_argument("--attainment", type=float, default=0.9, help="alpha (default 0.9)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--edge", action="store_true", help="through Envoy (default: the gateway)")
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded small model)")
+    p.add_argument("--out", type=Path, default=Path("bench-goodput"), help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=goodput_command)
+
+
+def goodput_command(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from services.engine.presets import default_model
+
+        args.model = default_model("small")
+    rates = None
+    if args.rates:
+        try:
+            lo, hi = (float(x) for x in args.rates.split(","))
+        except ValueError:
+            print(f"distserve: error: --rates {args.rates!r}: expected LO,HI", file=sys.stderr)
+            return 2
+        rates = (lo, hi)
+    spec = BenchSpec(
+        model=args.model,
+        workload=args.workload,
+        modes=MODES if args.mode == "both" else (args.mode,),
+        arrivals=args.arrivals,
+        slo=args.slo,
+        requests=args.requests,
+        max_probes=args.max_probes,
+        rates=rates,
+        alpha=args.attainment,
+        seed=args.seed,
+        protocol=args.protocol,
+        edge=args.edge,
+        out=args.out,
+        progress=not args.no_progress,
+    )
+    try:
+        report = run_bench(spec)
+    except DistServeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
+    print(describe(report))
+    print(f"wrote {spec.out}/goodput.json, attainment.png, latency_cdf.png")
+    return 0
+
+
+def mesh_spec(spec: BenchSpec, mode: str):
+    """The mesh of one mode: two workers, pinned, one core each."""
+    from services.edge.config import EdgeConfig
+    from services.launcher import MeshSpec
+
+    roles = {"prefill": 1, "decode": 1} if mode == "disaggregated" else {"colocated": 2}
+    roles = {"prefill": 0, "decode": 0, **roles}
+    edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="") if spec.edge else None
+    return MeshSpec(
+        model=spec.model,
+        gateway_port=0,
+        pin=True,
+        worker_args=spec.worker_args,
+        edge=edge,
+        **roles,
+    )
+
+
+def target_of(mesh, spec: BenchSpec):
+    from services.loadgen.targets import GrpcTarget, HttpTarget
+
+    if spec.protocol == "grpc":
+        return GrpcTarget(mesh.edge_address if spec.edge else mesh.gateway_address)
+    return HttpTarget(f"http://{mesh.edge_address if spec.edge else mesh.gateway_http_address}")
+
+
+def run_bench(spec: BenchSpec) -> dict:
+    """Start the modes' meshes, derive the SLO, search each mode's goodput, write the outputs;
+    returns the report (as written to goodput.json). Every mesh is stopped before returning."""
+    from tqdm import tqdm
+
+    from services.common.model_config import ModelConfig
+    from services.launcher import Mesh
+    from services.loadgen import goodput as g
+    from services.planner.simulator import Slo
+
+    for mode in spec.modes:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}")
+    workload = g.resolve_workload(spec.workload, spec.arrivals, spec.model)
+    base = workload.sample(spec.requests, spec.seed)
+    vocab = ModelConfig.from_dir(spec.model).vocab_size
+    meshes: dict[str, Mesh] = {}
+    try:
+        for mode in spec.modes:
+            meshes[mode] = Mesh(mesh_spec(spec, mode))
+            meshes[mode].start()
+        targets = {mode: target_of(mesh, spec) for mode, mesh in meshes.items()}
+        cores = {mode: len(mesh.workers) for mode, mesh in meshes.items()}
+        alone = {mode: g.unloaded(targets[mode], base, vocab) for mode in spec.modes}
+        slo = Slo.parse(spec.slo) if spec.slo else g.slo_from_unloaded(*alone.values())
+        first = g.Unloaded(
+            alone[spec.modes[0]].prompt_tokens,
+            alone[spec.modes[0]].output_tokens,
+            min(u.ttft_s for u in alone.values()),
+            min(u.tpot_s for u in alone.values()),
+        )
+        lo, hi = spec.rates or g.rate_range(first, max(cores.values()))
+        bar = tqdm(
+            total=len(spec.modes) * spec.max_probes,
+            desc="goodput",
+            unit="probe",
+            file=sys.stderr,
+            disable=not spec.progress,
+        )
+        searches: dict[str, g.GoodputSearch] = {}
+        with bar:
+            for mode in spec.modes:
+                bar.set_description(f"{workload.name} {mode}")
+
+                def on_probe(p: g.Probe) -> None:
+                    bar.update(1)
+                    bar.set_postfix(rate=f"{p.rate:.3g}", attainment=f"{p.attainment:.2f}")
+
+                searches[mode] = g.search_goodput(
+                    lambda r, t=targets[mode]: g.measure(t, base, r, slo, vocab, spec.seed),
+                    alpha=spec.alpha,
+                    rate_lo=lo,
+                    rate_hi=hi,
+                    max_probes=spec.max_probes,
+                    on_probe=on_probe,
+                )
+                bar.update(spec.max_probes - len(searches[mode].probes))
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+    report = build_report(spec, workload.name, slo, alone, cores, searches)
+    write_outputs(spec.out, report, searches)
+    return report
+
+
+def build_report(spec: BenchSpec, workload: str, slo, alone, cores, searches) -> dict:
+    from services.loadgen import goodput as g
+
+    modes = {}
+    for mode, s in searches.items():
+        modes[mode] = {
+            "cores": cores[mode],
+            **s.to_json(),
+            "goodput_per_core_rps": round(s.goodput / cores[mode], 4),
+            "unloaded": alone[mode].to_json(),
+        }
+    report = {
+        "bench": "goodput",
+        "model": spec.model.name,
+        "workload": workload,
+        "arrivals": spec.arrivals,
+        "requests_per_probe": spec.requests,
+        "worker_args": list(spec.worker_args),
+        "protocol": spec.protocol + (" via envoy" if spec.edge else ""),
+        "cpu_count": os.cpu_count(),
+        "slo": {"ttft_ms": round(slo.ttft_s * 1000, 3), "tpot_ms": round(slo.tpot_s * 1000, 3)},
+        "slo_rule": "explicit"
+        if spec.slo
+        else f"{g.TTFT_SLO_FACTOR:g}x TTFT, {g.TPOT_SLO_FACTOR:g}x TPOT of the unloaded median "
+        "request (smallest over the modes)",
+        "modes": modes,
+    }
+    if set(searches) == set(MODES):
+        d, c = (modes[m]["goodput_per_core_rps"] for m in MODES)
+        report["ratio_per_core"] = round(d / c, 3) if c > 0 else None
+    rate = g.equal_load_rate(*searches.values())
+    if rate is not None:
+        eq = {"rate_rps": round(rate, 4)}
+        for mode, s in searches.items():
+            p = s.at(rate)
+            eq[mode] = {
+                "attainment": round(p.attainment, 4),
+                "ttft_p90_ms": p.ttft_ms["p90"],
+                "tpot_p99_ms": p.tpot_ms["p99"],
+                # per request, in ms (None: failed), for the CDFs
+                "ttft_ms": [g.round3(x * 1000) for x in p.ttft_s],
+                "tpot_ms": [g.round3(x * 1000) for x in p.tpot_s],
+            }
+        report["equal_load"] = eq
+    return report
+
+
+def write_outputs(out: Path, report: dict, searches: dict) -> None:
+    """goodput.json, attainment.png and latency_cdf.png into `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "goodput.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, s in searches.items():
+        probes = sorted(s.probes, key=lambda p: p.rate)
+        ax.plot([p.rate for p in probes], [p.attainment for p in probes], "o-", label=mode)
+    alpha = next(iter(searches.values())).alpha
+    ax.axhline(alpha, color="grey", linestyle="--", linewidth=1, label=f"alpha = {alpha:g}")
+    ax.set_xlabel("rate (requests/s)")
+    ax.set_ylabel("SLO attainment (TTFT and TPOT)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(
+        f"{report['workload']}: SLO {report['slo']['ttft_ms']:.0f} ms / "
+        f"{report['slo']['tpot_ms']:.0f} ms"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "attainment.png", dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    eq = report.get("equal_load", {})
+    rate = eq.get("rate_rps")
+    for mode in searches:
+        if mode not in eq:
+            continue
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+            v = np.sort([x for x in eq[mode][key] if x is not None])
+            ax.step(v, np.arange(1, len(v) + 1) / max(1, len(v)), where="post", label=mode)
+    for ax, name, limit in zip(
+        axes, ("TTFT", "TPOT"), (report["slo"]["ttft_ms"], report["slo"]["tpot_ms"]), strict=True
+    ):
+        ax.axvline(limit, color="grey", linestyle="--", linewidth=1, label="SLO")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.legend()
+    load = f"{rate:.3g} req/s" if rate is not None else "no common rate"
+    fig.suptitle(f"{report['workload']}: latency at equal load ({load})")
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=100)
+    plt.close(fig)
+
+
+def describe(report: dict) -> str:
+    """The comparison as a table."""
+    slo = report["slo"]
+    lines = [
+        f"{report['workload']} on {report['model']}, {report['requests_per_probe']} requests per "
+        f"probe, SLO TTFT {slo['ttft_ms']:.0f} ms / TPOT {slo['tpot_ms']:.1f} ms "
+        f"({report['slo_rule']})",
+        f"{'mode':<14} {'goodput req/s':>13} {'per core':>9} {'TTFT p90 ms':>12} "
+        f"{'TPOT p99 ms':>12}",
+    ]
+    eq = report.get("equal_load", {})
+    for mode, m in report["modes"].items():
+        at = eq.get(mode, {})
+        lines.append(
+            f"{mode:<14} {m['goodput_rps']:>13.3f} {m['goodput_per_core_rps']:>9.3f} "
+            f"{_fmt(at.get('ttft_p90_ms')):>12} {_fmt(at.get('tpot_p99_ms')):>12}"
+        )
+    if "rate_rps" in eq:
+        lines.append(f"(latency percentiles at equal load: {eq['rate_rps']:.3g} req/s)")
+    if report.get("ratio_per_core") is not None:
+        lines.append(f"disaggregated / colocated per core: {report['ratio_per_core']:.2f}x")
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
