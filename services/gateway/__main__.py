@@ -24,6 +24,7 @@ from services.common.server import (
     wait_for_signal,
 )
 from services.common.tokenizer import Tokenizer
+from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.observe import GatewayMetrics, Slo
 from services.gateway.planner_feed import PlannerFeed
@@ -49,6 +50,8 @@ class GatewayConfig:
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
     planner: str | None = None  # host:port of the planner, which gets the live workload
     layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
+    profile: Path | None = None  # latency profile: derives the local-prefill threshold
+    local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -74,6 +77,17 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         default="layerwise",
         help="layerwise: decode pulls each layer as prefill computes it",
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="latency profile (distserve profile): short prompts whose prefill fits the TPOT "
+        "SLO's slack are prefilled on a decode instance (conditional disaggregation)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        help="prefill prompts up to this many tokens on a decode instance (overrides --profile)",
+    )
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -92,6 +106,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
         planner=a.planner,
         layerwise_handoff=a.kv_handoff == "layerwise",
+        profile=a.profile,
+        local_prefill_max_tokens=a.local_prefill_max_tokens,
     )
 
 
@@ -103,7 +119,10 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics(worker_registry(), config.slo)
     metrics.watch(registry)
     feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
-    router = Router(registry, tokenizer, served, metrics, feed, config.layerwise_handoff)
+    local = _local_prefill(config, model)
+    if local is not None:
+        log.info("local prefill: prompts <= %d tokens (%s)", local.max_tokens, local.rule)
+    router = Router(registry, tokenizer, served, metrics, feed, config.layerwise_handoff, local)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:
@@ -151,6 +170,17 @@ async def serve(config: GatewayConfig) -> None:
         await feed.stop()
     await router.close()
     telemetry.shutdown()
+
+
+def _local_prefill(config: GatewayConfig, model: ModelConfig) -> LocalPrefill | None:
+    if config.local_prefill_max_tokens is not None:
+        n = config.local_prefill_max_tokens
+        return LocalPrefill(n, "--local-prefill-max-tokens") if n > 0 else None
+    if config.profile is None:
+        return None
+    return LocalPrefill.from_profile(
+        config.profile, config.slo.tpot_s * 1000, max_context=model.max_position_embeddings
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -94,6 +94,13 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "distserve_gateway_requests_in_flight", "Requests being served.", registry=registry
         )
+        self.routes = Counter(
+            "distserve_routes",
+            "Requests by path: disaggregated, local-prefill (conditional disaggregation: a short "
+            "prompt prefilled on a decode instance), colocated.",
+            ["route"],
+            registry=registry,
+        )
         self.migrations = Counter(
             "distserve_migrations",
             "Requests moved to another instance mid-flight, by reason.",

@@ -32,6 +32,7 @@ from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
+from services.gateway.conditional import LocalPrefill
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
@@ -66,6 +67,7 @@ class Router:
         metrics: GatewayMetrics | None = None,
         feed: PlannerFeed | None = None,
         early_handoff: bool = True,
+        local_prefill: LocalPrefill | None = None,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
@@ -74,6 +76,8 @@ class Router:
         self.feed = feed  # finished requests' samples for the planner
         # Layer-wise handoff: decode pulls the KV while prefill computes it.
         self.early_handoff = early_handoff
+        # Conditional disaggregation: short prompts prefilled on a decode instance.
+        self.local_prefill = local_prefill
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -103,9 +107,14 @@ class Router:
         error: BaseException | None = None
         try:
             mode = self.registry.mode()
+            if mode == "disaggregated" and self._prefill_locally(req):
+                mode = "local-prefill"
             seen.set_mode(mode)
+            self.metrics.routes.labels(mode).inc()
             if mode == "disaggregated":
                 events = self._disaggregated(req, seen.context)
+            elif mode == "local-prefill":
+                events = self._colocated(req, seen.context, role="decode")
             else:
                 events = self._colocated(req, seen.context)
             async with contextlib.aclosing(events):
@@ -272,10 +281,25 @@ class Router:
             if not handed_over:
                 await self._release(kv, trace)
 
+    def _prefill_locally(self, req: Request) -> bool:
+        """Conditional disaggregation: a short prompt, and a decode instance with headroom
+        (nothing queued to prefill there yet, free KV for the prompt)."""
+        rule = self.local_prefill
+        if rule is None or not rule.allows(len(req.prompt_ids)):
+            return False
+        load = self.registry.pick_decode().load
+        return (
+            load.queued_prompt_tokens == 0
+            and load.waiting_seqs == 0
+            and (load.free_kv_blocks * 16 > len(req.prompt_ids) + req.params.max_tokens)
+        )
+
     async def _colocated(
-        self, req: Request, trace
+        self, req: Request, trace, role: str = "colocated"
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        worker = self.registry.pick_decode("colocated")
+        """Prefill and decode on one instance: a colocated one, or (conditional
+        disaggregation) a decode instance that prefills a short prompt itself."""
+        worker = self.registry.pick_decode(role)
         worker.inflight_requests += 1
         worker.inflight_tokens += len(req.prompt_ids)
         call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
