@@ -314,6 +314,44 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
             proc.kill()
 
 
+def test_requests_ending_at_their_first_token_leave_decode_alive(mesh_1p1d):
+    """With the layer-wise handoff the gateway cancels a decode call that is pulling when the
+    first token ends the request; no abandoned UCX receive may outlive its buffer (this once
+    crashed the decode instance with SIGSEGV on the second such request)."""
+    for _ in range(6):
+        ids, _, last = asyncio.run(generate(mesh_1p1d.gateway_address, "Hello there", 1))
+        assert len(ids) == 1 and last.usage.completion_tokens == 1
+    time.sleep(1.0)
+    assert all(p.popen.poll() is None for p in mesh_1p1d.processes)
+    ids, _, _ = asyncio.run(generate(mesh_1p1d.gateway_address, "Hello there", 5))
+    assert len(ids) == 5
+    wait_until(lambda: kv_all_free(mesh_1p1d), what="KV freed after one-token requests")
+
+
+def test_two_concurrent_requests_with_one_id_both_end(mesh_1p1d):
+    async def both():
+        async with grpc.aio.insecure_channel(mesh_1p1d.gateway_address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(i):
+                params = common_pb2.SamplingParams(max_tokens=8, ignore_eos=True)
+                req = gateway_pb2.GenerateRequest(
+                    text=f"Hi {i}", request_id="one-id", sampling=params
+                )
+                try:
+                    return len([r async for r in stub.Generate(req, timeout=20)])
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+
+            return await asyncio.gather(one(0), one(1))
+
+    results = asyncio.run(both())
+    # One is served; the other is refused at once (the id is in use) or served after it.
+    assert any(isinstance(r, int) and r > 0 for r in results), results
+    assert all(isinstance(r, int) or r == grpc.StatusCode.INVALID_ARGUMENT for r in results)
+    wait_until(lambda: kv_all_free(mesh_1p1d), what="KV freed")
+
+
 def test_a_deadline_ends_the_request_everywhere(mesh_1p1d):
     with grpc.insecure_channel(mesh_1p1d.gateway_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from services.common.errors import InvalidRequest
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
 
@@ -109,6 +110,8 @@ class EngineLoop:
         """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it. An
         exception in place of a StepOutput ends the request (EngineFailed, or what a submitted
         command raised)."""
+        if request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q

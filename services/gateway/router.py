@@ -176,8 +176,13 @@ class Router:
                     failures.append("prefill returned no KV")
                     continue
             pulled = False
-            call = early if early is not None else self._start_decode(req, first, reply.kv, trace)
-            early = None
+            try:
+                if early is None:
+                    early = self._start_decode(req, first, reply.kv, trace)
+            except BaseException:  # e.g. the deadline passed: the held KV is ours to release
+                await self._release(reply.kv, trace)
+                raise
+            call, early = early, None
             try:
                 async for ids, reason in self._decode(call, reply.kv, trace):
                     pulled = True

@@ -152,21 +152,38 @@ class KvPuller:
         gate = asyncio.Semaphore(self.policy.window)
         report = PullReport(transport.name, len(jobs), streaming=handle.streaming)
 
+        stop = asyncio.Event()  # a chunk failed: start no more
+
         async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
             async with gate:
-                return await self._chunk(transport, handle, layer, kv, seg, dst_region, report)
+                if stop.is_set():
+                    return 0
+                try:
+                    return await self._chunk(transport, handle, layer, kv, seg, dst_region, report)
+                except BaseException:
+                    stop.set()
+                    raise
 
         renewer = asyncio.ensure_future(self._keep_lease(handle, trace))
         tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
         try:
-            report.nbytes = sum(await asyncio.gather(*tasks))
-            return report
+            # Chunks in flight are never cancelled when another fails: the source answers each
+            # (data, or a refusal once the lease ended), and an abandoned UCX receive is a
+            # hazard (see UcxTransport). They settle, then the first error is raised.
+            results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+        except asyncio.CancelledError:
+            # The request was cancelled: stop starting chunks and let those in flight settle
+            # (each is bounded by its timeout) before the destination may be reused.
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
-            # On failure or cancellation, stop the rest, and return only once every attempt
-            # has settled: nothing writes into the destination after this.
-            for t in [*tasks, renewer]:
-                t.cancel()
-            await asyncio.gather(*tasks, renewer, return_exceptions=True)
+            renewer.cancel()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        report.nbytes = sum(results)
+        return report
 
     async def _chunk(
         self, transport, handle: KvHandle, layer: int, kv: int, seg, dst_region, report: PullReport

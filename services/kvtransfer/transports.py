@@ -74,6 +74,10 @@ class UcxTransport:
         self._connected: set[tuple[str, int]] = set()  # peers reached before
         self._tags = itertools.count(1)
         self.reconnects = 0
+        # Receives given up on, with their buffers: UCX may still write into those until it
+        # completes the requests (with an error, once the endpoint is aborted), so nothing of
+        # theirs may be freed before. Never cancelled: a cancelled receive loses its buffer.
+        self._abandoned: set[tuple] = set()
 
     @staticmethod
     def serves(handle: KvHandle) -> bool:
@@ -114,9 +118,25 @@ class UcxTransport:
             # source's answer comes at once the endpoint is clean and stays (other pulls share
             # it); if not, it is dropped and aborted.
             if not await _drained(status_recv, data_recv):
+                self._abandon(status_recv, data_recv, status_frame, dst)
                 self._drop(handle, ep)
             raise
         return wire.decode(status_frame, wire.ChunkStatus)
+
+    def _abandon(self, *keep) -> None:
+        receives = [k for k in keep if isinstance(k, asyncio.Future)]
+        entry = tuple(keep)
+        self._abandoned.add(entry)
+
+        def settled(_) -> None:
+            if all(r.done() for r in receives):
+                self._abandoned.discard(entry)
+                for r in receives:  # retrieve: errors of abandoned receives are expected
+                    if not r.cancelled():
+                        r.exception()
+
+        for r in receives:
+            r.add_done_callback(settled)
 
     async def close(self) -> None:
         for ep in self._endpoints.values():
@@ -154,14 +174,14 @@ class UcxTransport:
 
 
 async def _drained(*receives: asyncio.Future) -> bool:
-    """Whether an attempt's posted receives completed (within DRAIN_S)."""
+    """Whether an attempt's posted receives completed (within DRAIN_S); they are never
+    cancelled (see UcxTransport._abandoned)."""
+    waiting = asyncio.gather(*receives, return_exceptions=True)
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.gather(*receives)), DRAIN_S)
+        await asyncio.wait_for(asyncio.shield(waiting), DRAIN_S)
     except BaseException:
-        for r in receives:
-            r.cancel()
         return False
-    return True
+    return all(not r.cancelled() and r.exception() is None for r in receives)
 
 
 class GrpcTransport:
