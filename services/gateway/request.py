@@ -27,6 +27,13 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None
+    # Names this request in the workers: unique even when clients reuse a request id (the
+    # workers' state of an earlier request with that id may still be settling).
+    call_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def worker_request_id(self) -> str:
+        return f"{self.request_id}~{self.call_id}"
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()

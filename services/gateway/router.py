@@ -227,7 +227,7 @@ class Router:
         try:
             events = stub.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=req.request_id,
+                    request_id=req.worker_request_id,
                     prompt_token_ids=req.prompt_ids,
                     sampling=sampling_to_pb(req.params),
                     early_handle=early,
@@ -262,7 +262,7 @@ class Router:
         decode.inflight_requests += 1
         return decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
-                request_id=req.request_id,
+                request_id=req.worker_request_id,
                 prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_pb(req.params),
                 first_token_id=first_token,
@@ -309,7 +309,7 @@ class Router:
         worker.inflight_tokens += len(req.prompt_ids)
         call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
             decode_pb2.DecodeRequest(
-                request_id=req.request_id,
+                request_id=req.worker_request_id,
                 prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_pb(req.params),
             ),
