@@ -49,6 +49,34 @@ def phase_histogram(registry: CollectorRegistry, name: str, doc: str) -> Histogr
     return Histogram(name, doc, buckets=PHASE_BUCKETS, registry=registry)
 
 
+class PrefillPhases:
+    """A prompt's wait for a prefill batch and the batch's pass: histograms and spans, the same
+    on prefill and colocated instances."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue = phase_histogram(
+            registry, "distserve_prefill_queue_seconds", "Time waiting for a prefill batch."
+        )
+        self.compute = phase_histogram(
+            registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
+        )
+
+    def record(self, trace, submitted: float, info) -> None:
+        """`info`: the engine's StepInfo of the batch (monotonic `started`, `seconds`)."""
+        from services.common import telemetry
+
+        self.queue.observe(info.started - submitted)
+        self.compute.observe(info.seconds)
+        telemetry.record("prefill.queue", trace, submitted, info.started)
+        telemetry.record(
+            "prefill.compute",
+            trace,
+            info.started,
+            info.started + info.seconds,
+            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
+        )
+
+
 # WorkerStats counters: field -> (metric name without _total, help)
 _COUNTERS = {
     "requests_total": ("distserve_worker_requests", "Requests this worker accepted."),

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from services.common import telemetry
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
-from services.common.metrics import phase_histogram
+from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
 from services.engine.engine import LLMEngine
@@ -64,13 +64,7 @@ class DecodeWorker:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
             registry=registry,
         )
-        # Colocated instances prefill too.
-        self.prefill_queue_seconds = phase_histogram(
-            registry, "distserve_prefill_queue_seconds", "Time waiting for a prefill batch."
-        )
-        self.prefill_compute_seconds = phase_histogram(
-            registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
-        )
+        self.prefill = PrefillPhases(registry)  # colocated (and local-prefill) requests
         self.engine = LLMEngine(config.model, config.engine, detokenize=False)
         self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
         self.puller = KvPuller(config.pull, config.kv_transport)
@@ -118,7 +112,7 @@ class DecodeWorker:
                 submitted = time.monotonic()
                 self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
                 ids, reason, info = await self._next_tokens(queue)
-                self._prefilled(trace, submitted, info)
+                self.prefill.record(trace, submitted, info)
                 decode_start = time.monotonic()
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
@@ -173,19 +167,6 @@ class DecodeWorker:
             ids += out.new_token_ids
             if out.finished or queue.empty():
                 return ids, out.finish_reason, first
-
-    def _prefilled(self, trace, submitted: float, info: StepInfo) -> None:
-        """A colocated prefill: its metrics and spans."""
-        self.prefill_queue_seconds.observe(info.started - submitted)
-        self.prefill_compute_seconds.observe(info.seconds)
-        telemetry.record("prefill.queue", trace, submitted, info.started)
-        telemetry.record(
-            "prefill.compute",
-            trace,
-            info.started,
-            info.started + info.seconds,
-            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
-        )
 
     def _release_later(self, handle: KvHandle, trace=None) -> None:
         task = asyncio.create_task(self._release_quietly(handle, trace))

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from services.common import telemetry
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
-from services.common.metrics import phase_histogram
+from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.loop import EngineFailed, EngineLoop
@@ -44,12 +44,7 @@ class PrefillWorker:
     def __init__(self, config: PrefillConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         registry = registry or CollectorRegistry()
-        self.queue_seconds = phase_histogram(
-            registry, "distserve_prefill_queue_seconds", "Time waiting for a prefill batch."
-        )
-        self.compute_seconds = phase_histogram(
-            registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
-        )
+        self.phases = PrefillPhases(registry)
         self.lease_seconds = phase_histogram(
             registry, "distserve_kv_lease_seconds", "How long prompts' KV was held."
         )
@@ -125,17 +120,7 @@ class PrefillWorker:
         finally:
             self.loop.unsubscribe(request_id)
             self._early.pop(request_id, None)
-        done = info.started + info.seconds
-        self.queue_seconds.observe(info.started - submitted)
-        self.compute_seconds.observe(info.seconds)
-        telemetry.record("prefill.queue", trace, submitted, info.started)
-        telemetry.record(
-            "prefill.compute",
-            trace,
-            info.started,
-            done,
-            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
-        )
+        self.phases.record(trace, submitted, info)
         result = dict(
             first_token=out.new_token_ids[0],
             finish_reason=out.finish_reason,
