@@ -302,12 +302,19 @@ class KvPuller:
         return reply.token_id, reply.prefill_done_unix_s
 
     async def release(self, handle: KvHandle, trace: telemetry.Context | None = None) -> int:
-        """Tell the source to free the handle's KV; returns the blocks it freed."""
+        """Tell the source to free the handle's KV; returns the blocks it freed: 0 when the
+        handle is already gone (the source freed it when the request finished at its first
+        token, or its lease lapsed, which the source counts)."""
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
         access = kvtransfer_pb2.KvAccess(
             handle_id=handle.handle_id, access_token=handle.access_token
         )
-        reply = await stub.Release(access, timeout=10, metadata=telemetry.outgoing(trace))
+        try:
+            reply = await stub.Release(access, timeout=10, metadata=telemetry.outgoing(trace))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return 0
+            raise
         return reply.blocks_freed
 
     async def close(self) -> None:
