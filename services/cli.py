@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--served-model-name", help="model name in the HTTP API (default: folder)")
     up.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     up.add_argument("--pin", action="store_true", help="one CPU core, one thread per worker")
+    up.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=5.0,
+        help="on Ctrl-C or SIGTERM: how long workers may finish or hand off in-flight work",
+    )
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
     up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
@@ -233,6 +239,7 @@ def _up(args: argparse.Namespace) -> int:
         pin=args.pin,
         edge=None if args.no_edge else edge_config(args, args.host),
         planner=args.planner,
+        drain_timeout_s=args.drain_timeout_s,
     )
     return run_until_signal(spec)
 

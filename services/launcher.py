@@ -47,10 +47,16 @@ class MeshSpec:
     # Extra options for single workers by name ("prefill-0", "decode-1", ...).
     per_worker_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
+    # On stop, how long workers may drain (finish or hand off in-flight work, see KV released);
+    # stop() waits that long and 10 s more before it kills.
+    drain_timeout_s: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     edge: EdgeConfig | None = None  # Envoy in front of the gateway; None: no edge
     planner: bool = False  # a planner, fed the live workload by the gateway
     planner_args: tuple[str, ...] = ()
+    # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
+    # ("ip", "netns", "exec", "NS") to place one in a network namespace; it must exec the rest.
+    command_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +132,8 @@ class Mesh:
                         spec.host,
                         "--worker-id",
                         f"{role}-{i}",
+                        "--drain-timeout-s",
+                        str(spec.drain_timeout_s),
                         *spec.worker_args,
                         *(spec.prefill_args if role == "prefill" else spec.decode_args),
                     ]
@@ -156,9 +164,10 @@ class Mesh:
         self._wait_ready([planner])
         return planner.ready["address"]
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM Envoy, the workers, then the gateway; SIGKILL what outlives the grace
-        period."""
+        period (default: the workers' drain timeout and 10 s)."""
+        grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
         if self.envoy is not None:
             self.envoy.stop(grace_s)
             self.envoy = None
@@ -179,7 +188,9 @@ class Mesh:
     def _spawn(self, name: str, module_args: list[str]) -> Process:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         popen = subprocess.Popen(
-            orphan_guard.command([sys.executable, "-m", *module_args]),
+            orphan_guard.command(
+                [*self.spec.command_prefix.get(name, ()), sys.executable, "-m", *module_args]
+            ),
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,

@@ -240,7 +240,7 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 1023}, "max_tokens", "exceeds the model's context"),
     ({"prompt": "x", "temperature": -0.5}, "temperature", ">= 0"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"prompt": "x", "top_k": -3}, "top_k", ">= 0"),
+    ({"prompt": "x", "top_k": -3}, "top_k", "in [0, 4294967295]"),
     ({"prompt": "x", "seed": -1}, "seed", "[0, 2**63)"),
     ({"prompt": "x", "seed": 2**64}, "seed", "[0, 2**63)"),
     ({"prompt": "x", "n": 2}, "n", "must be 1"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -72,6 +73,30 @@ class Announcer:
                 log.warning("heartbeat to %s failed: %s", self.gateway, e.code().name)
 
 
+DRAIN_TIMEOUT_S = 30.0
+# After a drain's deadline: how long the work it ended may take to unwind (free its KV).
+DRAIN_SETTLE_S = 5.0
+
+
+async def settle(done: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until `done()` or `timeout_s` passed; whether it is done."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
+
+
+def add_drain_args(p) -> None:
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="on SIGTERM: how long in-flight work may take to finish or hand off",
+    )
+
+
 async def serve_as_worker(
     *,
     server: grpc.aio.Server,
@@ -83,12 +108,16 @@ async def serve_as_worker(
     address: str,
     model: str,
     load: Callable[[], common_pb2.WorkerLoad],
+    drain: Callable[[float], Awaitable[None]],
+    drain_timeout_s: float,
     stop: Callable[[], Awaitable[None]],
     **ready: object,
 ) -> None:
     """A worker's life after its server started: join the mesh (when a gateway is given), say
-    ready, serve until SIGINT or SIGTERM, then leave: not serving, deregistered, server stopped
-    with a grace period, and `stop()` for the worker's own resources."""
+    ready, serve until SIGINT or SIGTERM, then drain and leave: not serving, deregistered (the
+    gateway routes nothing new here), `drain(timeout)` (in-flight work finishes or is handed
+    off, held KV is released, new work is refused), the server stopped, and `stop()` for the
+    worker's own resources."""
     from services.common.server import announce_ready, wait_for_signal
 
     announcer = None
@@ -99,9 +128,12 @@ async def serve_as_worker(
         await announcer.start()
     announce_ready(service, address=address, worker_id=worker_id, **ready)
     await wait_for_signal()
-    log.info("stopping %s", worker_id)
+    log.info("stopping %s: draining for up to %.0f s", worker_id, drain_timeout_s)
     await health.enter_graceful_shutdown()
     if announcer is not None:
         await announcer.stop()
-    await server.stop(grace=5)
+    started = time.monotonic()
+    await drain(drain_timeout_s)
+    log.info("%s drained in %.2f s", worker_id, time.monotonic() - started)
+    await server.stop(grace=1)
     await stop()

@@ -11,6 +11,7 @@ from services.common.errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 2**32 - 1  # the protobuf field is a uint32
 
 
 class FinishReason(enum.StrEnum):
@@ -71,9 +72,14 @@ class SamplingParams:
             )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or not 0 <= self.top_k <= MAX_TOP_K
+        ):
             raise InvalidRequest(
-                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+                f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it; a k past the "
+                f"vocabulary keeps every token), got {self.top_k!r}",
                 param="top_k",
             )
         if self.seed is not None and (

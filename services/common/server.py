@@ -29,11 +29,37 @@ def status_code(error: DistServeError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
 
 
+class Undecodable:
+    """What a request that is no valid message deserializes to: the handler refuses it with
+    INVALID_ARGUMENT (grpc would answer UNKNOWN with the parser's exception)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def abort_args(self) -> tuple[grpc.StatusCode, str]:
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is no valid message of this method's type ({self.error}): send the "
+            "serialized request message the method's .proto declares",
+        )
+
+
+def _lenient(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+            return Undecodable(e)
+
+    return deserialize if deserializer is not None else None
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The one place where exceptions become gRPC statuses.
 
     A DistServeError becomes its status with its message; anything else is logged with its
-    traceback and becomes INTERNAL. Cancellation passes through untouched.
+    traceback and becomes INTERNAL; a request that is no valid message gets INVALID_ARGUMENT.
+    Cancellation passes through untouched.
     """
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -44,13 +70,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -58,6 +84,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 def _unary(behavior, method: str):
     async def wrapper(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(*request.abort_args())
         try:
             return await behavior(request, context)
         except DistServeError as e:
@@ -73,6 +101,8 @@ def _unary(behavior, method: str):
 
 def _stream(behavior, method: str):
     async def wrapper(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(*request.abort_args())
         try:
             async for response in behavior(request, context):
                 yield response

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from services.common import telemetry
-from services.common.announcer import serve_as_worker
+from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -36,6 +36,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_metrics_args(p)
+    add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -58,6 +59,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         ),
         kv_transport=args.kv_transport,
         metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
     )
     return config, args
@@ -92,6 +94,8 @@ async def serve(config: DecodeConfig) -> None:
         address=address,
         model=config.model.name,
         load=lambda: worker_load(worker),
+        drain=worker.drain,
+        drain_timeout_s=config.drain_timeout_s,
         stop=stop,
         metrics_address=metrics_address,
     )

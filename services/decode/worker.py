@@ -18,6 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry, Histogram
 
 from services.common import telemetry
+from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import PrefillPhases, phase_histogram
@@ -76,6 +77,7 @@ class DecodeWorker:
         self.pulls_total = 0
         self.pull_bytes_total = 0
         self.pulls_failed = 0
+        self.draining = False
 
     async def start(self) -> None:
         self.loop.start()
@@ -84,6 +86,24 @@ class DecodeWorker:
     async def stop(self) -> None:
         await self.puller.close()
         self.loop.stop()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; let those in flight finish for up to `timeout_s`, then end the
+        rest with UNAVAILABLE: the gateway moves each to another instance, continuing from the
+        tokens its client already has. Their KV is freed here and at its source."""
+        self.draining = True
+        if await settle(lambda: self.loop.subscribed == 0, timeout_s):
+            return
+        error = Unavailable(
+            f"{self.config.worker_id} is shutting down and its drain timed out: the request "
+            "moves to another instance"
+        )
+        log.warning("drain timed out: handing off %d requests", self.loop.subscribed)
+        self.loop.fail_subscribed(error)
+        for admission in self._admissions.values():  # still waiting for KV room
+            if not admission.done():
+                admission.set_exception(error)
+        await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -102,6 +122,10 @@ class DecodeWorker:
     ) -> AsyncIterator[DecodeEvent]:
         """A request's tokens. `trace` is the caller's trace context: the wait for KV room,
         the pull, the prefill (colocated) and the decode are recorded under it as spans."""
+        if self.draining:
+            raise Unavailable(
+                f"{self.config.worker_id} is shutting down: send the request to another instance"
+            )
         self.requests_total += 1
         queue = self.loop.subscribe(request_id)
         finished = False

@@ -119,6 +119,16 @@ class EngineLoop:
     def unsubscribe(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    @property
+    def subscribed(self) -> int:
+        """Requests with a queue: those a caller is still waiting on."""
+        return len(self._queues)
+
+    def fail_subscribed(self, error: Exception) -> None:
+        """End every subscribed request with `error` (e.g. a drain that ran out of time)."""
+        for q in self._queues.values():
+            q.put_nowait((error, None))
+
     # -- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -62,6 +62,7 @@ ERROR_TYPE = {
     504: "timeout_error",
 }
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)  # --max-body-bytes, for the 413 message
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class HttpApi:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app[MAX_BODY_BYTES] = self.config.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -141,9 +143,10 @@ class HttpApi:
             body = json.loads(await request.read())
         except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+        oai.check_unicode(body)
         call = oai.parse(endpoint, body, self.chat_template.render)
         model = self._served(call.model)
-        req = build_request(
+        req = await build_request(
             call.prompt,
             call.params,
             self.tokenizer,
@@ -260,9 +263,10 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         if status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
         return _json(body, status=status)
-    except web.HTTPRequestEntityTooLarge as e:
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_BYTES]
         return _plain_error(
-            413, f"the request body is larger than {e.max_size} bytes", "request_too_large"
+            413, f"the request body is larger than {limit} bytes", "request_too_large"
         )
     except web.HTTPNotFound:
         return _plain_error(404, f"no such path: {request.path}", "not_found")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
-from services.common.sampling import FinishReason, SamplingParams
+from services.common.sampling import MAX_TOP_K, FinishReason, SamplingParams
 from services.gateway.chat_template import ROLES
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -107,7 +107,7 @@ MESSAGES = Kind(
                         {"type": "null"},
                     ]
                 },
-                "name": {"type": "string"},
+                "name": {"type": ["string", "null"]},
             },
         },
     },
@@ -169,7 +169,7 @@ PARAMETERS: tuple[Param, ...] = (
         "top_k",
         INT,
         "Extension: keep only the k most likely tokens; 0 or -1 is off.",
-        extra={"minimum": -1, "default": 0},
+        extra={"minimum": -1, "maximum": MAX_TOP_K, "default": 0},
     ),
     Param(
         "seed",
@@ -240,6 +240,30 @@ class CompletionCall:
     stream: bool
     include_usage: bool
     user: str | None
+
+
+def check_unicode(body: object) -> None:
+    """Refuse a body holding a lone surrogate: `"\\ud800"` is valid JSON, but no Unicode text,
+    so it could be neither tokenized nor echoed back. Names the field (iteratively: a body may
+    nest as deep as the JSON parser allows)."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in value.items())
+            stack.extend((path or "body", k) for k in value)  # keys are text too
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                bad = value[e.start]
+                raise InvalidRequest(
+                    f"'{path}' holds a lone surrogate (\\u{ord(bad):04x}), which is no valid "
+                    "Unicode text; send whole characters (a surrogate pair, or UTF-8)",
+                    param=None if path == "body" else path.split(".")[0].split("[")[0],
+                ) from None
 
 
 def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> CompletionCall:
@@ -365,8 +389,13 @@ def _messages(messages: list) -> list[dict]:
                 param="messages",
             )
         message = {"role": m["role"], "content": content}
-        if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest(
+                f"messages[{i}].name must be a string, got {_show(name)}", param="messages"
+            )
+        if name is not None:
+            message["name"] = name
         out.append(message)
     return out
 

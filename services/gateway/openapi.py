@@ -52,9 +52,12 @@ def _request_schema(endpoint: str) -> dict:
     for p in oai.PARAMETERS:
         if endpoint not in p.endpoints:
             continue
-        props[p.name] = {**p.kind.schema, **(p.extra or {}), "description": p.description}
+        schema = {**p.kind.schema, **(p.extra or {})}
         if p.required:
             required.append(p.name)
+        else:  # null is the same as unset, as with OpenAI's API
+            schema = {"anyOf": [schema, {"type": "null"}]}
+        props[p.name] = {**schema, "description": p.description}
     unsupported = [u.name for u in oai.UNSUPPORTED if endpoint in u.endpoints]
     return {
         "type": "object",
@@ -92,6 +95,55 @@ def _completion_reply(chat: bool) -> dict:
     }
 
 
+def _chunk(chat: bool) -> dict:
+    """One streamed chunk (the usage chunk has no choices and the usage)."""
+    if chat:
+        delta = {
+            "type": "object",
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        }
+        choice = {"index": {"type": "integer"}, "delta": delta, "finish_reason": _FINISH}
+    else:
+        choice = {"index": {"type": "integer"}, "text": {"type": "string"}}
+        choice["finish_reason"] = _FINISH
+    return {
+        "type": "object",
+        "required": ["id", "object", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion.chunk" if chat else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object", "properties": choice}},
+            "usage": {"anyOf": [_USAGE, {"type": "null"}]},
+        },
+    }
+
+
+def _event(chat: bool) -> dict:
+    """One server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event):
+    its data is a JSON chunk, an error object (the stream's last before [DONE]) or [DONE]."""
+    name = "ChatCompletionChunk" if chat else "CompletionChunk"
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{name}"},
+                {"$ref": "#/components/schemas/Error"},
+            ]
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"const": "message"},
+            "data": {"if": {"const": "[DONE]"}, "then": True, "else": json_data},
+        },
+    }
+
+
 def _errors(*codes: str) -> dict:
     return {
         c: {
@@ -121,7 +173,7 @@ def _generate_op(endpoint: str, summary: str) -> dict:
                     'started comes as a last `data: {"error": ...}` event.',
                     "content": {
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _event(chat)},
                     },
                 },
                 **_errors("400", "401", "404", "413", "429", "500", "503", "504"),
@@ -213,6 +265,8 @@ def openapi_document(model: str) -> dict:
                 "ChatCompletionRequest": _request_schema(oai.CHAT),
                 "Completion": _completion_reply(chat=False),
                 "ChatCompletion": _completion_reply(chat=True),
+                "CompletionChunk": _chunk(chat=False),
+                "ChatCompletionChunk": _chunk(chat=True),
                 "Error": _ERROR,
             },
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},

@@ -3,6 +3,7 @@ path for the gRPC and the HTTP API."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -17,6 +18,9 @@ from services.common.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_PROMPT_CHARS = 4 * 2**20
+# Texts longer than this are tokenized on a worker thread (a thread hop costs more than
+# tokenizing a short prompt).
+THREAD_TOKENIZE_CHARS = 16 * 2**10
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,19 @@ class Request:
     @property
     def worker_request_id(self) -> str:
         return f"{self.request_id}~{self.call_id}"
+
+    def continued(self, sent: Sequence[int]) -> Request:
+        """The rest of this request once `sent` tokens reached the client: those tokens join
+        the prompt, fewer are left to generate, and the workers see a new call. (A seeded
+        sampler does not replay its random stream: only greedy output is the same as without
+        the move.)"""
+        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent))
+        return dataclasses.replace(
+            self,
+            prompt_ids=[*self.prompt_ids, *sent],
+            params=params,
+            call_id=uuid.uuid4().hex[:12],
+        )
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -56,7 +73,7 @@ class Limits:
         )
 
 
-def validate(
+async def validate(
     pb,
     tokenizer: Tokenizer,
     limits: Limits,
@@ -71,7 +88,7 @@ def validate(
         raise InvalidRequest("give a prompt: `text` or `token_ids`", param="prompt")
     prompt = pb.text if kind == "text" else list(pb.token_ids.ids)
     budgets = (grpc_remaining, pb.timeout_ms / 1000 if pb.timeout_ms else None)
-    return build_request(
+    return await build_request(
         prompt,
         sampling_from_pb(pb.sampling),
         tokenizer,
@@ -81,7 +98,7 @@ def validate(
     )
 
 
-def build_request(
+async def build_request(
     prompt: str | Sequence[int],
     params: SamplingParams,
     tokenizer: Tokenizer,
@@ -99,7 +116,8 @@ def build_request(
     or 0 is no limit). `fill_context`: the caller did not choose max_tokens, so generate up to
     the context (capped by the server's limit) instead of `params.max_tokens`.
     `add_special_tokens`: add what the tokenizer adds to text (e.g. BOS); a chat template that
-    renders its own special tokens turns it off.
+    renders its own special tokens turns it off. A long text is tokenized on a worker thread,
+    so the event loop keeps serving everyone else meanwhile.
     """
     if isinstance(prompt, str):
         if not prompt:
@@ -108,7 +126,15 @@ def build_request(
             raise InvalidRequest(
                 f"prompt text is longer than {MAX_PROMPT_CHARS} characters", param="prompt"
             )
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        limit = limits.max_context - 1
+        if len(prompt) > THREAD_TOKENIZE_CHARS:
+            n, ids = await asyncio.to_thread(
+                tokenizer.encode_within, prompt, limit, add_special_tokens
+            )
+        else:
+            n, ids = tokenizer.encode_within(prompt, limit, add_special_tokens)
+        if ids is None:
+            raise _too_long(n, limits)
     else:
         ids = list(prompt)
         if not ids:
@@ -120,11 +146,7 @@ def build_request(
                 param="prompt",
             )
     if len(ids) >= limits.max_context:
-        raise InvalidRequest(
-            f"prompt has {len(ids)} tokens; the model's context is {limits.max_context} tokens, "
-            "shorten the prompt",
-            param="prompt",
-        )
+        raise _too_long(len(ids), limits)
     room = limits.max_context - len(ids)
     if fill_context:
         params = dataclasses.replace(params, max_tokens=min(room, limits.max_tokens))
@@ -153,3 +175,11 @@ def build_request(
     limits_s = [b for b in budgets if b]
     deadline = time.monotonic() + min(limits_s) if limits_s else None
     return Request(request_id, ids, params, deadline)
+
+
+def _too_long(tokens: int, limits: Limits) -> InvalidRequest:
+    return InvalidRequest(
+        f"prompt has {tokens} tokens; the model's context is {limits.max_context} tokens, "
+        "shorten the prompt",
+        param="prompt",
+    )

@@ -44,6 +44,19 @@ log = logging.getLogger("distserve.gateway")
 KV_HANDOFF_ATTEMPTS = 3
 # A prefill instance that cannot be reached is replaced by another; this many tries in all.
 PREFILL_ATTEMPTS = 3
+# A request whose decode (or colocated) instance is lost mid-stream moves this often at most.
+MIGRATION_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """A Decode call and the instance serving it."""
+
+    call: grpc.aio.UnaryStreamCall
+    worker_id: str
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 @dataclass
@@ -106,17 +119,7 @@ class Router:
         reason: FinishReason | None = None
         error: BaseException | None = None
         try:
-            mode = self.registry.mode()
-            if mode == "disaggregated" and self._prefill_locally(req):
-                mode = "local-prefill"
-            seen.set_mode(mode)
-            self.metrics.routes.labels(mode).inc()
-            if mode == "disaggregated":
-                events = self._disaggregated(req, seen.context)
-            elif mode == "local-prefill":
-                events = self._colocated(req, seen.context, role="decode")
-            else:
-                events = self._colocated(req, seen.context)
+            events = self._migrating(req, seen)
             async with contextlib.aclosing(events):
                 async for ids, reason in events:
                     delta = text.add(ids) if ids else ""
@@ -140,6 +143,54 @@ class Router:
                 self.feed.add(
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
+
+    async def _migrating(
+        self, req: Request, seen: RequestObserver
+    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        """The request's tokens over one serving path; when the instance streaming them is lost
+        (it died, or drained past its deadline: UNAVAILABLE), the rest of the request moves to
+        another path: the prompt plus the tokens already sent is prefilled again and decoding
+        continues from there, so the client's stream has no duplicate and no missing token
+        (greedy output equals the failure-free output). MIGRATION_ATTEMPTS moves at most."""
+        sent: list[int] = []
+        part = req
+        for attempt in range(MIGRATION_ATTEMPTS + 1):
+            try:
+                async with contextlib.aclosing(self._path(part, seen, not attempt)) as events:
+                    async for ids, reason in events:
+                        sent += ids
+                        yield ids, reason
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATION_ATTEMPTS:
+                    raise
+                if len(sent) >= req.params.max_tokens:
+                    raise  # nothing left to generate; the stream just lacks its end
+                self.metrics.migrations.labels("decode_unavailable").inc()
+                log.warning(
+                    "request %s: lost its serving instance after %d tokens (%s); moving it",
+                    req.request_id,
+                    len(sent),
+                    e.details(),
+                )
+                part = req.continued(sent)
+
+    def _path(
+        self, req: Request, seen: RequestObserver, first: bool
+    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        """The serving path for (the rest of) a request: disaggregated, a short prompt
+        prefilled on a decode instance, or colocated."""
+        mode = self.registry.mode()
+        if mode == "disaggregated" and self._prefill_locally(req):
+            mode = "local-prefill"
+        if first:
+            seen.set_mode(mode)
+        self.metrics.routes.labels(mode).inc()
+        if mode == "disaggregated":
+            return self._disaggregated(req, seen.context)
+        if mode == "local-prefill":
+            return self._colocated(req, seen.context, role="decode")
+        return self._colocated(req, seen.context)
 
     async def _disaggregated(
         self, req: Request, trace: telemetry.Context | None
@@ -223,7 +274,7 @@ class Router:
         prefill.inflight_tokens += len(req.prompt_ids)
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         early = self.early_handoff if early is None else early
-        decode = None
+        decode = kv = events = None
         try:
             events = stub.Prefill(
                 prefill_pb2.PrefillRequest(
@@ -237,13 +288,20 @@ class Router:
             )
             async for event in events:
                 if event.HasField("kv"):
-                    decode = self._start_decode(req, None, event.kv, trace)
+                    kv = event.kv
+                    decode = self._start_decode(req, None, kv, trace)
                 else:
                     return event.done, decode
             raise RemoteError("UNAVAILABLE", f"prefill instance {prefill.worker_id} sent no result")
         except BaseException as e:
+            if events is not None:
+                events.cancel()  # the prefill instance frees what the request holds there
             if decode is not None:
                 decode.cancel()
+            if kv is not None:
+                # The decode call may have ended before its instance saw it (a deadline that
+                # passed just then), and the prompt may be done: nobody else would release it.
+                await self._release(kv, trace)
             if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             # Unreachable: stop routing to it until it heartbeats (and registers) again.
@@ -254,13 +312,13 @@ class Router:
                 f"{e.details()}",
             ) from e
 
-    def _start_decode(self, req: Request, first_token: int | None, kv, trace):
+    def _start_decode(self, req: Request, first_token: int | None, kv, trace) -> DecodeCall:
         """A Decode call on the least-loaded decode instance for KV held on a prefill
         instance (`first_token` None: a streaming handle; the decode instance asks the source
         for it)."""
         decode = self.registry.pick_decode()
         decode.inflight_requests += 1
-        return decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
+        call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
                 prompt_token_ids=req.prompt_ids,
@@ -271,20 +329,30 @@ class Router:
             timeout=_timeout(req),
             metadata=telemetry.outgoing(trace),
         )
+        return DecodeCall(call, decode.worker_id)
 
     async def _decode(
-        self, call, kv, trace
+        self, decode: DecodeCall, kv, trace
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
         """Stream a decode call's tokens; KV it never took is released here."""
         handed_over = False
         try:
-            async for r in call:
+            async for r in decode.call:
                 handed_over = True  # the decode instance has the KV (and releases it)
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
+        except grpc.aio.AioRpcError as e:
+            if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._lost(decode.worker_id)
+            raise
         finally:
-            call.cancel()
+            decode.cancel()
             if not handed_over:
                 await self._release(kv, trace)
+
+    def _lost(self, worker_id: str) -> None:
+        """An instance failed mid-stream (it died, or it drains): route nothing more to it; a
+        live one is back at its next heartbeat."""
+        self.registry.deregister(worker_id)
 
     def _prefill_locally(self, req: Request) -> bool:
         """Conditional disaggregation: a short prompt, and a decode instance with headroom
@@ -316,9 +384,15 @@ class Router:
             timeout=_timeout(req),
             metadata=telemetry.outgoing(trace),
         )
+        streamed = False
         try:
             async for r in call:
+                streamed = True
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
+        except grpc.aio.AioRpcError as e:
+            if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._lost(worker.worker_id)
+            raise
         finally:
             call.cancel()
 

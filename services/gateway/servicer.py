@@ -35,7 +35,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         received = time.monotonic()
         # Behind Envoy, its x-request-id names the request (as in its access log).
         edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
-        req = validate(request, self.tokenizer, self.limits, context.time_remaining(), edge_id)
+        req = await validate(
+            request, self.tokenizer, self.limits, context.time_remaining(), edge_id
+        )
         completion = 0
         pieces = self.router.generate(req, telemetry.incoming(context), received=received)
         async for piece in pieces:

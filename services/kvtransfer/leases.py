@@ -153,6 +153,14 @@ class LeaseTable:
                 return self._leases.pop(handle_id)
         return None
 
+    def pop_all(self) -> list[Lease]:
+        """Remove and return every lease (an instance that drains out of time)."""
+        out = list(self._leases.values())
+        self._leases.clear()
+        for lease in out:
+            lease.close()
+        return out
+
     def expired(self) -> list[Lease]:
         """Remove and return the leases that lapsed."""
         now = time.monotonic()

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from services.common import telemetry
-from services.common.announcer import serve_as_worker
+from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import (
     common_pb2,
     kvtransfer_pb2,
@@ -40,6 +40,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
     p.add_argument("--no-ucx", action="store_true", help="serve KV over gRPC only")
     add_metrics_args(p)
+    add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -59,6 +60,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         kv_faults=args.kv_faults,
         ucx=not args.no_ucx,
         metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
         **extra,
     )
@@ -100,6 +102,8 @@ async def serve(config: PrefillConfig) -> None:
         address=address,
         model=config.model.name,
         load=lambda: worker_load(worker),
+        drain=worker.drain,
+        drain_timeout_s=config.drain_timeout_s,
         stop=stop,
         ucx_port=worker.chunks.port if worker.chunks is not None else 0,
         metrics_address=metrics_address,

@@ -28,28 +28,33 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 early,
             )
         )
+        delivered = False
         try:
             if early is not None:
                 await asyncio.wait({task, early}, return_when=asyncio.FIRST_COMPLETED)
                 if early.done():
                     yield prefill_pb2.PrefillEvent(kv=early.result().to_pb())
             result = await task
+            reply = prefill_pb2.PrefillResponse(
+                request_id=request.request_id,
+                first_token_id=result.first_token,
+                finish_reason=finish_to_pb(result.finish_reason),
+                queue_ms=result.queue_ms,
+                compute_ms=result.compute_ms,
+                batch_size=result.batch_size,
+                batch_tokens=result.batch_tokens,
+            )
+            if result.handle is not None:
+                reply.kv.CopyFrom(result.handle.to_pb())
+            yield prefill_pb2.PrefillEvent(done=reply)
+            delivered = True
         finally:
             task.cancel()  # the caller left: the worker frees what the request holds
             if early is not None:
                 early.cancel()
-        reply = prefill_pb2.PrefillResponse(
-            request_id=request.request_id,
-            first_token_id=result.first_token,
-            finish_reason=finish_to_pb(result.finish_reason),
-            queue_ms=result.queue_ms,
-            compute_ms=result.compute_ms,
-            batch_size=result.batch_size,
-            batch_tokens=result.batch_tokens,
-        )
-        if result.handle is not None:
-            reply.kv.CopyFrom(result.handle.to_pb())
-        yield prefill_pb2.PrefillEvent(done=reply)
+            if not delivered:
+                # The caller left as the prompt finished: nobody will take or release its KV.
+                await asyncio.shield(self.worker.abandon(request.request_id))
 
     async def Stats(self, request, context):
         return worker_stats(self.worker)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
+from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import PrefillPhases, phase_histogram
@@ -71,6 +72,7 @@ class PrefillWorker:
         self.requests_total = 0
         self.requests_aborted = 0
         self.blocks_reclaimed = 0
+        self.draining = False
         self._reaper: asyncio.Task | None = None
 
     async def start(self, control_address: str) -> None:
@@ -87,6 +89,27 @@ class PrefillWorker:
             self.chunks.close()
         self.loop.stop()
 
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new prompts; let those in flight finish and their KV be pulled and released
+        (the KV-transfer service keeps serving) for up to `timeout_s`; then end what is left:
+        prompts still computing get UNAVAILABLE (the gateway prefills them elsewhere), held KV
+        is freed (its decode instance's pull fails and the request is prefilled again)."""
+        self.draining = True
+        if await settle(lambda: self.loop.subscribed == 0 and not self.leases, timeout_s):
+            return
+        log.warning(
+            "drain timed out: %d prompts in flight, %d KV handles held",
+            self.loop.subscribed,
+            len(self.leases),
+        )
+        self.loop.fail_subscribed(
+            Unavailable(f"{self.config.worker_id} is shutting down and its drain timed out")
+        )
+        await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
+        for lease in self.leases.pop_all():
+            self._streaming.pop(lease.request_id, None)
+            await self.free(lease, "drained")
+
     async def prefill(
         self,
         request_id: str,
@@ -100,6 +123,10 @@ class PrefillWorker:
         and the batch are recorded as spans. `early` (layer-wise handoff) gets the KV handle
         as soon as the prompt is scheduled, before it is computed: its layers are published
         as they are computed, its first token when sampled."""
+        if self.draining:
+            raise Unavailable(
+                f"{self.config.worker_id} is shutting down: send the prompt to another instance"
+            )
         self.requests_total += 1
         submitted = time.monotonic()
         queue = self.loop.subscribe(request_id)
@@ -197,6 +224,14 @@ class PrefillWorker:
                 "kv.bytes_sent": lease.bytes_sent,
             },
         )
+
+    async def abandon(self, request_id: str) -> None:
+        """The caller left without the request's result: free KV still held for it (a
+        prefill that finished just as its caller was cancelled)."""
+        lease = self.leases.pop_request(request_id)
+        if lease is not None:
+            self._streaming.pop(request_id, None)
+            await self.free(lease, "abandoned")
 
     async def _forget(self, request_id: str) -> None:
         """A cancelled or failed request: drop it from the engine wherever it is, and its

@@ -21,11 +21,7 @@ RESPONSE_TIME_S = 20.0  # the bound on every answer: a request that takes longer
 # Fixed (was: a decode instance died with SIGSEGV when requests ended at their first token while
 # it pulled their KV over UCX): True would move the fuzz mesh's KV over the gRPC fallback.
 UCX_FIRST_TOKEN_CRASH = False
-# Known bug: a request whose deadline passes just after its prefill leaves its KV held on the
-# prefill instance until the lease lapses (test_grpc_fuzz.py::test_a_passed_deadline_leaves_no_
-# kv_held). Until it is fixed the fuzz mesh's leases last LEASE_S, so that KV leaked that way is
-# back within the final check, which then lets leases lapse; set this to False with the fix.
-DEADLINE_LEAK = True
+# Short KV leases: KV a request leaked would be back (and counted as lapsed) within a test.
 LEASE_S = 8.0
 
 
@@ -37,7 +33,7 @@ def fuzz_mesh(tiny_model):
         decode=1,
         # A long worker lease: a loaded host delays heartbeats, and the fuzzing is about input.
         gateway_args=("--max-tokens", str(MAX_TOKENS), "--worker-lease-s", "30"),
-        prefill_args=("--lease-s", str(LEASE_S)) if DEADLINE_LEAK else (),
+        prefill_args=("--lease-s", str(LEASE_S)),
         decode_args=("--kv-transport", "grpc") if UCX_FIRST_TOKEN_CRASH else (),
         edge=EdgeConfig(port=0, access_log="", rate_limit_rps=0),  # fuzzing is no load test
     )

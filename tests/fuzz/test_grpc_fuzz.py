@@ -38,7 +38,6 @@ from services.common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MA
 from services.common.tokenizer import Tokenizer
 from services.gateway.request import MAX_REQUEST_ID_CHARS
 from tests.fuzz.conftest import (
-    DEADLINE_LEAK,
     LEASE_S,
     MAX_TOKENS,
     RESPONSE_TIME_S,
@@ -55,12 +54,6 @@ GENERATE = "/distserve.v1.Gateway/Generate"
 DEFAULT_MAX_TOKENS = 16  # max_tokens 0 means this
 SHORT_DEADLINE_MS = 5_000  # a request's own deadline under this may pass before it is served
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-# Known bug: bytes that are no GenerateRequest get UNKNOWN "Unexpected <class
-# 'google.protobuf.message.DecodeError'>: Error parsing message ..." (the exception's class in
-# the message) instead of INVALID_ARGUMENT. While it stands the raw-bytes fuzzing tolerates
-# exactly that answer to undecodable bytes, and test_undecodable_bytes_are_invalid_argument is
-# a strict expected failure; set this to False with the fix.
-UNDECODABLE_IS_UNKNOWN = True
 
 
 def _settings(max_examples: int = MAX_EXAMPLES) -> hypothesis.settings:
@@ -371,24 +364,11 @@ def test_raw_bytes_get_ok_or_a_precise_status(fuzz_mesh, rules, target):
             with pytest.raises(grpc.RpcError) as err:
                 list(call(data, timeout=RESPONSE_TIME_S))
             code, details = err.value.code(), err.value.details()
-            if (
-                UNDECODABLE_IS_UNKNOWN
-                and code == grpc.StatusCode.UNKNOWN
-                and "DecodeError" in details
-            ):
-                return
             assert code == grpc.StatusCode.INVALID_ARGUMENT and details, (code, details, data)
 
         fuzz()
 
 
-@pytest.mark.xfail(
-    UNDECODABLE_IS_UNKNOWN,
-    strict=True,
-    reason='bytes that are no GenerateRequest get UNKNOWN "Unexpected <class '
-    "'google.protobuf.message.DecodeError'>: Error parsing message with type "
-    "'distserve.v1.GenerateRequest': Wire format was corrupt\", not INVALID_ARGUMENT",
-)
 @pytest.mark.parametrize("target", TARGETS)
 def test_undecodable_bytes_are_invalid_argument(fuzz_mesh, target):
     with grpc.insecure_channel(_address(fuzz_mesh, target)) as channel:
@@ -441,13 +421,6 @@ def test_two_requests_with_one_id_both_end(fuzz_mesh):
     assert grpc.StatusCode.OK in codes, codes
 
 
-@pytest.mark.xfail(
-    DEADLINE_LEAK,
-    strict=True,
-    reason="a request whose deadline passes just after its prefill (timeout_ms of 2-4 ms here) "
-    "leaves its KV held on the prefill instance until the lease lapses (leases_expired grows); "
-    "likely the router's _start_decode raising DeadlineExceeded before _decode's release",
-)
 def test_a_passed_deadline_leaves_no_kv_held(fuzz_mesh):
     before = leases_expired(fuzz_mesh)
     prefill = addresses(fuzz_mesh, "prefill")
@@ -475,5 +448,5 @@ def test_a_passed_deadline_leaves_no_kv_held(fuzz_mesh):
 
 
 def test_the_mesh_still_serves_and_nothing_leaked(fuzz_mesh, lapsed_before):
-    # Short deadlines leak KV until the known bug is fixed (DEADLINE_LEAK): then no lease lapses.
-    assert_still_serving_and_nothing_leaked(fuzz_mesh, None if DEADLINE_LEAK else lapsed_before)
+    # Short deadlines included: no request of this module left KV for its lease to lapse.
+    assert_still_serving_and_nothing_leaked(fuzz_mesh, lapsed_before)
