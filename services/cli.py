@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from services.common.errors import DistServeError
+from services.deploy.cli import register as register_deploy
 from services.edge.options import add_edge_options
 from services.loadgen.cli import register as register_bench
 from services.planner.cli import register as register_planner
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     register_trace_report(sub)
     register_planner(sub)
     register_bench(sub)
+    register_deploy(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,1 @@
+"""Kubernetes manifests rendered from a planner placement (`distserve deploy render`)."""

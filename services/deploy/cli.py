@@ -1,0 +1,120 @@
+"""`distserve deploy render`: Kubernetes manifests from a `distserve plan` placement.
+
+`register(subparsers)` adds `deploy` to the `distserve` parser; `main(argv)` runs it on its own
+(`python -m services.deploy.cli deploy render ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.common.errors import DistServeError, InvalidRequest
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `deploy render` to a subparsers object, with its `func`."""
+    from services.deploy.render import RenderOptions
+
+    d = RenderOptions()
+    deploy = sub.add_parser("deploy", help="deploy the mesh on Kubernetes").add_subparsers(
+        dest="deploy_command", required=True
+    )
+    r = deploy.add_parser(
+        "render",
+        help="write Kubernetes manifests (kustomization.yaml + resources) for a placement",
+        description="Render the mesh for a placement as plain YAML for `kubectl apply -k OUT`.",
+    )
+    r.add_argument("--placement", required=True, type=Path, help="plan.json from `distserve plan`")
+    r.add_argument("--out", required=True, type=Path, help="folder to write the manifests to")
+    r.add_argument("--namespace", default=d.namespace)
+    r.add_argument("--image", default=d.image, help="the mesh's container image")
+    r.add_argument("--image-pull-policy", default=d.image_pull_policy)
+    r.add_argument(
+        "--model-path",
+        default=d.model_path,
+        help="the model folder, relative to the model volume (mounted at /models)",
+    )
+    r.add_argument(
+        "--model-pvc", default=d.model_pvc, help="PersistentVolumeClaim holding the model"
+    )
+    r.add_argument("--model-host-path", help="mount this folder of every node instead of the PVC")
+    r.add_argument("--served-model-name", help="model name in the HTTP API (default: folder)")
+    r.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO (default: the plan's)")
+    r.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the plan's)")
+    r.add_argument(
+        "--baseline",
+        action="store_true",
+        help="deploy the plan's colocated baseline instead of its placement",
+    )
+    r.add_argument("--no-planner", action="store_true", help="no planner Deployment")
+    r.add_argument("--edge-port", type=int, default=d.edge_port, help="Envoy's listener")
+    r.add_argument("--edge-replicas", type=int, default=d.edge_replicas)
+    r.add_argument(
+        "--edge-service-type", default=d.edge_service_type, help="ClusterIP|NodePort|LoadBalancer"
+    )
+    r.add_argument(
+        "--rate-limit", type=int, default=d.rate_limit_rps, help="requests/s per Envoy; 0 off"
+    )
+    r.add_argument(
+        "--termination-grace-s",
+        type=int,
+        default=d.termination_grace_s,
+        help="how long a worker may drain after SIGTERM",
+    )
+    r.add_argument("--cluster-domain", default=d.cluster_domain)
+    r.set_defaults(func=render_command)
+
+
+def render_command(args: argparse.Namespace) -> int:
+    from services.deploy.render import NODE_GROUP, RenderOptions, node_groups, render, write
+
+    try:
+        plan = json.loads(args.placement.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"cannot read the placement {args.placement}: {e}") from e
+    options = RenderOptions(
+        namespace=args.namespace,
+        image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        model_path=args.model_path,
+        model_pvc=args.model_pvc,
+        model_host_path=args.model_host_path,
+        served_model_name=args.served_model_name,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        baseline=args.baseline,
+        planner=not args.no_planner,
+        edge_port=args.edge_port,
+        edge_replicas=args.edge_replicas,
+        edge_service_type=args.edge_service_type,
+        rate_limit_rps=args.rate_limit,
+        termination_grace_s=args.termination_grace_s,
+        cluster_domain=args.cluster_domain,
+    )
+    for path in write(render(plan, options), args.out):
+        print(f"wrote {path}")
+    groups = node_groups(plan, options)
+    if groups:
+        print("low affinity: label one GPU node per group before applying:")
+        for group in groups:
+            print(f"  kubectl label node NODE {NODE_GROUP}={group}")
+    print(f"apply with: kubectl apply -k {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DistServeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
