@@ -26,6 +26,7 @@ from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.kv_cache import KvCache
 from services.engine.model_runner import ModelRunner
+from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
 from services.engine.weights import load_model
@@ -48,11 +49,21 @@ class LLMEngine:
     """A model replica with a paged KV cache that serves many requests at once."""
 
     def __init__(
-        self, model_dir: str | Path, config: EngineConfig | None = None, *, detokenize: bool = True
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        detokenize: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         """detokenize: track each request's text (workers that only return ids turn it off;
-        requests with stop strings are detokenized regardless)."""
+        requests with stop strings are detokenized regardless).
+
+        tp: this process's rank in a tensor-parallel group (None: tp == 1). Every rank of the
+        group must then make the same calls (add_request, abort, step...) in the same order.
+        """
         config = config or EngineConfig()
+        self.tp = tp or TensorParallel()
         self.detokenize = detokenize
         self.config = config
         self.model_dir = Path(model_dir)
@@ -64,29 +75,33 @@ class LLMEngine:
                 f"tokenizer.json has {self.tokenizer.vocab_size} ids but config.json's vocab_size "
                 f"is {mc.vocab_size}: they do not belong to the same model"
             )
+        check_tp(mc, self.tp.world_size)
+        # The KV heads this rank computes and caches (all of them with tp == 1).
+        self.kv_heads = kv_heads_of(self.tp.rank, self.tp.world_size, mc.num_kv_heads)
+        num_heads, num_kv_heads = mc.num_heads // self.tp.world_size, len(self.kv_heads)
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
-        model = load_model(self.model_dir, mc, self.dtype, self.device)
+        model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
         num_blocks = config.num_blocks or max(
             1,
             config.kv_cache_bytes
             // KvCache.bytes_per_block(
-                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+                mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, self.dtype
             ),
         )
         cache = KvCache(
             num_layers=mc.num_layers,
             num_blocks=num_blocks,
             block_size=config.block_size,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=mc.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
         backend = make_backend(
             config.attention,
-            num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
             device=self.device,

@@ -4,6 +4,10 @@ The model is built on the meta device, each parameter allocated once in its fina
 device, and every checkpoint tensor read from its file straight into (a slice of) its parameter:
 no second copy of the weights, no memory map holding file pages. Tensors stored in another dtype
 pass through a buffer of one tensor's size.
+
+With tensor parallelism (`tp`), the model is first rewritten into this rank's shard and each
+rank reads only its slice of each checkpoint tensor: rows are read straight from the file,
+columns (o_proj, down_proj) through a buffer of one tensor's size.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ import torch
 from services.common.errors import ModelLoadError
 from services.common.model_config import ModelConfig
 from services.engine.model import CausalLM
+from services.engine.parallel import (
+    TensorParallel,
+    columns_of,
+    heads_of,
+    kv_heads_of,
+    shard_model,
+    vocab_rows_of,
+)
 from services.engine.rope import inverse_frequencies
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -42,6 +54,24 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
+
+    def rows(self, start: int, n: int) -> TensorEntry:
+        """Rows [start, start + n) along the first axis: a contiguous byte range."""
+        row = self.nbytes // self.shape[0]
+        return TensorEntry(
+            self.file, self.dtype, (n, *self.shape[1:]), self.start + start * row, n * row
+        )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of a checkpoint tensor one tensor-parallel rank holds: `length` entries from
+    `start` along `dim`, of `full`."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
@@ -129,13 +159,22 @@ def _read_into(entry: TensorEntry, dest: torch.Tensor) -> None:
 
 
 def load_model(
-    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
-    """Build the model for `cfg` and fill it from the checkpoint in `path`."""
+    """Build the model for `cfg` (this rank's shard of it, with `tp`) and fill it from the
+    checkpoint in `path`."""
     path = Path(path)
+    tp = tp or TensorParallel()
     entries = checkpoint_index(path)
     with torch.device("meta"):
-        model = CausalLM(cfg).to(dtype)
+        model = CausalLM(cfg)
+        if tp.world_size > 1:
+            shard_model(model, tp)
+        model = model.to(dtype)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -147,22 +186,33 @@ def load_model(
         raise ModelLoadError(f"checkpoint in {path} lacks {', '.join(missing[:3])}{more}")
     staging_ok = device.type == "cpu"
     for name, entry in entries.items():
-        target = _target(name, params, model)
+        target = _target(name, params, model, tp.world_size)
         if target is None:
             continue  # not ours: e.g. rotary_emb.inv_freq, or lm_head of a tied model
         _, dest = target
-        if tuple(dest.shape) != entry.shape:
+        shard = _shard(name, cfg, tp)
+        expected = list(dest.shape)
+        if shard is not None:
+            expected[shard.dim] = shard.full
+        if list(entry.shape) != expected:
             raise ModelLoadError(
-                f"tensor {name!r} has shape {list(entry.shape)}, config.json implies "
-                f"{list(dest.shape)}"
+                f"tensor {name!r} has shape {list(entry.shape)}, config.json implies {expected}"
             )
         with torch.no_grad():
-            if staging_ok and entry.dtype == dtype:
+            if shard is not None and dest.shape[shard.dim] > shard.length:  # vocab padding
+                dest.narrow(shard.dim, shard.length, dest.shape[shard.dim] - shard.length).zero_()
+                dest = dest.narrow(shard.dim, 0, shard.length)
+            if shard is not None and shard.dim == 0:
+                entry = entry.rows(shard.start, shard.length)
+                shard = None
+            if shard is None and staging_ok and entry.dtype == dtype:
                 _read_into(entry, dest)
             else:
                 buf = torch.empty(entry.shape, dtype=entry.dtype)
                 _read_into(entry, buf)
-                dest.copy_(buf)
+                dest.copy_(
+                    buf if shard is None else buf.narrow(shard.dim, shard.start, shard.length)
+                )
     return model.eval()
 
 
@@ -187,7 +237,7 @@ def checkpoint_names(cfg: ModelConfig) -> list[str]:
 
 
 def _target(
-    name: str, params: dict[str, torch.nn.Parameter], model: CausalLM
+    name: str, params: dict[str, torch.nn.Parameter], model: CausalLM, tp: int = 1
 ) -> tuple[str, torch.Tensor] | None:
     """Our parameter (and the rows of it) that checkpoint tensor `name` fills."""
     parts = name.split(".")
@@ -197,7 +247,7 @@ def _target(
         param = params.get(param_name)
         if param is None:
             return None
-        sizes = _shard_sizes(model, fused)
+        sizes = _shard_sizes(model, fused, tp)
         start = sum(sizes[:shard])
         return param_name, param.data[start : start + sizes[shard]]
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -206,9 +256,38 @@ def _target(
     return (name, param.data) if param is not None else None
 
 
-def _shard_sizes(model: CausalLM, fused: str) -> list[int]:
+def _shard_sizes(model: CausalLM, fused: str, tp: int = 1) -> list[int]:
+    """Rows of each part of a fused projection, on one rank of `tp`."""
     cfg = model.config
     if fused == "qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim // tp, cfg.num_kv_heads * cfg.head_dim // tp
         return [q, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    return [cfg.intermediate_size // tp] * 2
+
+
+def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
+    """The slice of checkpoint tensor `name` that rank tp.rank holds; None: all of it."""
+    if tp.world_size == 1:
+        return None
+    r, n, d = tp.rank, tp.world_size, cfg.head_dim
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = vocab_rows_of(r, n, cfg.vocab_size)
+        return Shard(0, rows.start, len(rows), cfg.vocab_size)
+    parts = name.split(".")
+    proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if proj == "q_proj":  # column-parallel: this rank's output rows, bias alike
+        heads = heads_of(r, n, cfg.num_heads)
+        return Shard(0, heads.start * d, len(heads) * d, cfg.num_heads * d)
+    if proj in ("k_proj", "v_proj"):
+        kv = kv_heads_of(r, n, cfg.num_kv_heads)
+        return Shard(0, kv.start * d, len(kv) * d, cfg.num_kv_heads * d)
+    if proj in ("gate_proj", "up_proj"):
+        cols = columns_of(r, n, cfg.intermediate_size)
+        return Shard(0, cols.start, len(cols), cfg.intermediate_size)
+    if proj == "o_proj" and kind == "weight":  # row-parallel: input columns; bias replicated
+        heads = heads_of(r, n, cfg.num_heads)
+        return Shard(1, heads.start * d, len(heads) * d, cfg.num_heads * d)
+    if proj == "down_proj" and kind == "weight":
+        cols = columns_of(r, n, cfg.intermediate_size)
+        return Shard(1, cols.start, len(cols), cfg.intermediate_size)
+    return None

@@ -1,0 +1,253 @@
+"""Tensor parallelism (Megatron-style) as a pass that rewrites a built model into one rank's shard.
+
+In every layer the fused `qkv_proj` and `gate_up_proj` are column-parallel: rank r holds its
+query heads, its KV heads and its MLP columns, each part of the fused weight split on its own.
+`o_proj` and `down_proj` are row-parallel: each rank multiplies its slice of the input features,
+the partial outputs are summed by an all-reduce, and the bias is added once, after the sum. The
+embedding and lm_head are vocab-parallel: each rank holds ceil(vocab / tp) rows (the last rank's
+tail is zero padding); the embedding sums its ranks' lookups with an all-reduce, lm_head gathers
+every rank's logits. Two all-reduces per layer, one for the embedding and one all-gather per step.
+
+With tp == 1 nothing is rewritten and nothing is called: the model is the plain one.
+An engine with tp > 1 is driven SPMD: every rank runs the same LLMEngine with the same calls in
+the same order (see docs/engine.md, "Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import InvalidRequest, UnsupportedModel
+from services.common.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's place in a tensor-parallel group: rank, world size, torch.distributed group.
+
+    The default, TensorParallel(), is tp == 1: no process group, and `all_reduce` / `all_gather`
+    return at once without calling torch.distributed.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise InvalidRequest(
+                f"tensor parallel rank {self.rank} of {self.world_size}: need tp >= 1 and "
+                "0 <= rank < tp"
+            )
+
+    @classmethod
+    def init(
+        cls,
+        tp: int,
+        rank: int,
+        init_method: str,
+        backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> TensorParallel:
+        """Join a group of `tp` ranks meeting at `init_method` (e.g. "tcp://127.0.0.1:PORT").
+
+        backend None: nccl when CUDA is available (each rank takes GPU rank % device count),
+        else gloo. tp == 1 starts no process group.
+        """
+        group = cls(rank, tp)  # validates
+        if tp == 1:
+            return group
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=tp, timeout=timeout
+        )
+        return cls(rank, tp, dist.group.WORLD)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; every rank gets the same bits."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` concatenated along the last axis, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _part(rank: int, tp: int, n: int, what: str) -> range:
+    if n % tp:
+        raise UnsupportedModel(
+            f"tensor parallelism tp={tp} does not divide {what} ({n}); choose a tp that divides "
+            "num_attention_heads, num_key_value_heads and intermediate_size (replicating KV "
+            "heads for tp > num_key_value_heads is not implemented)"
+        )
+    per = n // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def kv_heads_of(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` of `tp` holds (computes and caches): a contiguous range."""
+    TensorParallel(rank, tp)  # validates rank and tp
+    return _part(rank, tp, num_kv_heads, "num_key_value_heads")
+
+
+def heads_of(rank: int, tp: int, num_heads: int) -> range:
+    """The query heads rank `rank` of `tp` holds."""
+    TensorParallel(rank, tp)
+    return _part(rank, tp, num_heads, "num_attention_heads")
+
+
+def columns_of(rank: int, tp: int, intermediate_size: int) -> range:
+    """The MLP columns (of gate and of up; rows of down's input) rank `rank` of `tp` holds."""
+    TensorParallel(rank, tp)
+    return _part(rank, tp, intermediate_size, "intermediate_size")
+
+
+def vocab_rows_of(rank: int, tp: int, vocab_size: int) -> range:
+    """The vocabulary rows rank `rank` holds: ceil(vocab / tp) a rank, the last ones fewer."""
+    per = -(-vocab_size // tp)
+    return range(min(rank * per, vocab_size), min((rank + 1) * per, vocab_size))
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise UnsupportedModel unless `tp` divides the heads, the KV heads and the MLP width."""
+    for n, what in (
+        (cfg.num_heads, "num_attention_heads"),
+        (cfg.num_kv_heads, "num_key_value_heads"),
+        (cfg.intermediate_size, "intermediate_size"),
+    ):
+        _part(0, tp, n, what)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r @ W_r^T) + b: rank r holds its slice of the input features (columns
+    of W); the bias is replicated and added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows vocab_rows_of(r) (padded to ceil(vocab / tp)); ids outside them give
+    zeros, and the all-reduce sums one real row with zeros, exactly."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
+        super().__init__()
+        rows = vocab_rows_of(tp.rank, tp.world_size, vocab_size)
+        self.start, self.num_rows = rows.start, len(rows)
+        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (T, dim)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
+
+class VocabParallelLMHead(nn.Module):
+    """Rank r computes the logits of its vocabulary rows; an all-gather gives every rank all."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather(F.linear(hidden, self.weight))  # (N, tp * rows)
+        return logits[:, : self.vocab_size]  # drop the padding rows
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Rewrite a CausalLM, as built (on the meta device, before loading), into rank tp.rank's
+    shard. Call it under `torch.device("meta")`; the loader then fills only this rank's part."""
+    cfg: ModelConfig = model.config
+    check_tp(cfg, tp.world_size)
+    n = tp.world_size
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.num_heads, attn.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
+        attn.q_size = attn.num_heads * attn.head_dim
+        attn.kv_size = attn.num_kv_heads * attn.head_dim
+        attn.qkv_proj = nn.Linear(
+            cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=cfg.biases.qkv
+        )
+        attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.biases.o, tp)
+        mlp = layer.mlp
+        mlp.intermediate = cfg.intermediate_size // n
+        mlp.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * mlp.intermediate, bias=cfg.biases.mlp)
+        mlp.down_proj = RowParallelLinear(mlp.intermediate, cfg.hidden_size, cfg.biases.mlp, tp)
+    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+    model.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+    return model
+
+
+# -- starting ranks --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(
+    target: Callable[..., None], tp: int, *args: object, backend: str | None = None
+) -> None:
+    """Run `target(TensorParallel, *args)` in `tp` fresh processes, ranks 0..tp-1, meeting on a
+    free localhost port. Returns when every rank has returned; if one raises, the others are
+    stopped and the error (with the rank's traceback) is raised here. `target` must be a
+    module-level function (processes are spawned, not forked)."""
+    import torch.multiprocessing as mp
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.start_processes(
+        _run_rank,
+        args=(target, tp, init_method, backend, args),
+        nprocs=tp,
+        join=True,
+        start_method="spawn",
+    )
+
+
+def _run_rank(
+    rank: int,
+    target: Callable[..., None],
+    tp: int,
+    init_method: str,
+    backend: str | None,
+    args: tuple,
+) -> None:
+    group = TensorParallel.init(tp, rank, init_method, backend)
+    try:
+        target(group, *args)
+    finally:
+        group.close()
