@@ -49,6 +49,17 @@ class OutOfKvBlocks(DistServeError):
         self.free = free
 
 
+class Overloaded(DistServeError):
+    """The mesh refuses a request it cannot serve in time now; `retry_after_s` says when to
+    try again (HTTP Retry-After, gRPC trailing metadata `retry-after-ms`)."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NotFound(DistServeError):
     """The named thing (a KV handle, a request, a model) does not exist, or no longer does."""
 

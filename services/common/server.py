@@ -82,6 +82,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+async def _abort(context, e: DistServeError) -> None:
+    """End the call with the error's status and message; a refusal that says when to retry
+    (Overloaded) carries it as trailing metadata `retry-after-ms`."""
+    retry_after_s = getattr(e, "retry_after_s", None)
+    trailing = (("retry-after-ms", str(int(retry_after_s * 1000))),) if retry_after_s else ()
+    await context.abort(status_code(e), str(e), trailing_metadata=trailing)
+
+
 def _unary(behavior, method: str):
     async def wrapper(request, context):
         if isinstance(request, Undecodable):
@@ -89,7 +97,7 @@ def _unary(behavior, method: str):
         try:
             return await behavior(request, context)
         except DistServeError as e:
-            await context.abort(status_code(e), str(e))
+            await _abort(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:
@@ -107,7 +115,7 @@ def _stream(behavior, method: str):
             async for response in behavior(request, context):
                 yield response
         except DistServeError as e:
-            await context.abort(status_code(e), str(e))
+            await _abort(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:

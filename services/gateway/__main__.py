@@ -24,6 +24,7 @@ from services.common.server import (
     wait_for_signal,
 )
 from services.common.tokenizer import Tokenizer
+from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.observe import GatewayMetrics, Slo
@@ -52,6 +53,7 @@ class GatewayConfig:
     layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
     local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 rules
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -88,6 +90,27 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         type=int,
         help="prefill prompts up to this many tokens on a decode instance (overrides --profile)",
     )
+    p.add_argument(
+        "--max-inflight", type=int, default=1024, help="requests in the gateway at once (429 past)"
+    )
+    p.add_argument(
+        "--admission-ttft-factor",
+        type=float,
+        default=2.0,
+        help="refuse (429) a request predicted to miss this many times the TTFT SLO; 0: off",
+    )
+    p.add_argument(
+        "--decode-pull-watermark",
+        type=int,
+        default=16,
+        help="pending KV pulls per decode instance past which new prompts wait",
+    )
+    p.add_argument(
+        "--decode-kv-watermark",
+        type=float,
+        default=0.95,
+        help="share of a decode instance's KV in use past which new prompts wait",
+    )
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -108,7 +131,20 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         layerwise_handoff=a.kv_handoff == "layerwise",
         profile=a.profile,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
+        admission=_admission_config(p, a),
     )
+
+
+def _admission_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> AdmissionConfig:
+    try:
+        return AdmissionConfig(
+            max_inflight=a.max_inflight,
+            ttft_factor=a.admission_ttft_factor,
+            pull_watermark=a.decode_pull_watermark,
+            kv_watermark=a.decode_kv_watermark,
+        )
+    except ValueError as e:
+        p.error(str(e))
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -122,7 +158,15 @@ async def serve(config: GatewayConfig) -> None:
     local = _local_prefill(config, model)
     if local is not None:
         log.info("local prefill: prompts <= %d tokens (%s)", local.max_tokens, local.rule)
-    router = Router(registry, tokenizer, served, metrics, feed, config.layerwise_handoff, local)
+    admission = Admission(
+        registry,
+        config.slo.ttft_s,
+        config.admission,
+        on_refuse=lambda reason: metrics.refusals.labels(reason).inc(),
+    )
+    router = Router(
+        registry, tokenizer, served, metrics, feed, config.layerwise_handoff, local, admission
+    )
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:

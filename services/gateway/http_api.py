@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -262,7 +263,11 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         status, body = error_body(e)
         if status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
-        return _json(body, status=status)
+        response = _json(body, status=status)
+        retry_after_s = getattr(e, "retry_after_s", None)
+        if retry_after_s:
+            response.headers["retry-after"] = str(math.ceil(retry_after_s))
+        return response
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[MAX_BODY_BYTES]
         return _plain_error(

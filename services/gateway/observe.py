@@ -101,6 +101,13 @@ class GatewayMetrics:
             ["route"],
             registry=registry,
         )
+        self.refusals = Counter(
+            "distserve_admission_refusals",
+            "Requests refused at admission (RESOURCE_EXHAUSTED / HTTP 429), by rule: inflight, "
+            "ttft (predicted to miss the TTFT SLO), decode_watermark.",
+            ["reason"],
+            registry=registry,
+        )
         self.migrations = Counter(
             "distserve_migrations",
             "Requests moved to another instance mid-flight, by reason.",

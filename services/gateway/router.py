@@ -32,6 +32,7 @@ from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
+from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
@@ -81,6 +82,7 @@ class Router:
         feed: PlannerFeed | None = None,
         early_handoff: bool = True,
         local_prefill: LocalPrefill | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
@@ -91,6 +93,8 @@ class Router:
         self.early_handoff = early_handoff
         # Conditional disaggregation: short prompts prefilled on a decode instance.
         self.local_prefill = local_prefill
+        # Refuses early (429) what cannot be served in time; None admits everything.
+        self.admission = admission
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -119,8 +123,13 @@ class Router:
         reason: FinishReason | None = None
         error: BaseException | None = None
         try:
+            admitted = (
+                self.admission.admit(len(req.prompt_ids))
+                if self.admission is not None
+                else contextlib.nullcontext()
+            )
             events = self._migrating(req, seen)
-            async with contextlib.aclosing(events):
+            async with admitted, contextlib.aclosing(events):
                 async for ids, reason in events:
                     delta = text.add(ids) if ids else ""
                     if reason is not None or text.stopped:
@@ -291,6 +300,10 @@ class Router:
                     kv = event.kv
                     decode = self._start_decode(req, None, kv, trace)
                 else:
+                    if self.admission is not None:
+                        self.admission.observe_prefill(
+                            event.done.compute_ms, event.done.batch_tokens
+                        )
                     return event.done, decode
             raise RemoteError("UNAVAILABLE", f"prefill instance {prefill.worker_id} sent no result")
         except BaseException as e:

@@ -1,0 +1,166 @@
+"""Admission: refuse early what the mesh cannot serve in time, rather than accept and fail late.
+
+Three rules, checked before a request is routed (so a refusal is an HTTP status, not a broken
+stream):
+
+* **Bounded in flight.** At most `max_inflight` requests are in the gateway at once; memory stays
+  bounded under any offered load.
+* **Predicted TTFT.** A request's TTFT is predicted from the queue it would join: the prompt
+  tokens queued on the least-loaded prefill (or colocated) instance and its own, priced by
+  `a + b * tokens`, a least-squares line through the prefill batches the prefill instances
+  reported lately (compute time against batch tokens; no prediction until those batches span a
+  range of sizes). A request predicted to miss `ttft_factor` x the TTFT SLO is refused at once
+  with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after hint: the time the queue ahead of it
+  needs to drain below the limit.
+* **Decode watermarks.** When every decode instance is past a watermark (pending KV pulls, or KV
+  use), new prompts wait at the gateway before prefill (prefilled KV would only pile up on the
+  prefill instances) for as long as their TTFT budget allows, then are refused the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.errors import Overloaded
+from services.gateway.registry import Registry, Worker
+
+# Prefill batches the cost line is fitted to (the latest), and how many it needs, spanning at
+# least a factor of two in batch tokens.
+FIT_SAMPLES = 128
+FIT_MIN_SAMPLES = 8
+WATERMARK_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_inflight: int = 1024  # requests in the gateway at once
+    ttft_factor: float = 2.0  # refuse past this many times the TTFT SLO (predicted); 0: off
+    pull_watermark: int = 16  # pending KV pulls per decode instance past which prefill waits
+    kv_watermark: float = 0.95  # share of a decode instance's KV blocks in use, likewise
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.ttft_factor < 0 or self.pull_watermark < 1:
+            raise ValueError("max_inflight and pull_watermark must be >= 1, ttft_factor >= 0")
+        if not 0 < self.kv_watermark <= 1:
+            raise ValueError("kv_watermark must be in (0, 1]")
+
+
+class Admission:
+    """The gateway's admission control; `admit(prompt_tokens)` wraps a request's whole life."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        ttft_slo_s: float,
+        config: AdmissionConfig | None = None,
+        on_refuse: Callable[[str], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.config = config or AdmissionConfig()
+        self.limit_ms = self.config.ttft_factor * ttft_slo_s * 1000
+        # (batch tokens, compute ms) of the latest prefill batches, and the line through them.
+        self._batches: deque[tuple[int, float]] = deque(maxlen=FIT_SAMPLES)
+        self.cost: tuple[float, float] | None = None  # (a ms, b ms per token)
+        self.inflight = 0
+        self.on_refuse = on_refuse  # a refusal's rule, for the metrics
+
+    def observe_prefill(self, compute_ms: float, batch_tokens: int) -> None:
+        """A prefill batch's compute time, as the prefill instance reported it."""
+        if batch_tokens <= 0 or compute_ms <= 0:
+            return
+        self._batches.append((batch_tokens, compute_ms))
+        self.cost = _fit(self._batches)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, prompt_tokens: int) -> AsyncIterator[None]:
+        """Hold a place for a request, or raise Overloaded (RESOURCE_EXHAUSTED) at once."""
+        if self.inflight >= self.config.max_inflight:
+            self._refuse(
+                "inflight",
+                f"the gateway has {self.inflight} requests in flight, its limit "
+                f"(--max-inflight {self.config.max_inflight})",
+                1.0,
+            )
+        self.inflight += 1
+        try:
+            if self.limit_ms > 0:
+                await self._check(prompt_tokens)
+            yield
+        finally:
+            self.inflight -= 1
+
+    def predicted_ttft_ms(self, prompt_tokens: int) -> tuple[float, int] | None:
+        """(predicted TTFT ms, prompt tokens queued ahead) on the least-loaded prefill path;
+        None when there is nothing to predict from yet."""
+        if self.cost is None:
+            return None
+        workers = self.registry.live("prefill") or self.registry.live("colocated")
+        if not workers:
+            return None
+        queued = min(w.load.queued_prompt_tokens + w.inflight_tokens for w in workers)
+        a, b = self.cost
+        return a + b * (queued + prompt_tokens), queued
+
+    async def _check(self, prompt_tokens: int) -> None:
+        start = time.monotonic()
+        predicted = self.predicted_ttft_ms(prompt_tokens)
+        if predicted is not None and predicted[0] > self.limit_ms:
+            ms, queued = predicted
+            self._refuse(
+                "ttft",
+                f"it cannot meet the TTFT SLO now: {queued} prompt tokens are queued ahead, "
+                f"predicted TTFT {ms:.0f} ms against a limit of {self.limit_ms:.0f} ms "
+                f"({self.config.ttft_factor:g} x the TTFT SLO)",
+                (ms - self.limit_ms) / 1000,
+            )
+        budget_s = (self.limit_ms - (predicted[0] if predicted else 0.0)) / 1000
+        while self._decode_saturated():
+            if time.monotonic() - start >= budget_s:
+                self._refuse(
+                    "decode_watermark",
+                    "every decode instance is past its watermark (pending KV pulls "
+                    f">= {self.config.pull_watermark} or KV use >= "
+                    f"{self.config.kv_watermark:.0%}) for longer than the TTFT budget",
+                    budget_s or 1.0,
+                )
+            await asyncio.sleep(WATERMARK_POLL_S)
+
+    def _decode_saturated(self) -> bool:
+        workers = self.registry.live("decode")
+        return bool(workers) and all(self._past_watermark(w) for w in workers)
+
+    def _past_watermark(self, w: Worker) -> bool:
+        load = w.load
+        if load.pending_pulls + w.inflight_requests >= self.config.pull_watermark:
+            return True
+        used = 1 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
+        return used >= self.config.kv_watermark
+
+    def _refuse(self, reason: str, why: str, retry_after_s: float) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(reason)
+        retry = max(1, math.ceil(retry_after_s))
+        raise Overloaded(f"the mesh is overloaded: {why}; retry after {retry} s", retry)
+
+
+def _fit(batches: deque[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares `ms = a + b * tokens` with a, b >= 0; None until the batches are enough
+    and span a range of sizes (a line through one size would price its fixed cost per token)."""
+    if len(batches) < FIT_MIN_SAMPLES:
+        return None
+    tokens = np.array([t for t, _ in batches], dtype=np.float64)
+    ms = np.array([m for _, m in batches], dtype=np.float64)
+    if tokens.max() < 2 * tokens.min():
+        return None
+    b, a = np.polyfit(tokens, ms, 1)
+    if b <= 0:
+        return None
+    return max(0.0, float(a)), float(b)
