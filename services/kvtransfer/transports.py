@@ -77,7 +77,7 @@ class UcxTransport:
         # Receives given up on, with their buffers: UCX may still write into those until it
         # completes the requests (with an error, once the endpoint is aborted), so nothing of
         # theirs may be freed before. Never cancelled: a cancelled receive loses its buffer.
-        self._abandoned: set[tuple] = set()
+        self._abandoned: dict[int, tuple] = {}  # by id: buffers are numpy arrays (unhashable)
 
     @staticmethod
     def serves(handle: KvHandle) -> bool:
@@ -126,11 +126,11 @@ class UcxTransport:
     def _abandon(self, *keep) -> None:
         receives = [k for k in keep if isinstance(k, asyncio.Future)]
         entry = tuple(keep)
-        self._abandoned.add(entry)
+        self._abandoned[id(entry)] = entry
 
         def settled(_) -> None:
             if all(r.done() for r in receives):
-                self._abandoned.discard(entry)
+                self._abandoned.pop(id(entry), None)
                 for r in receives:  # retrieve: errors of abandoned receives are expected
                     if not r.cancelled():
                         r.exception()
