@@ -50,7 +50,7 @@ def _stream_with_fault(mesh, fault, after_tokens: int = 8) -> list[int]:
     return ids
 
 
-def _migrations(mesh) -> float:
+def migrations(mesh) -> float:
     host = next(p for p in mesh.processes if p.name == "gateway").ready["metrics_address"]
     with urllib.request.urlopen(f"http://{host}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -83,9 +83,9 @@ def test_a_decode_instance_killed_mid_stream_is_invisible_to_the_client(mesh_1p2
         killed.append(_serving_decode(m))
         _process(m, killed[0]).popen.send_signal(signal.SIGKILL)
 
-    before = _migrations(mesh)
+    before = migrations(mesh)
     assert _stream_with_fault(mesh, kill) == reference
-    assert _migrations(mesh) == before + 1
+    assert migrations(mesh) == before + 1
     assert _process(mesh, killed[0]).popen.wait(timeout=5) == -signal.SIGKILL
     # The prefill instance holds nothing: the moved request's KV was pulled and released.
     prefill = addresses(mesh, "prefill")[0]
@@ -100,9 +100,9 @@ def test_a_decode_instance_that_drains_out_of_time_hands_its_streams_off(mesh_1p
         drained.append(_serving_decode(m))
         _process(m, drained[0]).popen.send_signal(signal.SIGTERM)
 
-    before = _migrations(mesh)
+    before = migrations(mesh)
     assert _stream_with_fault(mesh, terminate) == reference
-    assert _migrations(mesh) == before + 1
+    assert migrations(mesh) == before + 1
     # It exits by itself, cleanly, once the drain timed out and its requests moved.
     assert _process(mesh, drained[0]).popen.wait(timeout=15) == 0
     other = next(p for p in mesh.workers if p.name.startswith("decode") and p.name != drained[0])
@@ -119,10 +119,10 @@ def test_sigterm_lets_in_flight_work_finish_then_the_instance_leaves(tiny_model,
             started.append(time.monotonic())
             _process(m, "decode-0").popen.send_signal(signal.SIGTERM)
 
-        before = _migrations(mesh)
+        before = migrations(mesh)
         # The stream ends on the instance it started on: the drain waits for it.
         assert _stream_with_fault(mesh, terminate) == reference
-        assert _migrations(mesh) == before
+        assert migrations(mesh) == before
         decode = _process(mesh, "decode-0")
         assert decode.popen.wait(timeout=15) == 0
         # Deregistered: the gateway has no decode instance, and says so.

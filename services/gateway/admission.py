@@ -9,9 +9,10 @@ stream):
   tokens queued on the least-loaded prefill (or colocated) instance and its own, priced by
   `a + b * tokens`, a least-squares line through the prefill batches the prefill instances
   reported lately (compute time against batch tokens; no prediction until those batches span a
-  range of sizes). A request predicted to miss `ttft_factor` x the TTFT SLO is refused at once
-  with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after hint: the time the queue ahead of it
-  needs to drain below the limit.
+  range of sizes). A request predicted to miss `ttft_factor` x the TTFT SLO because of the
+  queue ahead of it is refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after
+  hint: the time that queue needs to drain below the limit. (With nothing queued it is served,
+  however long its own prefill: refusing it would refuse it for ever.)
 * **Decode watermarks.** When every decode instance is past a watermark (pending KV pulls, or KV
   use), new prompts wait at the gateway before prefill (prefilled KV would only pile up on the
   prefill instances) for as long as their TTFT budget allows, then are refused the same way.
@@ -112,7 +113,9 @@ class Admission:
     async def _check(self, prompt_tokens: int) -> None:
         start = time.monotonic()
         predicted = self.predicted_ttft_ms(prompt_tokens)
-        if predicted is not None and predicted[0] > self.limit_ms:
+        # Only a queue ahead refuses: a prompt that alone takes longer is served on an idle
+        # mesh (refusing it would refuse it for ever).
+        if predicted is not None and predicted[0] > self.limit_ms and predicted[1] > 0:
             ms, queued = predicted
             self._refuse(
                 "ttft",

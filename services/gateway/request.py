@@ -39,6 +39,11 @@ class Request:
     def worker_request_id(self) -> str:
         return f"{self.request_id}~{self.call_id}"
 
+    def attempt(self) -> Request:
+        """The same request as a new call: each attempt at a stage has its own id in the
+        workers, where an earlier attempt's state (e.g. KV held for it) may still be settling."""
+        return dataclasses.replace(self, call_id=uuid.uuid4().hex[:12])
+
     def continued(self, sent: Sequence[int]) -> Request:
         """The rest of this request once `sent` tokens reached the client: those tokens join
         the prompt, fewer are left to generate, and the workers see a new call. (A seeded
@@ -46,10 +51,7 @@ class Request:
         the move.)"""
         params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent))
         return dataclasses.replace(
-            self,
-            prompt_ids=[*self.prompt_ids, *sent],
-            params=params,
-            call_id=uuid.uuid4().hex[:12],
+            self.attempt(), prompt_ids=[*self.prompt_ids, *sent], params=params
         )
 
     def remaining(self) -> float | None:

@@ -227,6 +227,7 @@ class Router:
                 # prefill the prompt again, elsewhere if possible. The client already has the
                 # first token; decode continues from it.
                 self.metrics.migrations.labels("kv_handoff").inc()
+                req = req.attempt()
                 try:
                     reply, early = await self._prefill(req, tried, trace, early=False)
                 except (grpc.aio.AioRpcError, DistServeError) as e:
@@ -264,7 +265,7 @@ class Router:
         yet, so this is invisible to the client)."""
         for attempt in range(PREFILL_ATTEMPTS):
             try:
-                return await self._prefill(req, tried, trace)
+                return await self._prefill(req.attempt() if attempt else req, tried, trace)
             except RemoteError as e:
                 if e.status != "UNAVAILABLE" or attempt == PREFILL_ATTEMPTS - 1:
                     raise

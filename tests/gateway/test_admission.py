@@ -58,8 +58,11 @@ def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_with_a_retry_hint()
     assert "30000 prompt tokens are queued ahead" in str(err.value)
     assert err.value.retry_after_s == 2  # ~1.01 s over the limit, rounded up
     assert refused == ["ttft"] and admission.inflight == 0
-    # The same request on an idle mesh is admitted; the factor 0 switches the rule off.
-    asyncio.run(admit(Admission(registry(prefill_queued=0), 1.0)))
+    # On an idle mesh it is admitted, even a prompt that alone takes longer than the limit;
+    # the factor 0 switches the rule off.
+    idle = Admission(registry(prefill_queued=0), 1.0)
+    observe_line(idle, a=0.0, b=0.1)
+    asyncio.run(admit(idle, prompt_tokens=50_000))
     off = Admission(registry(prefill_queued=30_000), 1.0, AdmissionConfig(ttft_factor=0))
     observe_line(off, a=0.0, b=0.1)
     asyncio.run(admit(off))
