@@ -31,6 +31,8 @@ class KvHandle:
     lease_expiry_unix_ms: int
     access_token: str
     streaming: bool = False  # layers published as prefill computes them (see common.proto)
+    # Ranks the source's KV is split over by heads; chunks come gathered, with every head.
+    source_tensor_parallel_size: int = 1
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +68,7 @@ class KvHandle:
             lease_expiry_unix_ms=pb.lease_expiry_unix_ms,
             access_token=pb.access_token,
             streaming=pb.streaming,
+            source_tensor_parallel_size=pb.source_tensor_parallel_size or 1,
         )
 
     def to_pb(self) -> common_pb2.KvHandle:
@@ -87,4 +90,5 @@ class KvHandle:
             lease_expiry_unix_ms=self.lease_expiry_unix_ms,
             access_token=self.access_token,
             streaming=self.streaming,
+            source_tensor_parallel_size=self.source_tensor_parallel_size,
         )

@@ -61,6 +61,8 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        threads=args.threads,
     )
     return config, args
 

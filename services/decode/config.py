@@ -25,6 +25,8 @@ class DecodeConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight work may take
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tensor_parallel_size: int = 1  # ranks of this instance; this process is rank 0
+    threads: int | None = None  # torch threads of every rank (None: torch's choice)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "ucx", "grpc"):
@@ -33,6 +35,8 @@ class DecodeConfig:
             raise ValueError(f"role must be one of {ROLES}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         p = self.pull
         if p.chunk_bytes <= 0 or p.window <= 0 or p.attempts <= 0 or p.chunk_timeout_s <= 0:
             raise ValueError("chunk size, window, attempts and chunk timeout must be positive")

@@ -24,9 +24,10 @@ from services.common.kv_handle import KvHandle
 from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
-from services.engine.engine import LLMEngine
+from services.engine.commands import Abort, AddPrefilled, AddRequest, ScatterKv, StartDecoding
 from services.engine.loop import EngineFailed, EngineLoop, StepInfo
 from services.engine.sequence import Sequence
+from services.engine.tp_group import start_engine
 from services.kvtransfer.puller import KvPuller, PullReport
 
 log = logging.getLogger("distserve.decode")
@@ -66,8 +67,14 @@ class DecodeWorker:
             registry=registry,
         )
         self.prefill = PrefillPhases(registry)  # colocated (and local-prefill) requests
-        self.engine = LLMEngine(config.model, config.engine, detokenize=False)
-        self.loop = EngineLoop(self.engine, on_admitted=self._admitted)
+        self.engine, self.group = start_engine(
+            config.model,
+            config.engine,
+            config.tensor_parallel_size,
+            detokenize=False,
+            threads=config.threads,
+        )
+        self.loop = EngineLoop(self.engine, on_admitted=self._admitted, group=self.group)
         self.puller = KvPuller(config.pull, config.kv_transport)
         self._admissions: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
@@ -86,6 +93,8 @@ class DecodeWorker:
     async def stop(self) -> None:
         await self.puller.close()
         self.loop.stop()
+        if self.group is not None:
+            self.group.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; let those in flight finish for up to `timeout_s`, then end the
@@ -134,7 +143,7 @@ class DecodeWorker:
         try:
             if handle is None:
                 submitted = time.monotonic()
-                self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
+                self.loop.submit(request_id, AddRequest(prompt, params, request_id))
                 ids, reason, info = await self._next_tokens(queue)
                 self.prefill.record(trace, submitted, info)
                 decode_start = time.monotonic()
@@ -144,7 +153,7 @@ class DecodeWorker:
                 pulled, handoff, late_first = await self._pull(
                     request_id, prompt, params, first_token, handle, trace
                 )
-                self.loop.submit(request_id, lambda e: e.start_decoding(request_id, late_first))
+                self.loop.submit(request_id, StartDecoding(request_id, late_first))
                 # The KV is here: the source may free it; decoding does not wait for that.
                 self._release_later(handle, handoff)
                 pending_handle = None
@@ -228,7 +237,7 @@ class DecodeWorker:
         self.pulling += 1
         span = None
         try:
-            await self.loop.call(lambda e: e.add_prefilled(prompt, first_token, params, request_id))
+            await self.loop.call(AddPrefilled(prompt, first_token, params, request_id))
             blocks = await admission
             started = time.monotonic()
             self.queue_seconds.observe(started - queued)
@@ -238,7 +247,7 @@ class DecodeWorker:
             try:
                 if staged:
                     staging, report = await self.puller.pull_staged(handle, handoff)
-                    self._write_staged(handle, blocks, staging)
+                    await self._write_staged(handle, blocks, staging)
                 else:
                     report = await self.puller.pull(
                         handle, blocks, self.engine.runner.cache.region_buffer, handoff
@@ -303,11 +312,23 @@ class DecodeWorker:
             )
         if handle.dtype not in _DTYPES:
             raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")
+        if self.group is not None:
+            return True  # this instance's KV is split by heads over its ranks: scattered
         return (handle.block_size, handle.dtype) != (cache.block_size, _dtype_name(cache))
 
-    def _write_staged(self, handle: KvHandle, blocks: list[int], staging) -> None:
-        """Copy staged KV (the source's layout) into this instance's blocks, converting."""
+    async def _write_staged(self, handle: KvHandle, blocks: list[int], staging) -> None:
+        """Copy staged KV (the source's layout, every head) into this instance's blocks,
+        converting; a tensor-parallel instance scatters each rank its heads (between steps)."""
         cache = self.engine.runner.cache
+        if self.group is not None:
+            tokens = (
+                torch.from_numpy(staging)
+                .view(_DTYPES[handle.dtype])
+                .view(handle.num_layers, 2, -1, handle.num_kv_heads, handle.head_dim)
+            )[:, :, : handle.num_tokens]  # (layers, 2, T, kv_heads, head_dim)
+            tokens = tokens.to(device=cache.data.device, dtype=cache.data.dtype)
+            await self.loop.call(ScatterKv(blocks, handle.num_tokens, tokens))
+            return
         for layer in range(handle.num_layers):
             for kv in (0, 1):
                 tokens = (
@@ -319,6 +340,6 @@ class DecodeWorker:
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
         """Free everything a request that did not finish holds, here and at its KV source."""
-        await self.loop.call(lambda e: e.abort(request_id))
+        await self.loop.call(Abort(request_id))
         if handle is not None:
             await self._release_quietly(handle)

@@ -64,6 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cpu", type=int, help="pin this process to one CPU core")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks of one instance (tensor parallelism): this process serves and starts the "
+        "others; on CUDA, rank r uses GPU r",
+    )
 
 
 def configure_process(args: argparse.Namespace) -> None:

@@ -1,9 +1,13 @@
 """Runs an engine on its own thread for a gRPC service on asyncio.
 
-All engine calls happen on the engine thread. The event loop sends commands (`call`), which run
-between steps; each step's outputs come back once per step (one `call_soon_threadsafe`) and are
+All engine calls happen on the engine thread. The event loop sends commands (`call`: one of the
+closed vocabulary in services.engine.commands, never a closure), which run between steps; each
+step's outputs come back once per step (one `call_soon_threadsafe`) and are
 routed to the queue of each request. Torch releases the GIL in its kernels, so the event loop
 stays responsive while a step runs.
+
+With a tensor-parallel group (`group`), every command and every step is first sent to the other
+ranks, which apply the same ones in the same order (SPMD); with tp == 1 nothing is sent.
 """
 
 from __future__ import annotations
@@ -15,14 +19,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidRequest
+from services.engine.commands import (
+    AdmitPulls,
+    EngineCommand,
+    GatherKv,
+    PrefillStep,
+    Step,
+)
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
 
+if TYPE_CHECKING:
+    from services.engine.tp_group import RankGroup
+
 log = logging.getLogger("distserve.engine")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,11 +77,14 @@ class EngineLoop:
         on_admitted: Callable[[list[Sequence]], None] | None = None,
         on_scheduled: Callable[[list[tuple[str, tuple]]], None] | None = None,
         on_layer: Callable[[list[str], int], None] | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """on_admitted(seqs): pulled requests got their blocks (decode). For a prefill
         instance, on the event loop: on_scheduled([(request id, block runs)]) when a batch has
-        its blocks, before it runs; on_layer(request ids, i) once its layer i is computed."""
+        its blocks, before it runs; on_layer(request ids, i) once its layer i is computed.
+        `group`: the other ranks of a tensor-parallel engine (None: tp == 1)."""
         self.engine = engine
+        self.group = group
         self.hold = hold
         self._on_admitted = on_admitted
         self._on_scheduled = on_scheduled
@@ -93,18 +109,25 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the engine thread between steps; its result or exception."""
+    async def call(self, command: EngineCommand) -> Any:
+        """Run a command on the engine thread between steps; its result or exception."""
         future = self._loop.create_future()
-        self._commands.put((fn, future))
+        self._commands.put((command, future))
         self._wake.set()
         return await future
 
-    def submit(self, request_id: str, fn: Callable[[LLMEngine], object]) -> None:
-        """Run fn(engine) on the engine thread without waiting; if it raises, the exception is
+    def submit(self, request_id: str, command: EngineCommand) -> None:
+        """Run a command on the engine thread without waiting; if it raises, the exception is
         delivered to the request's queue (so adding a request costs no round trip)."""
-        self._commands.put((fn, request_id))
+        self._commands.put((command, request_id))
         self._wake.set()
+
+    async def gather_kv(self, layer: int, kv: int, first_block: int, num_blocks: int) -> Any:
+        """A region of held KV with every head (a tensor-parallel group gathers it from its
+        ranks on the engine thread, between steps); the raw bytes, as region_buffer gives."""
+        if self.group is None:
+            return self.engine.runner.cache.region_buffer(layer, kv, first_block, num_blocks)
+        return await self.call(GatherKv(layer, kv, first_block, num_blocks))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it. An
@@ -151,20 +174,22 @@ class EngineLoop:
     def _iterate(self) -> None:
         engine = self.engine
         if engine.pull_waiting and self._on_admitted is not None:
-            admitted = engine.admit_pulls()
+            admitted = self._apply(AdmitPulls())
             if admitted:
                 self._loop.call_soon_threadsafe(self._on_admitted, admitted)
         if not self._busy():
             return
         started = time.monotonic()
         if self.hold:
+            if self.group is not None:
+                self.group.broadcast(PrefillStep())
             outputs = engine.prefill_step(
                 hold=True,
                 on_scheduled=self._scheduled if self._on_scheduled else None,
                 on_layer=self._layer if self._on_layer else None,
             )
         else:
-            outputs = engine.step()
+            outputs = self._apply(Step())
         if not outputs:
             return
         kind, size, tokens = engine.last_step
@@ -182,11 +207,11 @@ class EngineLoop:
     def _run_commands(self) -> None:
         while True:
             try:
-                fn, future = self._commands.get_nowait()
+                command, future = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                result: Any = fn(self.engine)
+                result: Any = self._apply(command)
             except Exception as e:
                 if isinstance(future, str):  # submitted for a request: fail that request
                     self._loop.call_soon_threadsafe(self._fail, future, e)
@@ -195,6 +220,12 @@ class EngineLoop:
             else:
                 if not isinstance(future, str):
                     self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _apply(self, command: EngineCommand) -> Any:
+        """Apply a command here, after sending it to the group's other ranks."""
+        if self.group is not None:
+            self.group.broadcast(command)
+        return command.apply(self.engine)
 
     def _snapshot(self) -> None:
         e = self.engine

@@ -4,6 +4,10 @@
 region to send with its status (size, xxh3-64 checksum) and, when fault injection is on, the fault
 that hits it. The UCX server and the gRPC fallback both serve through it and bracket each send
 with `sending`, so that held blocks are never freed under a send in progress.
+
+A tensor-parallel source holds each head range on another rank: it is given `gather`, an async
+region function that collects a chunk's heads from its ranks into a fresh buffer (a copy, so the
+send never reads blocks that a release may free).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +32,7 @@ SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
 
 # region(layer, kv, first_block_id, num_blocks) -> a buffer over those blocks' bytes
 RegionFn = Callable[[int, int, int, int], object]
+GatherFn = Callable[[int, int, int, int], Awaitable[object]]
 
 
 @dataclass
@@ -49,9 +54,11 @@ class ChunkSource:
         region: RegionFn,
         num_layers: int,
         faults: FaultInjector | None = None,
+        gather: GatherFn | None = None,
     ) -> None:
         self.leases = leases
         self.region = region
+        self.gather = gather  # tensor-parallel sources: the region gathered from every rank
         self.num_layers = num_layers
         self.faults = faults  # tests and drills only
         self.chunks_served = 0
@@ -68,14 +75,22 @@ class ChunkSource:
                 raise DeadlineExceeded(
                     f"layer {req.layer} was not computed within {SEND_TIMEOUT_S} s"
                 ) from None
-        return self.open(req)
+        if self.gather is None:
+            return self.open(req)
+        lease = self.leases.get(req.handle_id, req.access_token)  # closed while waiting?
+        first = self._check(req, lease.blocks)
+        data = await self.gather(req.layer, req.kv, first, req.num_blocks)
+        # Released or lapsed while the heads were gathered: refuse, as open would.
+        return self._chunk(self.leases.get(req.handle_id, req.access_token), data)
 
     def open(self, req) -> Chunk:
         """The chunk a request asks for; DistServeError (NotFound, PermissionDenied,
         InvalidRequest) when it may not have it."""
         lease = self.leases.get(req.handle_id, req.access_token)
         first = self._check(req, lease.blocks)
-        data = self.region(req.layer, req.kv, first, req.num_blocks)
+        return self._chunk(lease, self.region(req.layer, req.kv, first, req.num_blocks))
+
+    def _chunk(self, lease: Lease, data) -> Chunk:
         status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)
         if isinstance(data, np.ndarray):
             status.checksum = xxhash.xxh3_64_intdigest(data)

@@ -62,6 +62,8 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        threads=args.threads,
         **extra,
     )
     return config, args

@@ -24,7 +24,11 @@ class PrefillConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight work may take
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tensor_parallel_size: int = 1  # ranks of this instance; this process is rank 0
+    threads: int | None = None  # torch threads of every rank (None: torch's choice)
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_s <= self.max_lease_s:
             raise ValueError("need 0 < lease_s <= max_lease_s")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")

@@ -16,8 +16,9 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
-from services.engine.engine import LLMEngine
+from services.engine.commands import Abort, AddRequest, Release
 from services.engine.loop import EngineFailed, EngineLoop
+from services.engine.tp_group import start_engine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
@@ -49,9 +50,19 @@ class PrefillWorker:
         self.lease_seconds = phase_histogram(
             registry, "distserve_kv_lease_seconds", "How long prompts' KV was held."
         )
-        self.engine = LLMEngine(config.model, config.engine, detokenize=False)
+        self.engine, self.group = start_engine(
+            config.model,
+            config.engine,
+            config.tensor_parallel_size,
+            detokenize=False,
+            threads=config.threads,
+        )
         self.loop = EngineLoop(
-            self.engine, hold=True, on_scheduled=self._scheduled, on_layer=self._layer_done
+            self.engine,
+            hold=True,
+            on_scheduled=self._scheduled,
+            on_layer=self._layer_done,
+            group=self.group,
         )
         # Layer-wise handoff: requests waiting for their early handle (request id -> (future,
         # prompt tokens, trace)), and the streaming leases of prompts being computed.
@@ -63,6 +74,9 @@ class PrefillWorker:
             self.engine.runner.cache.region_buffer,
             self.engine.model_config.num_layers,
             FaultInjector(config.kv_faults) if config.kv_faults else None,
+            # A tensor-parallel instance's KV is split by heads over its ranks: each chunk is
+            # gathered from them (between steps), so it carries every head.
+            gather=self.loop.gather_kv if self.group is not None else None,
         )
         # The UCX data plane when ucxx is here and wanted; the gRPC fallback is always served.
         self.chunks = ChunkServer(self.source) if config.ucx and ucx_available() else None
@@ -88,6 +102,8 @@ class PrefillWorker:
         if self.chunks is not None:
             self.chunks.close()
         self.loop.stop()
+        if self.group is not None:
+            self.group.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new prompts; let those in flight finish and their KV be pulled and released
@@ -133,7 +149,7 @@ class PrefillWorker:
         if early is not None and not discard_kv:
             self._early[request_id] = (early, len(prompt), trace)
         try:
-            self.loop.submit(request_id, lambda e: e.add_request(prompt, params, request_id))
+            self.loop.submit(request_id, AddRequest(prompt, params, request_id))
             out, info = await queue.get()
             if isinstance(out, EngineFailed):
                 raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
@@ -160,7 +176,7 @@ class PrefillWorker:
         if streaming is not None and streaming.closed:
             # Released (or lapsed) while the prompt was computed: its decode instance gave up.
             if not out.finished:
-                await self.loop.call(lambda e: e.release(request_id))
+                await self.loop.call(Release(request_id))
             return PrefillResult(handle=None, **result)
         if out.finished or discard_kv:
             if streaming is not None:  # a decode instance may be pulling: nothing to decode
@@ -171,7 +187,7 @@ class PrefillWorker:
                 self.leases.pop_request(request_id)
                 self._lease_ended(streaming, "finished", len(streaming.blocks))
             if not out.finished:
-                await self.loop.call(lambda e: e.release(request_id))
+                await self.loop.call(Release(request_id))
             return PrefillResult(handle=None, **result)
         if streaming is not None:
             streaming.publish(self.engine.model_config.num_layers)
@@ -204,7 +220,7 @@ class PrefillWorker:
     async def free(self, lease: Lease, outcome: str = "released") -> int:
         """Free a lease's blocks, once the sends still reading them are cancelled."""
         await lease.stop_sends()
-        freed = await self.loop.call(lambda e: e.release(lease.request_id))
+        freed = await self.loop.call(Release(lease.request_id))
         self._lease_ended(lease, outcome, freed)
         return freed
 
@@ -239,7 +255,7 @@ class PrefillWorker:
         self._early.pop(request_id, None)
         self._streaming.pop(request_id, None)
         lease = self.leases.pop_request(request_id)
-        aborted = await self.loop.call(lambda e: e.abort(request_id))
+        aborted = await self.loop.call(Abort(request_id))
         if lease is not None:
             self._lease_ended(lease, "aborted", len(lease.blocks) if aborted else 0)
 
@@ -254,6 +270,7 @@ class PrefillWorker:
     def _template(self, num_tokens: int, runs: list[tuple[int, int]]) -> KvHandle:
         mc = self.engine.model_config
         cache = self.engine.runner.cache
+        tp = self.config.tensor_parallel_size
         return KvHandle(
             handle_id="",
             source_instance=self.config.worker_id,
@@ -267,7 +284,8 @@ class PrefillWorker:
             head_dim=mc.head_dim,
             dtype=str(cache.data.dtype).removeprefix("torch."),
             runs=tuple(runs),
-            block_bytes=cache.block_bytes,
+            block_bytes=cache.block_bytes * tp,  # every head: chunks are served gathered
             lease_expiry_unix_ms=0,
             access_token="",
+            source_tensor_parallel_size=tp,
         )
