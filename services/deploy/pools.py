@@ -58,11 +58,10 @@ def worker_pools(placement: dict, gpus_per_node: int | None = None) -> list[Work
             raise InvalidRequest(
                 f"{where} needs {tp * pp} GPUs in one pod, more than a node's {gpus_per_node}"
             )
-        if pinned and len(set(nodes)) > 1:
+        if pp > 1:
             raise InvalidRequest(
-                f"{where} has its stages on nodes {sorted(set(nodes))}: a pod runs on one node, "
-                "and an instance across nodes needs one pod per stage (e.g. a LeaderWorkerSet), "
-                "which the workers do not support; plan with --affinity high, or so that pp=1"
+                f"{where}: the workers implement tensor parallelism only, not pipeline "
+                "parallelism; plan with `distserve plan --max-pp 1` (the default)"
             )
         key = (role, nodes[0] if pinned else -1)
         if shapes.setdefault(key, (tp, pp)) != (tp, pp):

@@ -307,8 +307,6 @@ def _worker(pool: WorkerPool, o: RenderOptions, mesh_hash: str) -> dict:
     args = ["--model", "$(MODEL_DIR)", "--gateway", "$(GATEWAY_ADDRESS)", "--host", "$(POD_IP)"]
     args += ["--port", str(WORKER_PORT), "--worker-id", "$(POD_NAME)"]
     args += ["--metrics-port", str(METRICS_PORT), "--tensor-parallel-size", str(pool.tp)]
-    if pool.pp > 1:
-        args += ["--pipeline-parallel-size", str(pool.pp)]
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]
     env = [
         _from_field("POD_IP", "status.podIP"),

@@ -54,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per instance")
     p.add_argument("--num-requests", type=int, default=1000, help="simulated per instance")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-pp",
+        type=int,
+        default=1,
+        help="largest pipeline degree (default 1: the workers implement tensor parallelism "
+        "only; 0: any, DistServe's search, as a what-if)",
+    )
     p.add_argument("--out", type=Path, default=Path("plan.json"), help="where to write the JSON")
     p.set_defaults(func=plan_command)
 
@@ -99,6 +106,7 @@ def plan_spec(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         num_requests=args.num_requests,
         seed=args.seed,
+        max_pp=args.max_pp or None,
     )
 
 

@@ -55,6 +55,9 @@ class PlanSpec:
     max_num_seqs: int = 256  # running requests per decode or colocated instance
     num_requests: int = 1000  # simulated per instance in each goodput probe
     seed: int = 0
+    # The largest pipeline degree to consider; None: any (DistServe's search). The mesh's
+    # workers implement tensor parallelism only, so plans to deploy use 1.
+    max_pp: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1:
@@ -63,6 +66,8 @@ class PlanSpec:
             raise InvalidRequest(f"rate must be positive, got {self.rate}", param="rate")
         if self.affinity not in AFFINITIES:
             raise InvalidRequest(f"affinity must be one of {AFFINITIES}", param="affinity")
+        if self.max_pp is not None and self.max_pp < 1:
+            raise InvalidRequest(f"max_pp must be >= 1, got {self.max_pp}", param="max_pp")
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,8 @@ class _Search:
             for tp in divisors(m.num_heads, c.gpus_per_node)
             if tp in profiled
             for pp in divisors(m.num_layers, c.num_gpus // tp)
-            if parallel_problem(m, tp, pp, c, self.min_tokens) is None
+            if (spec.max_pp is None or pp <= spec.max_pp)
+            and parallel_problem(m, tp, pp, c, self.min_tokens) is None
         ]
         if not self.configs:
             problems = [

@@ -92,6 +92,7 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
         affinity=request.affinity or "auto",
         max_num_seqs=config.max_num_seqs,
         num_requests=config.num_requests,
+        max_pp=1,  # what the workers implement: the placement is for this mesh
     )
 
 

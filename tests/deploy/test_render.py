@@ -6,7 +6,8 @@ The fixtures are `distserve plan` output, stored (a search takes seconds to minu
   plan_low_affinity.json     --model-spec opt-13b --cluster 2x8,300,3.1 --workload code
                              --slo 250,100 --num-requests 300 --affinity low
   plan_low_affinity_pp2.json --model-spec opt-66b --cluster 2x4,300,3.1 --workload code
-                             --slo 400,100 --num-requests 300 --affinity low
+                             --slo 400,100 --num-requests 300 --affinity low --max-pp 0
+(the last one a what-if with pipeline parallelism, which the workers do not implement)
 """
 
 from __future__ import annotations
@@ -116,16 +117,15 @@ def test_strict_validation_rejects_a_misspelt_field(high):
 
 
 def test_high_affinity_pools_take_replicas_tp_and_gpus_from_the_placement(high):
-    # the plan: prefill tp=4 pp=2 x1, decode tp=2 pp=2 x2
+    # the plan: prefill tp=4 x2, decode tp=4 x2
     (prefill,) = deployments(high, "prefill")
     (decode,) = deployments(high, "decode")
     assert prefill["metadata"]["name"] == "distserve-prefill"
-    for d, replicas, tp, pp in ((prefill, 1, 4, 2), (decode, 2, 2, 2)):
+    for d, replicas, tp in ((prefill, 2, 4), (decode, 2, 4)):
         assert d["spec"]["replicas"] == replicas
         flags = args(d, high)
         assert flags["--tensor-parallel-size"] == str(tp)
-        assert flags["--pipeline-parallel-size"] == str(pp)
-        assert container(d)["resources"]["limits"][GPU] == tp * pp
+        assert container(d)["resources"]["limits"][GPU] == tp
         assert "affinity" not in d["spec"]["template"]["spec"]
         assert NODE_GROUP not in d["spec"]["template"]["metadata"]["labels"]
     assert args(decode, high)["--role"] == "decode"
@@ -153,7 +153,6 @@ def test_low_affinity_pins_each_pool_to_the_node_the_plan_gave_it(low):
             }
         ]
         assert args(d, low)["--tensor-parallel-size"] == "1"
-        assert "--pipeline-parallel-size" not in args(d, low)
         assert container(d)["resources"]["limits"][GPU] == 1
     for role, total in (("prefill", 6), ("decode", 8)):
         assert sum(d["spec"]["replicas"] for d in deployments(low, role)) == total
@@ -265,21 +264,21 @@ def test_every_object_carries_the_recommended_labels(low):
 
 def test_the_colocated_baseline_renders_one_colocated_pool():
     m = render(load("plan_low_affinity.json"), RenderOptions(baseline=True))
-    (d,) = deployments(m, "colocated")  # the baseline: tp=1 pp=2 x8
-    assert d["spec"]["replicas"] == 8
+    (d,) = deployments(m, "colocated")  # the baseline: tp=1 x16
+    assert d["spec"]["replicas"] == 16
     assert args(d, m)["--role"] == "colocated"
-    assert args(d, m)["--pipeline-parallel-size"] == "2"
-    assert container(d)["resources"]["limits"][GPU] == 2
+    assert args(d, m)["--tensor-parallel-size"] == "1"
+    assert container(d)["resources"]["limits"][GPU] == 1
     assert "affinity" not in d["spec"]["template"]["spec"]
     assert not deployments(m, "prefill") and not deployments(m, "decode")
 
 
 def test_a_placement_that_cannot_run_as_pods_is_refused_with_the_reason():
-    with pytest.raises(InvalidRequest, match=r"stages on nodes \[0, 1\].*LeaderWorkerSet"):
+    with pytest.raises(InvalidRequest, match=r"pp=2\): the workers implement tensor paral"):
         render(load("plan_low_affinity_pp2.json"))
-    # the high-affinity plan's colocated baseline is tp=4 pp=4: 16 GPUs, a node has 8
-    with pytest.raises(InvalidRequest, match="needs 16 GPUs in one pod, more than a node's 8"):
-        render(load("plan_high_affinity.json"), RenderOptions(baseline=True))
+    # that plan's colocated baseline is tp=4 pp=2: 8 GPUs, a node has 4
+    with pytest.raises(InvalidRequest, match="needs 8 GPUs in one pod, more than a node's 4"):
+        render(load("plan_low_affinity_pp2.json"), RenderOptions(baseline=True))
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
