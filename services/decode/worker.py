@@ -88,7 +88,7 @@ class DecodeWorker:
 
     async def start(self) -> None:
         self.loop.start()
-        await self.puller.warm_up()
+        await self.puller.warm_up(self.config.host)
 
     async def stop(self) -> None:
         await self.puller.close()
@@ -101,18 +101,19 @@ class DecodeWorker:
         rest with UNAVAILABLE: the gateway moves each to another instance, continuing from the
         tokens its client already has. Their KV is freed here and at its source."""
         self.draining = True
-        if await settle(lambda: self.loop.subscribed == 0, timeout_s):
-            return
-        error = Unavailable(
-            f"{self.config.worker_id} is shutting down and its drain timed out: the request "
-            "moves to another instance"
-        )
-        log.warning("drain timed out: handing off %d requests", self.loop.subscribed)
-        self.loop.fail_subscribed(error)
-        for admission in self._admissions.values():  # still waiting for KV room
-            if not admission.done():
-                admission.set_exception(error)
-        await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
+        if not await settle(lambda: self.loop.subscribed == 0, timeout_s):
+            error = Unavailable(
+                f"{self.config.worker_id} is shutting down and its drain timed out: the "
+                "request moves to another instance"
+            )
+            log.warning("drain timed out: handing off %d requests", self.loop.subscribed)
+            self.loop.fail_subscribed(error)
+            for admission in self._admissions.values():  # still waiting for KV room
+                if not admission.done():
+                    admission.set_exception(error)
+            await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
+        # Releases of pulled KV still on their way to its sources.
+        await settle(lambda: not self._background, DRAIN_SETTLE_S)
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -339,7 +340,9 @@ class DecodeWorker:
                 cache.write_tokens(layer, kv, blocks, tokens)
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
-        """Free everything a request that did not finish holds, here and at its KV source."""
+        """Free everything a request that did not finish holds, here and at its KV source (in
+        the background: an unreachable source must not hold up the request's answer, and its
+        lease frees the KV anyway)."""
         await self.loop.call(Abort(request_id))
         if handle is not None:
-            await self._release_quietly(handle)
+            self._release_later(handle)

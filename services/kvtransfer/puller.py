@@ -107,11 +107,13 @@ class KvPuller:
         self.checksum_failures = 0
         self.lease_renewals = 0
 
-    async def warm_up(self) -> None:
-        """Pay the data plane's one-time set-up now rather than in the first pull."""
+    async def warm_up(self, host: str = "127.0.0.1") -> None:
+        """Pay the data plane's one-time set-up now rather than in the first pull; `host` is
+        an address of this process's (the one it serves on: UCX may be limited to its
+        device)."""
         if self._ucx is not None:
             try:
-                await self._ucx.warm_up()
+                await self._ucx.warm_up(host)
             except Exception as e:  # the first pull will show whether UCX works
                 log.warning("UCX warm-up failed: %s", e)
 

@@ -83,7 +83,7 @@ class UcxTransport:
     def serves(handle: KvHandle) -> bool:
         return handle.ucx_port != 0
 
-    async def warm_up(self) -> None:
+    async def warm_up(self, host: str = "127.0.0.1") -> None:
         """Connect once to ourselves: a process's first UCX connection sets up its worker and
         transports (measured: ~180 ms here, then ~3-60 ms per new peer), which would otherwise
         land in the first request's handoff."""
@@ -94,7 +94,7 @@ class UcxTransport:
 
         listener = ucxx.create_listener(accept, 0)
         try:
-            ep = await ucxx.create_endpoint("127.0.0.1", listener.port)
+            ep = await ucxx.create_endpoint(_connectable(host), listener.port)
             await ep.close()
         finally:
             listener.close()
@@ -206,3 +206,8 @@ class GrpcTransport:
 
     async def close(self) -> None:
         pass
+
+
+def _connectable(host: str) -> str:
+    """An address to reach a listener bound to all interfaces on `host`'s side."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)

@@ -49,15 +49,15 @@ CHUNK_DELAY_S = 0.6  # every KV chunk is answered this late by the prefill insta
 CHUNK_TIMEOUT_S = 1.5  # one try at one chunk (decode)
 CHUNK_ATTEMPTS = 3  # tries per chunk (decode)
 BACKOFF_S = PullPolicy().backoff_s  # the first retry waits up to 1.5x this, doubling
-RELEASE_TIMEOUT_S = 10  # KvPuller.release's timeout: a failed pull releases before answering
 HANDOFFS = KV_HANDOFF_ATTEMPTS  # the gateway prefills again this many times at most
 # The longest a request whose KV can never be pulled may take: per handoff, every attempt at a
-# chunk times out (and drains), the backoffs at their longest, the release, and a slack for the
-# prefill and the routing of each handoff on a busy machine.
+# chunk times out (and drains), the backoffs at their longest, and a slack for the prefill and
+# the routing of each handoff on a busy machine (a failed pull's release of the KV at its source
+# goes on in the background: it does not hold up the answer).
 PULL_GIVES_UP_S = CHUNK_ATTEMPTS * (CHUNK_TIMEOUT_S + DRAIN_S) + sum(
     1.5 * BACKOFF_S * 2**i for i in range(CHUNK_ATTEMPTS - 1)
 )
-FAILURE_BOUND_S = HANDOFFS * (PULL_GIVES_UP_S + RELEASE_TIMEOUT_S + 3.0)
+FAILURE_BOUND_S = HANDOFFS * (PULL_GIVES_UP_S + 3.0)
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +248,8 @@ def test_a_kv_link_cut_mid_pull_and_restored_ends_in_a_retry_that_succeeds(
     assert error is None, f"{error}: {ids}"
     assert ids == expected(tiny_model, [PROMPTS[2]], MAX_TOKENS)[0][0]
     assert after.pulls_total > before.pulls_total
+    # The endpoint that timed out was dropped and made anew once the link was back.
+    assert after.reconnects > before.reconnects
     settle(mesh, tiny_model)
 
 
