@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from services.common import mesh_tls
 from services.common.errors import DistServeError
 from services.deploy.cli import register as register_deploy
 from services.edge.options import add_edge_options
@@ -272,7 +273,7 @@ def _client(args: argparse.Namespace) -> int:
         credentials = grpc.ssl_channel_credentials(root_certificates=args.ca_cert.read_bytes())
         channel = grpc.secure_channel(args.address, credentials)
     else:
-        channel = grpc.insecure_channel(args.address)
+        channel = mesh_tls.channel(args.address)
     with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:

@@ -10,6 +10,7 @@ outlive the grace period. Children die with the launcher even if it is killed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,9 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
-from services.common import orphan_guard
+from services.common import mesh_tls, orphan_guard
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy import Envoy
@@ -147,7 +146,10 @@ class Mesh:
             self._wait_registered(len(started))
             if spec.edge is not None:
                 upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
-                self.envoy = Envoy(spec.edge, [upstream], die_with_parent=True)
+                edge = spec.edge
+                if edge.upstream_tls is None and (tls := mesh_tls.mesh_tls()) is not None:
+                    edge = dataclasses.replace(edge, upstream_tls=tls.paths)
+                self.envoy = Envoy(edge, [upstream], die_with_parent=True)
                 self.envoy.start(timeout_s=spec.ready_timeout_s)
                 self.edge_address = self.envoy.address
         except BaseException:
@@ -185,6 +187,34 @@ class Mesh:
                     p.popen.wait()
         self.processes = []
 
+    def restart(self, name: str) -> Process:
+        """Start the worker `name`, which stopped or died, again under its name and with the
+        same command line; return once it is ready and registered with the gateway (its new
+        address in the registry)."""
+        i, old = next(((i, p) for i, p in enumerate(self.processes) if p.name == name), (-1, None))
+        if old is None or old.name in ("gateway", "planner"):
+            raise ValueError(f"no worker named {name!r}")
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.popen.pid})")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
+        popen = subprocess.Popen(
+            old.popen.args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env
+        )
+        proc = Process(name, popen)
+        self.processes[i] = proc
+        threading.Thread(target=_watch_stdout, args=(proc,), daemon=True).start()
+        self._wait_ready([proc])
+        deadline = time.monotonic() + 30
+        with mesh_tls.channel(self.gateway_address) as channel:
+            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+            while True:
+                workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+                if any(w.worker_id == name and w.address == proc.ready["address"] for w in workers):
+                    return proc
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not register again within 30 s")
+                time.sleep(0.1)
+
     def _spawn(self, name: str, module_args: list[str]) -> Process:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         popen = subprocess.Popen(
@@ -216,7 +246,7 @@ class Mesh:
 
     def _wait_registered(self, count: int) -> None:
         deadline = time.monotonic() + 30
-        with grpc.insecure_channel(self.gateway_address) as channel:
+        with mesh_tls.channel(self.gateway_address) as channel:
             stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
             while True:
                 workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from services.common import mesh_tls
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.server import CHANNEL_OPTIONS
 
@@ -36,7 +37,7 @@ class Announcer:
         )
         self.load = load
         self.interval_s = interval_s
-        self._channel = grpc.aio.insecure_channel(gateway, options=CHANNEL_OPTIONS)
+        self._channel = mesh_tls.aio_channel(gateway, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
         self._task: asyncio.Task | None = None
 

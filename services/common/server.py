@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import mesh_tls
 from services.common.errors import DistServeError
 
 log = logging.getLogger("distserve")
@@ -131,7 +132,8 @@ async def start_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: list[str],
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Start a grpc.aio server with the servicers, health checking and reflection.
+    """Start a grpc.aio server with the servicers, health checking and reflection; mutual
+    TLS when the mesh has it (services.common.mesh_tls).
 
     Returns the server, its health servicer (to mark NOT_SERVING when draining) and the bound
     port (port 0 picks a free one).
@@ -142,7 +144,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = mesh_tls.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()

@@ -42,6 +42,9 @@ class EdgeConfig:
     # (a collector); "" is off (Envoy still passes a client's traceparent through).
     otlp_endpoint: str = ""
     trace_sampling_percent: float = 100.0  # of requests that arrive without a sampling decision
+    # Mesh TLS toward the gateway (services.common.mesh_tls): PEM paths (cert, key, CA); None:
+    # plaintext upstream.
+    upstream_tls: tuple[str, str, str] | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.mesh_tls import SERVER_NAME as MESH_SERVER_NAME
 from services.edge.config import EdgeConfig, Upstream
 
 GATEWAY_SERVICE = "distserve.v1.Gateway"  # the gRPC health service Envoy checks
@@ -254,7 +255,9 @@ def _routes(config: EdgeConfig) -> list[dict]:
     ]
 
 
-def _cluster(name: str, gateways: Sequence[Upstream], grpc: bool) -> dict:
+def _cluster(
+    name: str, gateways: Sequence[Upstream], grpc: bool, tls: tuple[str, str, str] | None = None
+) -> dict:
     endpoints = []
     for g in gateways:
         host, port = _host_port(g.grpc if grpc else g.http)
@@ -272,8 +275,10 @@ def _cluster(name: str, gateways: Sequence[Upstream], grpc: bool) -> dict:
         if grpc
         else {"http_health_check": {"path": "/health"}}
     )
+    secure = {"transport_socket": _upstream_tls(tls, grpc)} if tls else {}
     return {
         "name": name,
+        **secure,
         "type": "STATIC" if all_ips else "STRICT_DNS",
         "connect_timeout": "2s",
         "lb_policy": "LEAST_REQUEST",  # long streams: balance on requests in flight
@@ -328,6 +333,33 @@ def _tracing(config: EdgeConfig) -> dict:
                 service_name="envoy",
             ),
         },
+    }
+
+
+def _upstream_tls(paths: tuple[str, str, str], grpc: bool) -> dict:
+    """Mesh TLS toward the gateway: Envoy presents the mesh certificate and checks the
+    gateway's against the mesh CA and its name (services.common.mesh_tls.SERVER_NAME)."""
+    cert, key, ca = paths
+    context = {
+        "tls_certificates": [
+            {"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}
+        ],
+        "validation_context": {
+            "trusted_ca": {"filename": ca},
+            "match_typed_subject_alt_names": [
+                {"san_type": "DNS", "matcher": {"exact": MESH_SERVER_NAME}}
+            ],
+        },
+    }
+    if grpc:
+        context["alpn_protocols"] = ["h2"]
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": _typed(
+            "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            sni=MESH_SERVER_NAME,
+            common_tls_context=context,
+        ),
     }
 
 
@@ -438,8 +470,8 @@ def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
         http_filters=_filters(config),
     )
     clusters = [
-        _cluster(GRPC_CLUSTER, gateways, grpc=True),
-        _cluster(HTTP_CLUSTER, gateways, grpc=False),
+        _cluster(GRPC_CLUSTER, gateways, grpc=True, tls=config.upstream_tls),
+        _cluster(HTTP_CLUSTER, gateways, grpc=False, tls=config.upstream_tls),
     ]
     if config.otlp_endpoint:
         manager["tracing"] = _tracing(config)

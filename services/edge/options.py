@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from services.common.mesh_tls import MeshTls
 from services.edge.config import EdgeConfig, otlp_grpc_endpoint, read_api_keys
 
 
@@ -44,4 +45,5 @@ def edge_config(a: argparse.Namespace, host: str) -> EdgeConfig:
         concurrency=a.edge_concurrency,
         access_log=a.access_log,
         otlp_endpoint=otlp_grpc_endpoint(os.environ),
+        upstream_tls=tls.paths if (tls := MeshTls.from_env(os.environ)) else None,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.common import telemetry
+from services.common import mesh_tls, telemetry
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -200,7 +200,9 @@ async def serve(config: GatewayConfig) -> None:
         await http.setup()
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         sock = socket.create_server((config.host, config.http_port), family=family)  # 0: free
-        await web.SockSite(http, sock).start()
+        tls = mesh_tls.mesh_tls()
+        context = tls.server_ssl_context() if tls else None
+        await web.SockSite(http, sock, ssl_context=context).start()
         ready["http_address"] = f"{config.host}:{sock.getsockname()[1]}"
     if feed is not None:
         feed.start()

@@ -18,6 +18,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common import mesh_tls
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import CHANNEL_OPTIONS
 
@@ -82,7 +83,7 @@ class PlannerFeed:
 
     async def _run(self) -> None:
         backoff = 0.5
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+        async with mesh_tls.aio_channel(self.address, CHANNEL_OPTIONS) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             while True:
                 first = await self._queue.get()  # no empty streams

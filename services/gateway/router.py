@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common import telemetry
+from services.common import mesh_tls, telemetry
 from services.common.convert import finish_from_pb, sampling_to_pb
 from services.common.errors import DeadlineExceeded, DistServeError, RemoteError
 from services.common.gen.distserve.v1 import (
@@ -100,7 +100,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = mesh_tls.aio_channel(address, CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from services.common import telemetry
+from services.common import mesh_tls, telemetry
 from services.common.errors import (
     DistServeError,
     FailedPrecondition,
@@ -329,7 +329,7 @@ class KvPuller:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = mesh_tls.aio_channel(address, CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel
 

@@ -15,6 +15,7 @@ from typing import Protocol
 import aiohttp
 import grpc
 
+from services.common import mesh_tls
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.loadgen.requests import LoadRequest
 
@@ -60,7 +61,7 @@ class GrpcTarget:
         self._stub: gateway_pb2_grpc.GatewayStub | None = None
 
     async def open(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address)
+        self._channel = mesh_tls.aio_channel(self.address)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         await self._channel.channel_ready()
 
