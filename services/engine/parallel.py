@@ -16,8 +16,9 @@ the same order (see docs/engine.md, "Tensor parallelism").
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -30,17 +31,51 @@ from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.model_config import ModelConfig
 
 
+class CommTimer:
+    """Opt-in accounting of the wall time a rank spends inside its group's collectives.
+
+    Off by default: a TensorParallel without one (comm_timer None) times nothing. To turn it on,
+    give the group one before building the engine, e.g.
+    `tp = dataclasses.replace(TensorParallel.init(...), comm_timer=CommTimer())`. The time counts
+    everything inside the collective call, waiting for the slower rank included. On CUDA the
+    device is synchronized before and after each call so only the collective is counted (which
+    slows the run: use it to measure, not to serve).
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.bytes = 0  # bytes of this rank's input to the collectives
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.bytes = 0.0, 0, 0
+
+    def run(self, fn: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """fn(*args, **kwargs), timed; `x` is the tensor this rank contributes."""
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        t = time.perf_counter()
+        fn(*args, **kwargs)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """One rank's place in a tensor-parallel group: rank, world size, torch.distributed group.
 
     The default, TensorParallel(), is tp == 1: no process group, and `all_reduce` / `all_gather`
-    return at once without calling torch.distributed.
+    return at once without calling torch.distributed. `comm_timer` (None: off) accounts the time
+    spent in collectives (see CommTimer); it is not part of the group's identity.
     """
 
     rank: int = 0
     world_size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    comm_timer: CommTimer | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -77,7 +112,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; every rank gets the same bits."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self.comm_timer is None:
+                dist.all_reduce(x, group=self.group)
+            else:
+                self.comm_timer.run(dist.all_reduce, x, x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +123,11 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        if self.comm_timer is None:
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        else:
+            x = x.contiguous()
+            self.comm_timer.run(dist.all_gather, x, parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
     def close(self) -> None:
