@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ bench-tracing: $(GEN)
 
 bench-planner: $(GEN)
 	$(BIN)/python bench/planner.py
+
+bench-chaos: $(GEN)
+	$(BIN)/python bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen
