@@ -750,7 +750,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"faults: {json.dumps(summary['faults'])}; events: {len(events)}")
     print(f"migrations (metric delta): {json.dumps(chaos['migrations'])}")
     if a.out is not None:
-        a.out.write_text(json.dumps({**summary, "events": events}, indent=1) + "\n")
+        failed = [
+            {"i": i, **asdict(p), **asdict(o), "tokens": len(o.tokens)}
+            for i, (p, o) in enumerate(zip(planned, chaos["outcomes"], strict=True))
+            if o.kind in ("failed", "lost", "wrong")
+        ]
+        detail = {"events": events, "failed_requests": failed}
+        a.out.write_text(json.dumps({**summary, **detail}, indent=1) + "\n")
     print(json.dumps(summary))
     return 0
 

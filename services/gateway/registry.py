@@ -52,8 +52,12 @@ class Registry:
         worker.inflight_tokens = worker.inflight_requests = 0  # the load now shows them
         return True
 
-    def deregister(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+    def deregister(self, worker_id: str, address: str | None = None) -> None:
+        """Drop a worker; with `address`, only if it is still registered there (not a worker
+        that restarted under the same id)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and (address is None or worker.address == address):
+            del self._workers[worker_id]
 
     def live(self, role: str | None = None) -> list[Worker]:
         """Workers whose lease holds; lapsed ones are removed."""

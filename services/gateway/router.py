@@ -55,6 +55,7 @@ class DecodeCall:
 
     call: grpc.aio.UnaryStreamCall
     worker_id: str
+    address: str
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -316,10 +317,14 @@ class Router:
                 # The decode call may have ended before its instance saw it (a deadline that
                 # passed just then), and the prompt may be done: nobody else would release it.
                 await self._release(kv, trace)
+            elif events is not None and not _unreachable(e):
+                # The call may have completed there just before it was cancelled here, with
+                # its handle unread: ask the instance to free what it holds for the request.
+                await self._abandon(stub, req)
             if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             # Unreachable: stop routing to it until it heartbeats (and registers) again.
-            self.registry.deregister(prefill.worker_id)
+            self.registry.deregister(prefill.worker_id, prefill.address)
             raise RemoteError(
                 "UNAVAILABLE",
                 f"prefill instance {prefill.worker_id} ({prefill.address}) is unavailable: "
@@ -343,7 +348,7 @@ class Router:
             timeout=_timeout(req),
             metadata=telemetry.outgoing(trace),
         )
-        return DecodeCall(call, decode.worker_id)
+        return DecodeCall(call, decode.worker_id, decode.address)
 
     async def _decode(
         self, decode: DecodeCall, kv, trace
@@ -356,17 +361,18 @@ class Router:
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(decode.worker_id)
+                self._lost(decode.worker_id, decode.address)
             raise
         finally:
             decode.cancel()
             if not handed_over:
                 await self._release(kv, trace)
 
-    def _lost(self, worker_id: str) -> None:
+    def _lost(self, worker_id: str, address: str) -> None:
         """An instance failed mid-stream (it died, or it drains): route nothing more to it; a
-        live one is back at its next heartbeat."""
-        self.registry.deregister(worker_id)
+        live one is back at its next heartbeat. Only that incarnation: a worker restarted under
+        the same id (at another address) stays."""
+        self.registry.deregister(worker_id, address)
 
     def _prefill_locally(self, req: Request) -> bool:
         """Conditional disaggregation: a short prompt, and a decode instance with headroom
@@ -405,10 +411,16 @@ class Router:
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(worker.worker_id)
+                self._lost(worker.worker_id, worker.address)
             raise
         finally:
             call.cancel()
+
+    async def _abandon(self, stub, req: Request) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Abandon(
+                prefill_pb2.AbandonRequest(request_id=req.worker_request_id), timeout=5
+            )
 
     async def _release(self, kv, trace) -> None:
         """Free KV a decode instance never took (the request ended or failed in between)."""
@@ -428,6 +440,10 @@ def _timeout(req: Request) -> float | None:
     if remaining is not None and remaining <= 0:
         raise DeadlineExceeded(f"request {req.request_id} ran out of time")
     return remaining
+
+
+def _unreachable(e: BaseException) -> bool:
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _details(e: Exception) -> str:

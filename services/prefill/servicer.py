@@ -56,6 +56,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # The caller left as the prompt finished: nobody will take or release its KV.
                 await asyncio.shield(self.worker.abandon(request.request_id))
 
+    async def Abandon(self, request, context):
+        freed = await self.worker.abandon(request.request_id)
+        return prefill_pb2.AbandonResponse(freed=freed)
+
     async def Stats(self, request, context):
         return worker_stats(self.worker)
 

@@ -241,13 +241,15 @@ class PrefillWorker:
             },
         )
 
-    async def abandon(self, request_id: str) -> None:
+    async def abandon(self, request_id: str) -> bool:
         """The caller left without the request's result: free KV still held for it (a
-        prefill that finished just as its caller was cancelled)."""
+        prefill that finished just as its caller was cancelled). A streaming lease of a
+        prompt still computing is closed, and the prompt's blocks are freed when it ends."""
         lease = self.leases.pop_request(request_id)
-        if lease is not None:
-            self._streaming.pop(request_id, None)
-            await self.free(lease, "abandoned")
+        if lease is None:
+            return False
+        await self.free(lease, "abandoned")
+        return True
 
     async def _forget(self, request_id: str) -> None:
         """A cancelled or failed request: drop it from the engine wherever it is, and its
