@@ -10,7 +10,9 @@ import asyncio
 import json
 import urllib.request
 
+import hypothesis
 import pytest
+from hypothesis import HealthCheck
 
 from services.edge.config import EdgeConfig
 from tests.conftest import start_mesh
@@ -81,3 +83,18 @@ def assert_still_serving_and_nothing_leaked(mesh, lapsed_before: int | None) -> 
         assert lapsed == 0, (
             f"{lapsed} KV handles nobody released were held until their lease lapsed"
         )
+
+
+def fuzz_settings(max_examples: int) -> hypothesis.settings:
+    """Deterministic fuzzing: a fixed seed (set by each test), derandomized, no database."""
+    return hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.filter_too_much,
+            HealthCheck.data_too_large,
+        ],
+    )

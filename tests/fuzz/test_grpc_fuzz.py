@@ -29,7 +29,6 @@ import grpc
 import hypothesis
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -43,6 +42,7 @@ from tests.fuzz.conftest import (
     RESPONSE_TIME_S,
     UCX_FIRST_TOKEN_CRASH,
     assert_still_serving_and_nothing_leaked,
+    fuzz_settings,
     leases_expired,
 )
 from tests.test_mesh import addresses, kv_all_free, stats, wait_until
@@ -57,17 +57,7 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 def _settings(max_examples: int = MAX_EXAMPLES) -> hypothesis.settings:
-    return hypothesis.settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[
-            HealthCheck.too_slow,
-            HealthCheck.filter_too_much,
-            HealthCheck.data_too_large,
-        ],
-    )
+    return fuzz_settings(max_examples)
 
 
 def _address(mesh, target: str) -> str:

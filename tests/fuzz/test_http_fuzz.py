@@ -28,7 +28,6 @@ import jsonschema_rs
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
@@ -41,6 +40,7 @@ from tests.fuzz.conftest import (
     MAX_TOKENS,
     RESPONSE_TIME_S,
     assert_still_serving_and_nothing_leaked,
+    fuzz_settings,
 )
 
 SEED = 20240611
@@ -68,17 +68,7 @@ OPERATIONS = [
 
 
 def _settings(max_examples: int = MAX_EXAMPLES) -> hypothesis.settings:
-    return hypothesis.settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[
-            HealthCheck.too_slow,
-            HealthCheck.filter_too_much,
-            HealthCheck.data_too_large,
-        ],
-    )
+    return fuzz_settings(max_examples)
 
 
 def _address(mesh, target: str) -> str:
