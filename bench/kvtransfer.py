@@ -24,6 +24,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
 BLOCK = 512 * 2**10  # bytes of one block of the bench's one layer, K or V
@@ -73,11 +74,12 @@ async def serve(sizes: list[int]) -> None:
     total_blocks = sum(s // (2 * BLOCK) for s in sizes)
     kv = np.random.default_rng(0).integers(0, 255, (2, total_blocks * BLOCK), dtype=np.uint8)
 
-    def region(layer: int, k: int, first: int, n: int) -> np.ndarray:
-        return kv[k, first * BLOCK : (first + n) * BLOCK]
+    def region(layer: int, k: int, first: int, n: int) -> torch.Tensor:
+        # (blocks, block_size 1, one head, BLOCK bytes) over the bytes in place
+        return torch.from_numpy(kv[k, first * BLOCK : (first + n) * BLOCK]).view(n, 1, 1, BLOCK)
 
     leases = LeaseTable(default_s=3600, max_s=3600)
-    source = ChunkSource(leases, region, num_layers=1)
+    source = ChunkSource(leases, region, num_layers=1, heads=range(1))
     ucx = ChunkServer(source)
     ucx_port = ucx.start()
 
@@ -125,7 +127,7 @@ async def pull(transport: str, handles: dict) -> dict[int, float]:
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
-    from services.kvtransfer.puller import KvPuller, PullPolicy
+    from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy
     from services.kvtransfer.transports import shutdown_ucx
 
     kind = "grpc" if transport == "grpc" else "ucx"
@@ -135,16 +137,13 @@ async def pull(transport: str, handles: dict) -> dict[int, float]:
         size = int(size_s)
         handle = KvHandle.from_pb(ParseDict(pb, common_pb2.KvHandle()))
         blocks = handle.num_blocks
-        dst = np.empty((2, blocks * BLOCK), dtype=np.uint8)
-
-        def region(layer: int, k: int, first: int, n: int, dst=dst) -> np.ndarray:
-            return dst[k, first * BLOCK : (first + n) * BLOCK]
-
-        await puller.pull(handle, list(range(blocks)), region)  # warm-up; connects
+        # (layers, K/V, blocks, block_size 1, one head, BLOCK bytes)
+        dst = KvDestination(torch.empty((1, 2, blocks, 1, 1, BLOCK), dtype=torch.uint8), range(1))
+        await puller.pull(handle, list(range(blocks)), dst)  # warm-up; connects
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            await puller.pull(handle, list(range(blocks)), region)
+            await puller.pull(handle, list(range(blocks)), dst)
             times.append(time.perf_counter() - t)
         rates[size] = size / statistics.median(times) / 1e9
         log(f"{transport:8} {size >> 20:5} MiB: {rates[size]:6.2f} GB/s")

@@ -8,6 +8,16 @@ from services.common.gen.distserve.v1 import common_pb2
 
 
 @dataclass(frozen=True)
+class RankSource:
+    """One rank of a KV source: where it serves and the KV heads it holds (global indices)."""
+
+    rank: int
+    ucx_host: str
+    ucx_port: int
+    heads: range
+
+
+@dataclass(frozen=True)
 class KvHandle:
     """A prompt's KV held on a prefill instance (the same blocks in every layer).
 
@@ -31,8 +41,9 @@ class KvHandle:
     lease_expiry_unix_ms: int
     access_token: str
     streaming: bool = False  # layers published as prefill computes them (see common.proto)
-    # Ranks the source's KV is split over by heads; chunks come gathered, with every head.
-    source_tensor_parallel_size: int = 1
+    # A tensor-parallel source's ranks, each serving the heads it holds (empty: one rank, all
+    # heads, at ucx_host:ucx_port). block_bytes counts every head either way.
+    rank_sources: tuple[RankSource, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -45,6 +56,12 @@ class KvHandle:
     @property
     def total_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
+
+    def sources(self) -> tuple[RankSource, ...]:
+        """Where each head is served: the rank sources, or the one source holding them all."""
+        if self.rank_sources:
+            return self.rank_sources
+        return (RankSource(0, self.ucx_host, self.ucx_port, range(self.num_kv_heads)),)
 
     def blocks(self) -> list[int]:
         return [b for first, n in self.runs for b in range(first, first + n)]
@@ -68,7 +85,12 @@ class KvHandle:
             lease_expiry_unix_ms=pb.lease_expiry_unix_ms,
             access_token=pb.access_token,
             streaming=pb.streaming,
-            source_tensor_parallel_size=pb.source_tensor_parallel_size or 1,
+            rank_sources=tuple(
+                RankSource(
+                    r.rank, r.ucx_host, r.ucx_port, range(r.first_head, r.first_head + r.num_heads)
+                )
+                for r in pb.rank_sources
+            ),
         )
 
     def to_pb(self) -> common_pb2.KvHandle:
@@ -90,5 +112,14 @@ class KvHandle:
             lease_expiry_unix_ms=self.lease_expiry_unix_ms,
             access_token=self.access_token,
             streaming=self.streaming,
-            source_tensor_parallel_size=self.source_tensor_parallel_size,
+            rank_sources=[
+                common_pb2.KvRankSource(
+                    rank=r.rank,
+                    ucx_host=r.ucx_host,
+                    ucx_port=r.ucx_port,
+                    first_head=r.heads.start,
+                    num_heads=len(r.heads),
+                )
+                for r in self.rank_sources
+            ],
         )

@@ -67,6 +67,7 @@ def worker_stats(worker: DecodeWorker) -> common_pb2.WorkerStats:
         requests_aborted=worker.requests_aborted,
         pulls_total=worker.pulls_total,
         pull_bytes_total=worker.pull_bytes_total,
+        pull_bytes_by_rank=worker.pull_bytes_by_rank,
         pulls_failed=worker.pulls_failed,
         chunks_retried=worker.puller.chunks_retried,
         checksum_failures=worker.puller.checksum_failures,

@@ -12,9 +12,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-import torch
 from prometheus_client import CollectorRegistry, Histogram
 
 from services.common import telemetry
@@ -24,19 +23,14 @@ from services.common.kv_handle import KvHandle
 from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
-from services.engine.commands import Abort, AddPrefilled, AddRequest, ScatterKv, StartDecoding
+from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
 from services.engine.loop import EngineFailed, EngineLoop, StepInfo
+from services.engine.parallel import kv_heads_of
 from services.engine.sequence import Sequence
 from services.engine.tp_group import start_engine
-from services.kvtransfer.puller import KvPuller, PullReport
+from services.kvtransfer.puller import KV_DTYPES, KvPuller, PullReport
 
 log = logging.getLogger("distserve.decode")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype_name(cache) -> str:
-    return str(cache.data.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -73,8 +67,12 @@ class DecodeWorker:
             config.tensor_parallel_size,
             detokenize=False,
             threads=config.threads,
+            kv="pull",
+            kv_options={"policy": asdict(config.pull), "transport": config.kv_transport},
         )
         self.loop = EngineLoop(self.engine, on_admitted=self._admitted, group=self.group)
+        mc = self.engine.model_config
+        self.heads = kv_heads_of(0, config.tensor_parallel_size, mc.num_kv_heads)  # rank 0's
         self.puller = KvPuller(config.pull, config.kv_transport)
         self._admissions: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
@@ -83,6 +81,7 @@ class DecodeWorker:
         self.requests_aborted = 0
         self.pulls_total = 0
         self.pull_bytes_total = 0
+        self.pull_bytes_by_rank = [0] * config.tensor_parallel_size
         self.pulls_failed = 0
         self.draining = False
 
@@ -231,7 +230,7 @@ class DecodeWorker:
         A streaming handle (layer-wise handoff) is pulled while its prompt is computed: each
         chunk waits at the source for its layer; the first token is asked of the source once
         the KV is here (first_token is None then)."""
-        staged = self._needs_staging(handle)
+        self._check(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
         queued = time.monotonic()
@@ -246,13 +245,7 @@ class DecodeWorker:
             span = telemetry.start("kv.handoff", trace, {"kv.source": handle.source_instance})
             handoff = telemetry.context_of(span)
             try:
-                if staged:
-                    staging, report = await self.puller.pull_staged(handle, handoff)
-                    await self._write_staged(handle, blocks, staging)
-                else:
-                    report = await self.puller.pull(
-                        handle, blocks, self.engine.runner.cache.region_buffer, handoff
-                    )
+                report = await self._pull_heads(request_id, handle, blocks, handoff)
                 done = time.monotonic()
                 prefill_done = started  # the prompt was computed before the pull began
                 late_first = None
@@ -299,10 +292,9 @@ class DecodeWorker:
             }
         )
 
-    def _needs_staging(self, handle: KvHandle) -> bool:
-        """Whether the handle's KV must pass through a staging buffer (another block size or
-        dtype); FailedPrecondition if it cannot be used here at all (another model shape)."""
-        cache = self.engine.runner.cache
+    def _check(self, handle: KvHandle) -> None:
+        """FailedPrecondition if the handle's KV cannot be used here (another model shape, an
+        unknown dtype); another block size or dtype is converted as it is pulled."""
         mc = self.engine.model_config
         shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim)
         theirs = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
@@ -311,33 +303,38 @@ class DecodeWorker:
                 f"KV of {handle.source_instance} has (layers, kv_heads, head_dim) {theirs}, this "
                 f"instance {shape}: prefill and decode must serve the same model"
             )
-        if handle.dtype not in _DTYPES:
+        if handle.dtype not in KV_DTYPES:
             raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")
-        if self.group is not None:
-            return True  # this instance's KV is split by heads over its ranks: scattered
-        return (handle.block_size, handle.dtype) != (cache.block_size, _dtype_name(cache))
 
-    async def _write_staged(self, handle: KvHandle, blocks: list[int], staging) -> None:
-        """Copy staged KV (the source's layout, every head) into this instance's blocks,
-        converting; a tensor-parallel instance scatters each rank its heads (between steps)."""
-        cache = self.engine.runner.cache
+    async def _pull_heads(
+        self, request_id: str, handle: KvHandle, blocks: list[int], trace
+    ) -> PullReport:
+        """Every rank pulls the heads it owns, from the source ranks that hold them: rank 0
+        here, the others on their own data planes (told by PullKv; they report back). Waits for
+        all of them, so that no rank still writes into the blocks when this returns or raises."""
+        followers = []
         if self.group is not None:
-            tokens = (
-                torch.from_numpy(staging)
-                .view(_DTYPES[handle.dtype])
-                .view(handle.num_layers, 2, -1, handle.num_kv_heads, handle.head_dim)
-            )[:, :, : handle.num_tokens]  # (layers, 2, T, kv_heads, head_dim)
-            tokens = tokens.to(device=cache.data.device, dtype=cache.data.dtype)
-            await self.loop.call(ScatterKv(blocks, handle.num_tokens, tokens))
-            return
-        for layer in range(handle.num_layers):
-            for kv in (0, 1):
-                tokens = (
-                    torch.from_numpy(staging[layer, kv])
-                    .view(_DTYPES[handle.dtype])
-                    .view(-1, handle.num_kv_heads, handle.head_dim)[: handle.num_tokens]
-                )
-                cache.write_tokens(layer, kv, blocks, tokens)
+            followers = self.group.expect_pulls(request_id)
+        try:
+            if followers:
+                await self.loop.call(PullKv.of(request_id, handle, blocks))
+            cache = self.engine.runner.cache
+            local = self.puller.pull_into(handle, cache, blocks, self.heads, trace)
+            results = await asyncio.gather(local, *followers, return_exceptions=True)
+        finally:
+            if self.group is not None:
+                self.group.forget_pulls(request_id)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        report = results[0]
+        self.pull_bytes_by_rank[0] += report.nbytes
+        for rank, other in enumerate(results[1:], 1):
+            self.pull_bytes_by_rank[rank] += other["nbytes"]
+            report.nbytes += other["nbytes"]
+            report.chunks += other["chunks"]
+            report.retries += other["retries"]
+        return report
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
         """Free everything a request that did not finish holds, here and at its KV source (in

@@ -6,25 +6,27 @@ mutation and every step is one of these commands, not a closure: rank 0 sends ea
 ranks (`encode`, one JSON line, nothing pickled) and then applies it to its own engine; a
 follower `decode`s and applies it. With tp == 1 a command is applied and nothing is sent.
 
-Two commands move KV between the ranks of a group over torch.distributed (KV is split by heads):
-`GatherKv` (a prefill instance serving a chunk with every head) and `ScatterKv` (a decode
-instance writing pulled KV into each rank's heads). Their tensors travel as collectives; the
-JSON line says only which blocks.
+A follower also has its own KV data plane (services.kvtransfer.rank_kv, `kv` below; None on
+rank 0, which moves its heads on its event loop): the commands that start or end a transfer tell
+it too. KV never moves between the ranks of a group.
 """
 
 from __future__ import annotations
 
+import base64
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
-
-import torch
-import torch.distributed as dist
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest
+from services.common.gen.distserve.v1 import common_pb2
+from services.common.kv_handle import KvHandle
 from services.common.sampling import SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
+
+if TYPE_CHECKING:
+    from services.kvtransfer.rank_kv import RankKv
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class AddRequest:
     params: SamplingParams
     request_id: str
 
-    def apply(self, engine: LLMEngine) -> str:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> str:
         return engine.add_request(self.prompt, self.params, self.request_id)
 
 
@@ -48,7 +50,7 @@ class AddPrefilled:
     params: SamplingParams
     request_id: str
 
-    def apply(self, engine: LLMEngine) -> str:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> str:
         return engine.add_prefilled(self.prompt, self.first_token, self.params, self.request_id)
 
 
@@ -56,7 +58,7 @@ class AddPrefilled:
 class AdmitPulls:
     """engine.admit_pulls: blocks for queued pulled requests (decode)."""
 
-    def apply(self, engine: LLMEngine) -> list[Sequence]:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[Sequence]:
         return engine.admit_pulls()
 
 
@@ -67,7 +69,7 @@ class StartDecoding:
     request_id: str
     first_token: int | None = None
 
-    def apply(self, engine: LLMEngine) -> bool:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> bool:
         return engine.start_decoding(self.request_id, self.first_token)
 
 
@@ -77,7 +79,9 @@ class Abort:
 
     request_id: str
 
-    def apply(self, engine: LLMEngine) -> bool:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> bool:
+        if kv is not None:  # its transfer stops before its blocks are freed
+            kv.forget(self.request_id)
         return engine.abort(self.request_id)
 
 
@@ -87,7 +91,9 @@ class Release:
 
     request_id: str
 
-    def apply(self, engine: LLMEngine) -> int:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> int:
+        if kv is not None:  # its sends stop before its blocks are freed
+            kv.forget(self.request_id)
         return engine.release(self.request_id)
 
 
@@ -95,76 +101,42 @@ class Release:
 class Step:
     """engine.step: one iteration (decode and colocated instances)."""
 
-    def apply(self, engine: LLMEngine) -> list[StepOutput]:
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[StepOutput]:
         return engine.step()
 
 
 @dataclass(frozen=True)
 class PrefillStep:
     """engine.prefill_step(hold=True): one prefill batch whose KV is held (prefill instance).
-    Rank 0 runs it with its layer and scheduling callbacks; the others without."""
+    Rank 0 runs it with its event loop's layer and scheduling callbacks (EngineLoop); a
+    follower with its data plane's, so that it serves each layer as soon as it is computed."""
 
-    def apply(self, engine: LLMEngine) -> list[StepOutput]:
-        return engine.prefill_step(hold=True)
-
-
-@dataclass(frozen=True)
-class GatherKv:
-    """A region of one layer's K or V with every KV head, gathered on rank 0 from the ranks
-    that hold them (dist.gather, rank order = head order); rank 0 gets the raw bytes of a
-    fresh (num_blocks, block_size, num_kv_heads, head_dim) tensor, the others None."""
-
-    layer: int
-    kv: int
-    first_block: int
-    num_blocks: int
-
-    def apply(self, engine: LLMEngine) -> Any:
-        tp = engine.tp
-        local = engine.runner.cache.region(
-            self.layer, self.kv, self.first_block, self.num_blocks
-        ).contiguous()  # (n, block_size, kv_heads / tp, head_dim)
-        if tp.rank != 0:
-            dist.gather(local, None, dst=0, group=tp.group)
-            return None
-        parts = [torch.empty_like(local) for _ in range(tp.world_size)]
-        dist.gather(local, parts, dst=0, group=tp.group)
-        full = torch.cat(parts, dim=2).reshape(-1).view(torch.uint8)  # heads in rank order
-        return full.numpy() if full.device.type == "cpu" else full
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[StepOutput]:
+        if kv is None:
+            return engine.prefill_step(hold=True)
+        outputs = engine.prefill_step(hold=True, on_scheduled=kv.scheduled, on_layer=kv.layer_done)
+        kv.step_done(outputs)
+        return outputs
 
 
 @dataclass(frozen=True)
-class ScatterKv:
-    """Write a prompt's KV with every head into `blocks`: rank 0 holds it (`tokens`, (layers,
-    2, num_tokens, num_kv_heads, head_dim), never sent as JSON) and scatters each rank its
-    heads (dist.scatter); every rank writes its part into its cache."""
+class PullKv:
+    """Pull a handle's KV into a pulled request's blocks (decode): each follower pulls the heads
+    it owns and reports to rank 0; rank 0 pulls its own heads on its event loop, not here."""
 
+    request_id: str
+    handle: str  # the KvHandle, serialized (common.proto) and base64-encoded
     blocks: list[int]
-    num_tokens: int
-    tokens: torch.Tensor | None = field(default=None, compare=False)
-    local_only: ClassVar[tuple[str, ...]] = ("tokens",)
 
-    def apply(self, engine: LLMEngine) -> None:
-        tp, cache = engine.tp, engine.runner.cache
-        mine = torch.empty(
-            (cache.num_layers, 2, self.num_tokens, cache.num_kv_heads, cache.head_dim),
-            dtype=cache.data.dtype,
-            device=cache.data.device,
-        )
-        if tp.world_size == 1:
-            mine = self.tokens
-        elif tp.rank == 0:
-            per = cache.num_kv_heads
-            parts = [
-                self.tokens[:, :, :, r * per : (r + 1) * per].contiguous()
-                for r in range(tp.world_size)
-            ]
-            dist.scatter(mine, parts, src=0, group=tp.group)
-        else:
-            dist.scatter(mine, None, src=0, group=tp.group)
-        for layer in range(cache.num_layers):
-            for kv in (0, 1):
-                cache.write_tokens(layer, kv, self.blocks, mine[layer, kv])
+    @classmethod
+    def of(cls, request_id: str, handle: KvHandle, blocks: list[int]) -> PullKv:
+        encoded = base64.b64encode(handle.to_pb().SerializeToString()).decode()
+        return cls(request_id, encoded, blocks)
+
+    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> None:
+        if kv is not None:
+            pb = common_pb2.KvHandle.FromString(base64.b64decode(self.handle))
+            kv.pull(self.request_id, KvHandle.from_pb(pb), self.blocks)
 
 
 EngineCommand = (
@@ -176,8 +148,7 @@ EngineCommand = (
     | Release
     | Step
     | PrefillStep
-    | GatherKv
-    | ScatterKv
+    | PullKv
 )
 COMMANDS: dict[str, type] = {
     c.__name__: c
@@ -190,16 +161,14 @@ COMMANDS: dict[str, type] = {
         Release,
         Step,
         PrefillStep,
-        GatherKv,
-        ScatterKv,
+        PullKv,
     )
 }
 
 
 def encode(command: EngineCommand) -> bytes:
-    """One JSON line: {"command": NAME, "args": {field: value}} (rank-local fields left out)."""
-    skip = getattr(command, "local_only", ())
-    args = {f.name: getattr(command, f.name) for f in fields(command) if f.name not in skip}
+    """One JSON line: {"command": NAME, "args": {field: value}}."""
+    args = {f.name: getattr(command, f.name) for f in fields(command)}
     if isinstance(args.get("params"), SamplingParams):
         args["params"] = asdict(args["params"])
     return json.dumps({"command": type(command).__name__, "args": args}).encode() + b"\n"

@@ -69,12 +69,6 @@ class KvCache:
         slots = table[pos // bs] * bs + pos % bs
         self._flat[layer][kv].index_copy_(0, slots, tokens.to(self.data.dtype))
 
-    def region_buffer(self, layer: int, kv: int, first_block: int, num_blocks: int):
-        """The region as raw bytes for a transport: a numpy uint8 view on CPU (buffer
-        protocol), a uint8 tensor on CUDA (CUDA array interface). No copy either way."""
-        t = self.region(layer, kv, first_block, num_blocks).reshape(-1).view(torch.uint8)
-        return t.numpy() if t.device.type == "cpu" else t
-
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

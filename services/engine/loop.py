@@ -22,13 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidRequest
-from services.engine.commands import (
-    AdmitPulls,
-    EngineCommand,
-    GatherKv,
-    PrefillStep,
-    Step,
-)
+from services.engine.commands import AdmitPulls, EngineCommand, PrefillStep, Step
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
 
@@ -121,13 +115,6 @@ class EngineLoop:
         delivered to the request's queue (so adding a request costs no round trip)."""
         self._commands.put((command, request_id))
         self._wake.set()
-
-    async def gather_kv(self, layer: int, kv: int, first_block: int, num_blocks: int) -> Any:
-        """A region of held KV with every head (a tensor-parallel group gathers it from its
-        ranks on the engine thread, between steps); the raw bytes, as region_buffer gives."""
-        if self.group is None:
-            return self.engine.runner.cache.region_buffer(layer, kv, first_block, num_blocks)
-        return await self.call(GatherKv(layer, kv, first_block, num_blocks))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Queue of (StepOutput, StepInfo) for a request; subscribe before adding it. An

@@ -97,6 +97,7 @@ class LeaseTable:
         self.default_s = default_s
         self.max_s = max_s
         self._leases: dict[str, Lease] = {}
+        self._added: asyncio.Event | None = None  # set (and replaced) when a lease is added
         self.expired_total = 0
         self.released_total = 0
 
@@ -112,8 +113,34 @@ class LeaseTable:
             access_token=secrets.token_urlsafe(32),
             lease_expiry_unix_ms=_unix_ms(expires),
         )
-        self._leases[handle.handle_id] = Lease(request_id, handle, expires, trace)
+        self._add(Lease(request_id, handle, expires, trace))
         return handle
+
+    def adopt(self, request_id: str, handle: KvHandle, layers_ready: int) -> Lease:
+        """Hold a lease on a handle made elsewhere (a follower rank serving its share of rank
+        0's handle): same id and token, `layers_ready` layers published. Its life is rank 0's
+        to end (pop_request); it does not lapse here before max_s."""
+        lease = Lease(request_id, handle, time.monotonic() + self.max_s)
+        lease.publish(layers_ready)
+        self._add(lease)
+        return lease
+
+    def _add(self, lease: Lease) -> None:
+        self._leases[lease.handle.handle_id] = lease
+        if self._added is not None:
+            self._added.set()
+            self._added = None
+
+    async def wait_for(self, handle_id: str, timeout_s: float) -> None:
+        """Until a lease with this id is held, or timeout_s passed (then get says NotFound)."""
+        deadline = time.monotonic() + timeout_s
+        while handle_id not in self._leases and (left := deadline - time.monotonic()) > 0:
+            if self._added is None:
+                self._added = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._added.wait(), left)
+            except TimeoutError:
+                return
 
     def of_request(self, request_id: str) -> Lease | None:
         for lease in self._leases.values():

@@ -1,13 +1,17 @@
 """The data plane's client side: pulls a handle's KV into local blocks over UCX.
 
 The handle's blocks and the destination blocks are paired in order; each chunk is one layer's K
-or V for a range that is consecutive on both sides (at most `chunk_bytes`), received straight
-into the destination region (UCX), or copied from a gRPC reply (the fallback transport, for hosts
-without ucxx). Up to `window` chunks are in flight. Each chunk is checked against
-the checksum the source sends and has its own timeout; a late, failed or corrupt chunk alone is
-fetched again (bounded attempts, exponential backoff with jitter, a fresh endpoint after a
-transport fault). The lease is renewed while the pull runs. A pull that gives up raises, and the
-caller must not use the destination: partial KV is never decoded from.
+or V for a range that is consecutive on both sides (at most `chunk_bytes`) and for the heads one
+source rank holds and the destination wants (a tensor-parallel source serves each head range from
+the rank that holds it; a tensor-parallel destination pulls, on each of its ranks, only the heads
+that rank owns). A chunk is received straight into the destination region (UCX) when it covers
+every head the destination holds, else into a buffer copied into place once verified; over the
+gRPC fallback (hosts without ucxx) it is copied from the reply. Up to `window` chunks are in
+flight. Each chunk is checked against the checksum the source sends and has its own timeout; a
+late, failed or corrupt chunk alone is fetched again (bounded attempts, exponential backoff with
+jitter, a fresh endpoint after a transport fault). The lease is renewed while the pull runs. A
+pull that gives up raises, and the caller must not use the destination: partial KV is never
+decoded from.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+import torch
 import xxhash
 
 from services.common import mesh_tls, telemetry
@@ -33,14 +38,47 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-from services.common.kv_handle import KvHandle
+from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
 from services.kvtransfer.transports import GrpcTransport, UcxTransport, ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
-RegionFn = Callable[[int, int, int, int], object]
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def raw(t: torch.Tensor):
+    """A contiguous tensor's bytes for a transport: a numpy uint8 view on CPU (buffer
+    protocol), a uint8 tensor on CUDA (CUDA array interface). No copy either way."""
+    b = t.reshape(-1).view(torch.uint8)
+    return b.numpy() if b.device.type == "cpu" else b
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    """Where pulled KV lands: `data` is (layers, 2, blocks, block_size, heads, head_dim), an
+    engine's KV cache or a staging tensor, and holds the global KV heads `heads`."""
+
+    data: torch.Tensor
+    heads: range
+
+    def region(
+        self, layer: int, kv: int, first: int, n: int, heads: range
+    ) -> tuple[object, Callable[[], None] | None]:
+        """A buffer to receive blocks first..first+n of one layer's K or V for `heads`, and
+        what puts it in place once verified (None: the buffer is the place itself)."""
+        view = self.data[layer, kv, first : first + n]
+        if heads == self.heads:
+            return raw(view), None
+        lo = heads.start - self.heads.start
+        part = view[:, :, lo : lo + len(heads)]
+        landing = torch.empty(part.shape, dtype=part.dtype, device=part.device)
+        return raw(landing), lambda: part.copy_(landing)
 
 
 def segments(src: list[int], dst: list[int], max_blocks: int) -> list[tuple[int, int, int]]:
@@ -121,21 +159,43 @@ class KvPuller:
     def reconnects(self) -> int:
         return self._ucx.reconnects if self._ucx is not None else 0
 
-    def transport_for(self, handle: KvHandle):
-        """UCX when both sides have it, else the gRPC fallback."""
-        if self._ucx is not None and self._ucx.serves(handle):
+    def transport_for(self, handle: KvHandle, source: RankSource):
+        """UCX when both sides have it, else the gRPC fallback, which serves rank 0's heads
+        only (a tensor-parallel source's other ranks serve over UCX alone)."""
+        if self._ucx is not None and source.ucx_port:
             return self._ucx
-        return self._grpc
+        if source.rank == 0 and self._grpc.serves(handle):
+            return self._grpc
+        raise FailedPrecondition(
+            f"KV heads {source.heads.start}..{source.heads.stop - 1} of "
+            f"{handle.source_instance} are served by its rank {source.rank} over UCX only, and "
+            "this instance has no UCX (ucxx is not importable, or --kv-transport grpc)"
+        )
+
+    def _pieces(self, handle: KvHandle, dst: KvDestination) -> list[tuple[RankSource, range]]:
+        """(source rank, heads) for each rank holding some of the heads the destination wants."""
+        pieces = []
+        for source in handle.sources():
+            lo = max(source.heads.start, dst.heads.start)
+            hi = min(source.heads.stop, dst.heads.stop)
+            if lo < hi:
+                pieces.append((source, range(lo, hi)))
+        if sum(len(h) for _, h in pieces) != len(dst.heads):
+            raise InvalidRequest(
+                f"the handle's sources do not hold KV heads {dst.heads.start}.."
+                f"{dst.heads.stop - 1} (it has {handle.num_kv_heads} heads)"
+            )
+        return pieces
 
     async def pull(
         self,
         handle: KvHandle,
         dst_blocks: list[int],
-        dst_region: RegionFn,
+        dst: KvDestination,
         trace: telemetry.Context | None = None,
     ) -> PullReport:
-        """Fill dst_blocks with the handle's KV; returns what was moved. `trace` (the pull's
-        span) travels with the lease renewals to the source.
+        """Fill dst_blocks of `dst` with the handle's KV for the heads `dst` holds; returns what
+        was moved. `trace` (the pull's span) travels with the lease renewals to the source.
 
         Raises Unavailable when the source cannot be reached or a chunk runs out of attempts,
         PermissionDenied or NotFound when the source refuses the handle.
@@ -145,29 +205,40 @@ class KvPuller:
             raise InvalidRequest(
                 f"handle has {len(src_blocks)} blocks, destination {len(dst_blocks)}"
             )
-        transport = self.transport_for(handle)
-        per_chunk = max(1, self.policy.chunk_bytes // max(1, handle.block_bytes))
-        segs = segments(src_blocks, dst_blocks, per_chunk)
-        jobs = [
-            (layer, kv, seg) for layer in range(handle.num_layers) for kv in (0, 1) for seg in segs
+        pieces = [
+            (self.transport_for(handle, source), source, heads)
+            for source, heads in self._pieces(handle, dst)
         ]
+        jobs = []
+        for transport, source, heads in pieces:
+            piece_block_bytes = handle.block_bytes * len(heads) // handle.num_kv_heads
+            per_chunk = max(1, self.policy.chunk_bytes // max(1, piece_block_bytes))
+            segs = segments(src_blocks, dst_blocks, per_chunk)
+            jobs += [
+                (layer, kv, seg, transport, source, heads)
+                for layer in range(handle.num_layers)
+                for kv in (0, 1)
+                for seg in segs
+            ]
+        jobs.sort(key=lambda job: job[0])  # layer by layer: early layers are computed first
         gate = asyncio.Semaphore(self.policy.window)
-        report = PullReport(transport.name, len(jobs), streaming=handle.streaming)
+        names = sorted({transport.name for transport, _, _ in pieces})
+        report = PullReport("+".join(names), len(jobs), streaming=handle.streaming)
 
         stop = asyncio.Event()  # a chunk failed: start no more
 
-        async def one(layer: int, kv: int, seg: tuple[int, int, int]) -> int:
+        async def one(job) -> int:
             async with gate:
                 if stop.is_set():
                     return 0
                 try:
-                    return await self._chunk(transport, handle, layer, kv, seg, dst_region, report)
+                    return await self._chunk(handle, dst, report, *job)
                 except BaseException:
                     stop.set()
                     raise
 
         renewer = asyncio.ensure_future(self._keep_lease(handle, trace))
-        tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
+        tasks = [asyncio.ensure_future(one(job)) for job in jobs]
         try:
             # Chunks in flight are never cancelled when another fails: the source answers each
             # (data, or a refusal once the lease ended), and an abandoned UCX receive is a
@@ -188,13 +259,22 @@ class KvPuller:
         return report
 
     async def _chunk(
-        self, transport, handle: KvHandle, layer: int, kv: int, seg, dst_region, report: PullReport
+        self,
+        handle: KvHandle,
+        dst: KvDestination,
+        report: PullReport,
+        layer: int,
+        kv: int,
+        seg: tuple[int, int, int],
+        transport,
+        source: RankSource,
+        heads: range,
     ) -> int:
         """One chunk, with its own timeout, retried on its own when late, broken or corrupt."""
         policy = self.policy
         src_index, dst_first, n = seg
-        dst = dst_region(layer, kv, dst_first, n)
-        where = f"{handle.source_instance} over {transport.name}"
+        buffer, land = dst.region(layer, kv, dst_first, n, heads)
+        where = f"{handle.source_instance} rank {source.rank} over {transport.name}"
         error: BaseException | None = None
         for attempt in range(policy.attempts):
             if attempt:
@@ -209,10 +289,12 @@ class KvPuller:
                 kv=kv,
                 first_block=src_index,
                 num_blocks=n,
+                first_head=heads.start,
+                num_heads=len(heads),
             )
             try:
                 status = await asyncio.wait_for(
-                    transport.fetch(handle, request, dst), policy.chunk_timeout_s
+                    transport.fetch(handle, source, request, buffer), policy.chunk_timeout_s
                 )
             except TimeoutError:
                 error = TimeoutError(f"no answer within {policy.chunk_timeout_s} s")
@@ -225,13 +307,15 @@ class KvPuller:
             else:
                 if not status.ok:
                     raise _refusal(status.error)
-                if status.nbytes != dst.nbytes:
+                if status.nbytes != buffer.nbytes:
                     raise InvalidRequest(
-                        f"chunk of {status.nbytes} bytes for a region of {dst.nbytes}"
+                        f"chunk of {status.nbytes} bytes for a region of {buffer.nbytes}"
                     )
-                verify = policy.verify and status.checksummed and isinstance(dst, np.ndarray)
-                if not verify or xxhash.xxh3_64_intdigest(dst) == status.checksum:
-                    return dst.nbytes
+                verify = policy.verify and status.checksummed and isinstance(buffer, np.ndarray)
+                if not verify or xxhash.xxh3_64_intdigest(buffer) == status.checksum:
+                    if land is not None:
+                        land()
+                    return buffer.nbytes
                 self.checksum_failures += 1
                 error = ChecksumMismatch(f"layer {layer} kv {kv}: checksum mismatch")
             log.warning(
@@ -267,20 +351,31 @@ class KvPuller:
             expiry_ms = renewed.lease_expiry_unix_ms
             self.lease_renewals += 1
 
-    async def pull_staged(
-        self, handle: KvHandle, trace: telemetry.Context | None = None
-    ) -> tuple[np.ndarray, PullReport]:
-        """The handle's KV as it lies at the source, (layers, 2, blocks * block_bytes) bytes,
-        for a caller whose own layout differs (block size, dtype) and converts it."""
-        n = handle.num_blocks
-        staging = np.empty((handle.num_layers, 2, n * handle.block_bytes), dtype=np.uint8)
-        bb = handle.block_bytes
-
-        def region(layer: int, kv: int, first: int, count: int) -> np.ndarray:
-            return staging[layer, kv, first * bb : (first + count) * bb]
-
-        report = await self.pull(handle, list(range(n)), region, trace)
-        return staging, report
+    async def pull_into(
+        self,
+        handle: KvHandle,
+        cache,
+        blocks: list[int],
+        heads: range,
+        trace: telemetry.Context | None = None,
+    ) -> PullReport:
+        """Fill `blocks` of an engine's KV cache (a KvCache holding the global KV heads `heads`)
+        with the handle's KV. KV in another block size or dtype is pulled into a staging
+        buffer in the source's layout and converted into place."""
+        if (handle.block_size, handle.dtype) == (cache.block_size, dtype_name(cache.data.dtype)):
+            return await self.pull(handle, blocks, KvDestination(cache.data, heads), trace)
+        n, h = handle.num_blocks, len(heads)
+        staging = torch.empty(
+            (handle.num_layers, 2, n, handle.block_size, h, handle.head_dim),
+            dtype=KV_DTYPES[handle.dtype],
+            device=cache.data.device,
+        )
+        report = await self.pull(handle, list(range(n)), KvDestination(staging, heads), trace)
+        for layer in range(handle.num_layers):
+            for kv in (0, 1):
+                tokens = staging[layer, kv].reshape(-1, h, handle.head_dim)[: handle.num_tokens]
+                cache.write_tokens(layer, kv, blocks, tokens)
+        return report
 
     async def first_token(
         self, handle: KvHandle, trace: telemetry.Context | None = None

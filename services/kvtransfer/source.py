@@ -5,9 +5,9 @@ region to send with its status (size, xxh3-64 checksum) and, when fault injectio
 that hits it. The UCX server and the gRPC fallback both serve through it and bracket each send
 with `sending`, so that held blocks are never freed under a send in progress.
 
-A tensor-parallel source holds each head range on another rank: it is given `gather`, an async
-region function that collects a chunk's heads from its ranks into a fresh buffer (a copy, so the
-send never reads blocks that a release may free).
+A source holds a range of KV heads (all of them on a single-rank instance; its own share on a
+rank of a tensor-parallel one, which serves it on a listener of its own). A request may ask for
+a sub-range: that is sent as a contiguous copy, the whole range in place.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import xxhash
 
 from services.common.errors import DeadlineExceeded, InvalidRequest
@@ -30,9 +31,10 @@ log = logging.getLogger("distserve.kvtransfer")
 
 SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
 
-# region(layer, kv, first_block_id, num_blocks) -> a buffer over those blocks' bytes
-RegionFn = Callable[[int, int, int, int], object]
-GatherFn = Callable[[int, int, int, int], Awaitable[object]]
+# region(layer, kv, first_block_id, num_blocks) -> those blocks of one layer's K or V in place,
+# (num_blocks, block_size, heads held here, head_dim)
+RegionFn = Callable[[int, int, int, int], torch.Tensor]
+ADOPT_WAIT_S = 5.0  # how long a follower rank's source waits for a handle rank 0 has announced
 
 
 @dataclass
@@ -53,13 +55,18 @@ class ChunkSource:
         leases: LeaseTable,
         region: RegionFn,
         num_layers: int,
+        heads: range,
         faults: FaultInjector | None = None,
-        gather: GatherFn | None = None,
+        adopt_wait_s: float = 0.0,
     ) -> None:
+        """`heads`: the global KV heads `region` holds. `adopt_wait_s`: how long a request for
+        an unknown handle waits for it to appear (a follower rank learns of handles from rank
+        0, a moment after the puller may)."""
         self.leases = leases
         self.region = region
-        self.gather = gather  # tensor-parallel sources: the region gathered from every rank
+        self.heads = heads
         self.num_layers = num_layers
+        self.adopt_wait_s = adopt_wait_s
         self.faults = faults  # tests and drills only
         self.chunks_served = 0
         self.bytes_served = 0
@@ -67,6 +74,8 @@ class ChunkSource:
     async def open_when_ready(self, req) -> Chunk:
         """`open`, once the chunk's layer is computed (a streaming handle's layers are
         published as prefill computes them; the wait ends early if the lease closes)."""
+        if self.adopt_wait_s:
+            await self.leases.wait_for(req.handle_id, self.adopt_wait_s)
         lease = self.leases.get(req.handle_id, req.access_token)
         if lease.layers_ready <= req.layer < self.num_layers:
             try:
@@ -75,20 +84,31 @@ class ChunkSource:
                 raise DeadlineExceeded(
                     f"layer {req.layer} was not computed within {SEND_TIMEOUT_S} s"
                 ) from None
-        if self.gather is None:
-            return self.open(req)
-        lease = self.leases.get(req.handle_id, req.access_token)  # closed while waiting?
-        first = self._check(req, lease.blocks)
-        data = await self.gather(req.layer, req.kv, first, req.num_blocks)
-        # Released or lapsed while the heads were gathered: refuse, as open would.
-        return self._chunk(self.leases.get(req.handle_id, req.access_token), data)
+        return self.open(req)
 
     def open(self, req) -> Chunk:
         """The chunk a request asks for; DistServeError (NotFound, PermissionDenied,
         InvalidRequest) when it may not have it."""
         lease = self.leases.get(req.handle_id, req.access_token)
         first = self._check(req, lease.blocks)
-        return self._chunk(lease, self.region(req.layer, req.kv, first, req.num_blocks))
+        heads = self._heads(req)
+        region = self.region(req.layer, req.kv, first, req.num_blocks)
+        if heads != self.heads:  # a sub-range: strided in the cache, sent as a copy
+            lo = heads.start - self.heads.start
+            region = region[:, :, lo : lo + len(heads)].contiguous()
+        data = region.reshape(-1).view(torch.uint8)
+        return self._chunk(lease, data.numpy() if data.device.type == "cpu" else data)
+
+    def _heads(self, req) -> range:
+        if req.num_heads == 0:
+            return self.heads
+        heads = range(req.first_head, req.first_head + req.num_heads)
+        if heads.start < self.heads.start or heads.stop > self.heads.stop:
+            raise InvalidRequest(
+                f"KV heads {heads.start}..{heads.stop - 1} asked of a source that holds "
+                f"{self.heads.start}..{self.heads.stop - 1}"
+            )
+        return heads
 
     def _chunk(self, lease: Lease, data) -> Chunk:
         status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)

@@ -1,7 +1,7 @@
 """How a chunk travels: UCX (zero-copy into the destination) or the gRPC fallback.
 
-`fetch(handle, request, dst)` asks the source for one chunk and fills `dst` with its bytes,
-returning the source's status; it raises when the transport breaks (and forgets the broken
+`fetch(handle, source, request, dst)` asks a source rank for one chunk and fills `dst` with its
+bytes, returning the source's status; it raises when the transport breaks (and forgets the broken
 connection, so the next attempt reconnects). Retries, checksums and timeouts are the puller's.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from services.common.errors import Unavailable
 from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
-from services.common.kv_handle import KvHandle
+from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer import wire
 
 log = logging.getLogger("distserve.kvtransfer")
@@ -79,10 +79,6 @@ class UcxTransport:
         # theirs may be freed before. Never cancelled: a cancelled receive loses its buffer.
         self._abandoned: dict[int, tuple] = {}  # by id: buffers are numpy arrays (unhashable)
 
-    @staticmethod
-    def serves(handle: KvHandle) -> bool:
-        return handle.ucx_port != 0
-
     async def warm_up(self, host: str = "127.0.0.1") -> None:
         """Connect once to ourselves: a process's first UCX connection sets up its worker and
         transports (measured: ~180 ms here, then ~3-60 ms per new peer), which would otherwise
@@ -99,8 +95,9 @@ class UcxTransport:
         finally:
             listener.close()
 
-    async def fetch(self, handle: KvHandle, request, dst) -> wire.ChunkStatus:
-        ep = await self._endpoint(handle.ucx_host, handle.ucx_port)
+    async def fetch(self, handle: KvHandle, source: RankSource, request, dst) -> wire.ChunkStatus:
+        key = (source.ucx_host, source.ucx_port)
+        ep = await self._endpoint(*key)
         tag = next(self._tags)
         request.tag = tag
         status_frame = wire.empty_frame()
@@ -119,7 +116,7 @@ class UcxTransport:
             # it); if not, it is dropped and aborted.
             if not await _drained(status_recv, data_recv):
                 self._abandon(status_recv, data_recv, status_frame, dst)
-                self._drop(handle, ep)
+                self._drop(key, ep)
             raise
         return wire.decode(status_frame, wire.ChunkStatus)
 
@@ -164,9 +161,8 @@ class UcxTransport:
                 self._endpoints[key] = ep
             return ep
 
-    def _drop(self, handle: KvHandle, ep) -> None:
+    def _drop(self, key: tuple[str, int], ep) -> None:
         """Forget a broken endpoint (only if it is still the cached one) and abort it."""
-        key = (handle.ucx_host, handle.ucx_port)
         if self._endpoints.get(key) is ep:
             del self._endpoints[key]
         with contextlib.suppress(Exception):
@@ -197,7 +193,7 @@ class GrpcTransport:
     def serves(handle: KvHandle) -> bool:
         return bool(handle.control_address)
 
-    async def fetch(self, handle: KvHandle, request, dst) -> wire.ChunkStatus:
+    async def fetch(self, handle: KvHandle, source: RankSource, request, dst) -> wire.ChunkStatus:
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
         reply = await stub.FetchChunk(request)
         if reply.status.ok and len(reply.data) == dst.nbytes:

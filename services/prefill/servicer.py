@@ -85,4 +85,5 @@ def worker_stats(worker: PrefillWorker) -> common_pb2.WorkerStats:
         handles_released=worker.leases.released_total,
         leases_expired=worker.leases.expired_total,
         blocks_reclaimed=worker.blocks_reclaimed,
+        kv_bytes_served_by_rank=worker.bytes_served_by_rank(),
     )

@@ -12,12 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from services.common import telemetry
 from services.common.announcer import DRAIN_SETTLE_S, settle
-from services.common.errors import FailedPrecondition, Unavailable
-from services.common.kv_handle import KvHandle
+from services.common.errors import FailedPrecondition, Unavailable, UnsupportedModel
+from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
 from services.engine.loop import EngineFailed, EngineLoop
+from services.engine.parallel import kv_heads_of
 from services.engine.tp_group import start_engine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
@@ -56,6 +57,7 @@ class PrefillWorker:
             config.tensor_parallel_size,
             detokenize=False,
             threads=config.threads,
+            kv="serve",
         )
         self.loop = EngineLoop(
             self.engine,
@@ -69,19 +71,26 @@ class PrefillWorker:
         self._early: dict[str, tuple[asyncio.Future, int, object]] = {}
         self._streaming: dict[str, Lease] = {}
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
+        mc = self.engine.model_config
+        tp = config.tensor_parallel_size
+        # This rank's heads; a tensor-parallel instance's other ranks serve theirs themselves.
         self.source = ChunkSource(
             self.leases,
-            self.engine.runner.cache.region_buffer,
-            self.engine.model_config.num_layers,
+            self.engine.runner.cache.region,
+            mc.num_layers,
+            kv_heads_of(0, tp, mc.num_kv_heads),
             FaultInjector(config.kv_faults) if config.kv_faults else None,
-            # A tensor-parallel instance's KV is split by heads over its ranks: each chunk is
-            # gathered from them (between steps), so it carries every head.
-            gather=self.loop.gather_kv if self.group is not None else None,
         )
         # The UCX data plane when ucxx is here and wanted; the gRPC fallback is always served.
         self.chunks = ChunkServer(self.source) if config.ucx and ucx_available() else None
         if config.ucx and self.chunks is None:
             log.warning("ucxx is not importable: KV is served over the gRPC fallback only")
+        if self.group is not None and self.chunks is None:
+            self.group.close()
+            raise UnsupportedModel(
+                "a tensor-parallel prefill instance serves KV from each rank over UCX: it needs "
+                "ucxx and cannot run with --no-ucx"
+            )
         self.control_address = ""  # set once the gRPC server is bound
         self.requests_total = 0
         self.requests_aborted = 0
@@ -104,6 +113,10 @@ class PrefillWorker:
         self.loop.stop()
         if self.group is not None:
             self.group.close()
+
+    def bytes_served_by_rank(self) -> list[int]:
+        followers = self.group.followers if self.group is not None else []
+        return [self.source.bytes_served] + [f.bytes_served for f in followers]
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new prompts; let those in flight finish and their KV be pulled and released
@@ -194,8 +207,16 @@ class PrefillWorker:
             streaming.first_token.set_result((result["first_token"], time.time()))
             return PrefillResult(handle=streaming.handle, **result)
         template = self._template(len(prompt), list(out.held_runs))
-        handle = self.leases.create(request_id, template, trace)
+        handle = self._lease(request_id, template, trace)
         return PrefillResult(handle=handle, **result)
+
+    def _lease(self, request_id: str, template: KvHandle, trace) -> KvHandle:
+        """A handle on a request's KV; the other ranks of a tensor-parallel instance serve their
+        heads of it from now on."""
+        handle = self.leases.create(request_id, template, trace)
+        if self.group is not None:
+            self.group.adopt(request_id, handle)
+        return handle
 
     def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:
         """A batch has its blocks: early-handle requests get their streaming handle now."""
@@ -207,7 +228,7 @@ class PrefillWorker:
             if future.done():  # the caller left
                 continue
             template = replace(self._template(num_tokens, list(runs)), streaming=True)
-            handle = self.leases.create(request_id, template, trace)
+            handle = self._lease(request_id, template, trace)
             self._streaming[request_id] = self.leases.of_request(request_id)
             future.set_result(handle)
 
@@ -273,6 +294,13 @@ class PrefillWorker:
         mc = self.engine.model_config
         cache = self.engine.runner.cache
         tp = self.config.tensor_parallel_size
+        ranks = ()
+        if self.group is not None:
+            ports = [self.chunks.port] + [f.ucx_port for f in self.group.followers]
+            ranks = tuple(
+                RankSource(r, self.config.host, port, kv_heads_of(r, tp, mc.num_kv_heads))
+                for r, port in enumerate(ports)
+            )
         return KvHandle(
             handle_id="",
             source_instance=self.config.worker_id,
@@ -286,8 +314,8 @@ class PrefillWorker:
             head_dim=mc.head_dim,
             dtype=str(cache.data.dtype).removeprefix("torch."),
             runs=tuple(runs),
-            block_bytes=cache.block_bytes * tp,  # every head: chunks are served gathered
+            block_bytes=cache.block_bytes * tp,  # every head (a rank holds 1 / tp of them)
             lease_expiry_unix_ms=0,
             access_token="",
-            source_tensor_parallel_size=tp,
+            rank_sources=ranks,
         )

@@ -14,10 +14,11 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import LeaseTable
-from services.kvtransfer.puller import KvPuller, PullPolicy, segments
+from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy, segments
 from services.kvtransfer.source import ChunkSource
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+HEADS = range(2)  # the tiny model's KV heads
 
 
 def handle_for(engine: LLMEngine, rid: str, port: int) -> KvHandle:
@@ -60,7 +61,7 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
         prefill.add_request(prompt, PARAMS, request_id="r")
         [first] = prefill.prefill_step(hold=True)
         leases = LeaseTable(default_s=30, max_s=60)
-        server = ChunkServer(ChunkSource(leases, prefill.runner.cache.region_buffer, 2))
+        server = ChunkServer(ChunkSource(leases, prefill.runner.cache.region, 2, HEADS))
         port = server.start()
         handle = leases.create("r", handle_for(prefill, "r", port))
         puller = KvPuller(PullPolicy(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3))
@@ -72,16 +73,16 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
                 await puller.pull(
                     replace(handle, access_token="guess"),
                     seq.block_table.blocks,
-                    decode.runner.cache.region_buffer,
+                    KvDestination(decode.runner.cache.data, HEADS),
                 )
             with pytest.raises(NotFound):
                 await puller.pull(
                     replace(handle, handle_id="nope"),
                     seq.block_table.blocks,
-                    decode.runner.cache.region_buffer,
+                    KvDestination(decode.runner.cache.data, HEADS),
                 )
             report = await puller.pull(
-                handle, seq.block_table.blocks, decode.runner.cache.region_buffer
+                handle, seq.block_table.blocks, KvDestination(decode.runner.cache.data, HEADS)
             )
             assert report.nbytes == handle.total_bytes
             assert (report.transport, report.retries) == ("ucx", 0)

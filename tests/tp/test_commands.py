@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from services.common.errors import InvalidRequest
+from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine import commands
 
@@ -26,7 +24,7 @@ PARAMS = SamplingParams(max_tokens=5, temperature=0.7, seed=3, stop=("x",), stop
         commands.Release("r3"),
         commands.Step(),
         commands.PrefillStep(),
-        commands.GatherKv(1, 0, 4, 2),
+        commands.PullKv("r2", "aGFuZGxl", [3, 4, 9]),
     ],
 )
 def test_every_command_survives_the_wire(command):
@@ -35,12 +33,37 @@ def test_every_command_survives_the_wire(command):
     assert commands.decode(line) == command
 
 
-def test_scatter_kv_sends_its_blocks_but_never_its_tensor():
-    command = commands.ScatterKv([3, 4], 20, torch.ones(2, 2, 20, 1, 8))
-    line = commands.encode(command)
-    assert json.loads(line)["args"] == {"blocks": [3, 4], "num_tokens": 20}
-    back = commands.decode(line)
-    assert (back.blocks, back.num_tokens, back.tokens) == ([3, 4], 20, None)
+def test_pull_kv_carries_the_handle_whole():
+    handle = KvHandle(
+        handle_id="h",
+        source_instance="prefill-0",
+        control_address="127.0.0.1:1",
+        ucx_host="127.0.0.1",
+        ucx_port=2,
+        num_tokens=20,
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        runs=((3, 2),),
+        block_bytes=1024,
+        lease_expiry_unix_ms=5,
+        access_token="secret",
+        rank_sources=(
+            RankSource(0, "127.0.0.1", 2, range(0, 1)),
+            RankSource(1, "127.0.0.1", 3, range(1, 2)),
+        ),
+    )
+    back = commands.decode(commands.encode(commands.PullKv.of("r", handle, [7, 8])))
+    pulled = []
+
+    class Kv:
+        def pull(self, request_id, h, blocks):
+            pulled.append((request_id, h, blocks))
+
+    back.apply(None, Kv())
+    assert pulled == [("r", handle, [7, 8])]
 
 
 def test_a_command_outside_the_vocabulary_is_refused():
