@@ -85,13 +85,20 @@ class UcxTransport:
         land in the first request's handoff."""
         import ucxx
 
+        accepted = asyncio.Event()
+
         async def accept(ep) -> None:
-            pass
+            accepted.set()
 
         listener = ucxx.create_listener(accept, 0)
         try:
             ep = await ucxx.create_endpoint(_connectable(host), listener.port)
+            # The listener's handler must have run and retired before it closes (else UCX
+            # warns that a client handler is still alive).
+            await asyncio.wait_for(accepted.wait(), 5)
             await ep.close()
+            for _ in range(3):
+                await asyncio.sleep(0)
         finally:
             listener.close()
 
