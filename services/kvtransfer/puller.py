@@ -225,14 +225,14 @@ class KvPuller:
         names = sorted({transport.name for transport, _, _ in pieces})
         report = PullReport("+".join(names), len(jobs), streaming=handle.streaming)
 
-        stop = asyncio.Event()  # a chunk failed: start no more
+        stop = asyncio.Event()  # a chunk failed or the pull was cancelled: start no more
 
         async def one(job) -> int:
             async with gate:
                 if stop.is_set():
                     return 0
                 try:
-                    return await self._chunk(handle, dst, report, *job)
+                    return await self._chunk(handle, dst, report, stop, *job)
                 except BaseException:
                     stop.set()
                     raise
@@ -263,6 +263,7 @@ class KvPuller:
         handle: KvHandle,
         dst: KvDestination,
         report: PullReport,
+        stop: asyncio.Event,
         layer: int,
         kv: int,
         seg: tuple[int, int, int],
@@ -270,7 +271,8 @@ class KvPuller:
         source: RankSource,
         heads: range,
     ) -> int:
-        """One chunk, with its own timeout, retried on its own when late, broken or corrupt."""
+        """One chunk, with its own timeout, retried on its own when late, broken or corrupt;
+        not retried once `stop` is set (the pull fails or was cancelled anyway)."""
         policy = self.policy
         src_index, dst_first, n = seg
         buffer, land = dst.region(layer, kv, dst_first, n, heads)
@@ -278,6 +280,8 @@ class KvPuller:
         error: BaseException | None = None
         for attempt in range(policy.attempts):
             if attempt:
+                if stop.is_set():
+                    raise Unavailable(f"KV pull from {where} stopped: {error}")
                 self.chunks_retried += 1
                 report.retries += 1
                 # Exponential backoff with jitter, so retries of many chunks spread out.

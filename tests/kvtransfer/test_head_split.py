@@ -12,6 +12,7 @@ import torch
 from services.common.errors import InvalidRequest
 from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import LeaseTable
 from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy
 from services.kvtransfer.source import ChunkSource
@@ -25,9 +26,10 @@ def _cache(heads: int) -> torch.Tensor:
     return torch.zeros(LAYERS, 2, BLOCKS, BLOCK_SIZE, heads, HEAD_DIM)
 
 
-async def _serve(full: torch.Tensor, tp: int):
+async def _serve(full: torch.Tensor, tp: int, faults: str = ""):
     """A source of `tp` ranks over `full`'s KV, each on its own listener with its own lease
-    table (rank 0 makes the handle, the others adopt it); returns (handle, servers)."""
+    table (rank 0 makes the handle, the others adopt it; `faults` are injected on rank 0);
+    returns (handle, servers)."""
     per = HEADS // tp
     servers, tables = [], []
     for r in range(tp):
@@ -38,6 +40,7 @@ async def _serve(full: torch.Tensor, tp: int):
             lambda layer, kv, first, n, s=shard: s[layer, kv, first : first + n],
             LAYERS,
             range(r * per, (r + 1) * per),
+            FaultInjector(faults) if faults and r == 0 else None,
         )
         servers.append(ChunkServer(source))
         servers[-1].start()
