@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 from services.common.gen.distserve.v1 import common_pb2
@@ -65,6 +66,14 @@ class KvHandle:
 
     def blocks(self) -> list[int]:
         return [b for first, n in self.runs for b in range(first, first + n)]
+
+    def encode(self) -> str:
+        """The handle as text (its protobuf, base64): for JSON messages between processes."""
+        return base64.b64encode(self.to_pb().SerializeToString()).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> KvHandle:
+        return cls.from_pb(common_pb2.KvHandle.FromString(base64.b64decode(text)))
 
     @classmethod
     def from_pb(cls, pb: common_pb2.KvHandle) -> KvHandle:

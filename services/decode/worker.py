@@ -317,7 +317,7 @@ class DecodeWorker:
             followers = self.group.expect_pulls(request_id)
         try:
             if followers:
-                await self.loop.call(PullKv.of(request_id, handle, blocks))
+                await self.loop.call(PullKv(request_id, handle.encode(), blocks))
             cache = self.engine.runner.cache
             local = self.puller.pull_into(handle, cache, blocks, self.heads, trace)
             results = await asyncio.gather(local, *followers, return_exceptions=True)

@@ -13,14 +13,11 @@ it too. KV never moves between the ranks of a group.
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest
-from services.common.gen.distserve.v1 import common_pb2
-from services.common.kv_handle import KvHandle
 from services.common.sampling import SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
@@ -125,18 +122,12 @@ class PullKv:
     it owns and reports to rank 0; rank 0 pulls its own heads on its event loop, not here."""
 
     request_id: str
-    handle: str  # the KvHandle, serialized (common.proto) and base64-encoded
+    handle: str  # KvHandle.encode(): the engine does not read it
     blocks: list[int]
-
-    @classmethod
-    def of(cls, request_id: str, handle: KvHandle, blocks: list[int]) -> PullKv:
-        encoded = base64.b64encode(handle.to_pb().SerializeToString()).decode()
-        return cls(request_id, encoded, blocks)
 
     def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> None:
         if kv is not None:
-            pb = common_pb2.KvHandle.FromString(base64.b64decode(self.handle))
-            kv.pull(self.request_id, KvHandle.from_pb(pb), self.blocks)
+            kv.pull(self.request_id, self.handle, self.blocks)
 
 
 EngineCommand = (

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -38,7 +37,6 @@ import torch.distributed as dist
 
 from services.common import orphan_guard
 from services.common.errors import RemoteError
-from services.common.kv_handle import KvHandle
 from services.engine import commands
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -92,10 +90,10 @@ class RankGroup:
             f.process.stdin.write(line)
             f.process.stdin.flush()
 
-    def adopt(self, request_id: str, handle: KvHandle) -> None:
-        """Rank 0 made a KV handle: every follower serves its heads of it from now on."""
-        pb = base64.b64encode(handle.to_pb().SerializeToString()).decode()
-        line = json.dumps({"adopt": request_id, "handle": pb}).encode() + b"\n"
+    def adopt(self, request_id: str, handle: str) -> None:
+        """Rank 0 made a KV handle (`KvHandle.encode()`): every follower serves its heads of it
+        from now on."""
+        line = json.dumps({"adopt": request_id, "handle": handle}).encode() + b"\n"
         with self._control_lock:
             for f in self.followers:
                 with contextlib.suppress(OSError):  # a dead follower ends the group anyway

@@ -23,7 +23,6 @@ reader; the state is the loop thread's alone.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -32,7 +31,6 @@ from dataclasses import asdict
 from typing import BinaryIO
 
 from services.common.errors import DistServeError
-from services.common.gen.distserve.v1 import common_pb2
 from services.common.kv_handle import KvHandle
 from services.engine.engine import LLMEngine
 from services.engine.parallel import TensorParallel, kv_heads_of
@@ -100,10 +98,11 @@ class RankKv:
             if out.finished:
                 self.loop.call_soon_threadsafe(self._end, out.request_id)
 
-    def pull(self, request_id: str, handle: KvHandle, blocks: list[int]) -> None:
-        """Start pulling this rank's heads of `handle` into `blocks`; the outcome goes to rank
-        0 as a `pulled` event."""
-        self.loop.call_soon_threadsafe(self._start_pull, request_id, handle, blocks)
+    def pull(self, request_id: str, handle: str, blocks: list[int]) -> None:
+        """Start pulling this rank's heads of `handle` (`KvHandle.encode()`) into `blocks`; the
+        outcome goes to rank 0 as a `pulled` event."""
+        decoded = KvHandle.decode(handle)
+        self.loop.call_soon_threadsafe(self._start_pull, request_id, decoded, blocks)
 
     def forget(self, request_id: str) -> None:
         """Before a request's blocks are freed: close its lease (and wait for its sends), or
@@ -170,8 +169,7 @@ class RankKv:
         *lines, self._control = self._control.split(b"\n")
         for line in lines:
             message = json.loads(line)
-            pb = common_pb2.KvHandle.FromString(base64.b64decode(message["handle"]))
-            self._adopt(message["adopt"], KvHandle.from_pb(pb))
+            self._adopt(message["adopt"], KvHandle.decode(message["handle"]))
 
     def _adopt(self, request_id: str, handle: KvHandle) -> None:
         if self.leases is None:

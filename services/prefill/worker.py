@@ -215,7 +215,7 @@ class PrefillWorker:
         heads of it from now on."""
         handle = self.leases.create(request_id, template, trace)
         if self.group is not None:
-            self.group.adopt(request_id, handle)
+            self.group.adopt(request_id, handle.encode())
         return handle
 
     def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:
