@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -28,9 +29,29 @@ class Worker:
     address: str
     load: Load = field(default_factory=Load)
     last_seen: float = field(default_factory=time.monotonic)
-    # Work the gateway sent since the last heartbeat, which the reported load does not show yet.
-    inflight_tokens: int = 0
-    inflight_requests: int = 0
+    # Calls the gateway sent since the last heartbeat that are still open, which the reported
+    # load does not show yet: ticket -> prompt tokens. A call leaves when it ends (its work is
+    # done) or when a heartbeat comes (the load now shows it).
+    _sent: dict[int, int] = field(default_factory=dict, repr=False)
+    _tickets: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def send(self, prompt_tokens: int = 0) -> int:
+        """A call is going to this worker; the ticket ends it (`settle`)."""
+        ticket = next(self._tickets)
+        self._sent[ticket] = prompt_tokens
+        return ticket
+
+    def settle(self, ticket: int) -> None:
+        """The call ended (idempotent; a no-op once a heartbeat counted it)."""
+        self._sent.pop(ticket, None)
+
+    @property
+    def inflight_requests(self) -> int:
+        return len(self._sent)
+
+    @property
+    def inflight_tokens(self) -> int:
+        return sum(self._sent.values())
 
 
 class Registry:
@@ -49,7 +70,7 @@ class Registry:
             return False
         worker.load = load
         worker.last_seen = time.monotonic()
-        worker.inflight_tokens = worker.inflight_requests = 0  # the load now shows them
+        worker._sent.clear()  # the load now shows the calls still open
         return True
 
     def deregister(self, worker_id: str, address: str | None = None) -> None:

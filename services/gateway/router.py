@@ -36,7 +36,7 @@ from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
-from services.gateway.registry import Registry
+from services.gateway.registry import Registry, Worker
 from services.gateway.request import Request
 
 log = logging.getLogger("distserve.gateway")
@@ -51,14 +51,16 @@ MIGRATION_ATTEMPTS = 2
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """A Decode call and the instance serving it."""
+    """A Decode call and the instance serving it (`ticket`: the call in its sent work)."""
 
     call: grpc.aio.UnaryStreamCall
-    worker_id: str
-    address: str
+    worker: Worker
+    ticket: int
 
     def cancel(self) -> None:
+        """End the call (if it is still open) and its place in the instance's sent work."""
         self.call.cancel()
+        self.worker.settle(self.ticket)
 
 
 @dataclass
@@ -282,7 +284,7 @@ class Router:
         the prompt was scheduled: it pulls the layers while they are computed."""
         prefill = self.registry.pick_prefill(exclude=tried)
         tried.add(prefill.worker_id)
-        prefill.inflight_tokens += len(req.prompt_ids)
+        ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         early = self.early_handoff if early is None else early
         decode = kv = events = None
@@ -330,13 +332,15 @@ class Router:
                 f"prefill instance {prefill.worker_id} ({prefill.address}) is unavailable: "
                 f"{e.details()}",
             ) from e
+        finally:
+            prefill.settle(ticket)
 
     def _start_decode(self, req: Request, first_token: int | None, kv, trace) -> DecodeCall:
         """A Decode call on the least-loaded decode instance for KV held on a prefill
         instance (`first_token` None: a streaming handle; the decode instance asks the source
         for it)."""
         decode = self.registry.pick_decode()
-        decode.inflight_requests += 1
+        ticket = decode.send()
         call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
@@ -348,7 +352,7 @@ class Router:
             timeout=_timeout(req),
             metadata=telemetry.outgoing(trace),
         )
-        return DecodeCall(call, decode.worker_id, decode.address)
+        return DecodeCall(call, decode, ticket)
 
     async def _decode(
         self, decode: DecodeCall, kv, trace
@@ -361,7 +365,7 @@ class Router:
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(decode.worker_id, decode.address)
+                self._lost(decode.worker.worker_id, decode.worker.address)
             raise
         finally:
             decode.cancel()
@@ -393,8 +397,7 @@ class Router:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role)
-        worker.inflight_requests += 1
-        worker.inflight_tokens += len(req.prompt_ids)
+        ticket = worker.send(len(req.prompt_ids))
         call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
@@ -415,6 +418,7 @@ class Router:
             raise
         finally:
             call.cancel()
+            worker.settle(ticket)
 
     async def _abandon(self, stub, req: Request) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
