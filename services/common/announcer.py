@@ -37,6 +37,7 @@ class Announcer:
         )
         self.load = load
         self.interval_s = interval_s
+        self.timeout_s = 1.0  # of one heartbeat; half the lease once the gateway said it
         self._channel = mesh_tls.aio_channel(gateway, CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
         self._task: asyncio.Task | None = None
@@ -60,6 +61,9 @@ class Announcer:
         self.request.load.CopyFrom(self.load())
         reply = await self._stub.Register(self.request, timeout=10, wait_for_ready=True)
         self.interval_s = min(self.interval_s, reply.lease_ms / 3000)
+        # A slow answer still counts: a heartbeat given up at 1 s on a starved host let a live
+        # worker's lease lapse. Half the lease leaves time for the next one.
+        self.timeout_s = max(1.0, reply.lease_ms / 2000)
 
     async def _beat(self) -> None:
         beat = gateway_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
@@ -67,7 +71,7 @@ class Announcer:
             await asyncio.sleep(self.interval_s)
             try:
                 beat.load.CopyFrom(self.load())
-                reply = await self._stub.Heartbeat(beat, timeout=max(1.0, self.interval_s))
+                reply = await self._stub.Heartbeat(beat, timeout=self.timeout_s)
                 if not reply.known:
                     await self._register()
             except grpc.aio.AioRpcError as e:

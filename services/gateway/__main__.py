@@ -42,7 +42,9 @@ class GatewayConfig:
     model: Path  # the model folder: tokenizer and limits (the gateway never loads weights)
     host: str = "127.0.0.1"
     port: int = 50051
-    worker_lease_s: float = 3.0  # a worker that does not heartbeat this long is dropped
+    # A worker that does not heartbeat this long is dropped (a dead one sooner: a call that
+    # cannot reach it deregisters it); long enough for a slow heartbeat on a starved host.
+    worker_lease_s: float = 6.0
     max_tokens: int | None = None  # largest max_tokens accepted; default: the model's context
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0: any free port; None: off
     served_model_name: str | None = None  # the model's name in the HTTP API; default: folder name
@@ -61,7 +63,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--model", type=Path, required=True, help="model folder (tokenizer, limits)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    p.add_argument("--worker-lease-s", type=float, default=3.0)
+    p.add_argument("--worker-lease-s", type=float, default=6.0)
     p.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     p.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 any free, -1 off"

@@ -99,12 +99,16 @@ class Registry:
             workers, key=lambda w: (w.load.queued_prompt_tokens + w.inflight_tokens, w.worker_id)
         )
 
-    def pick_decode(self, role: str = "decode") -> Worker:
+    def pick_decode(
+        self, role: str = "decode", exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Worker:
         """The least-loaded decode (or colocated) instance: fewest sequences running, waiting
-        or being pulled; then the most free KV blocks."""
+        or being pulled; then the most free KV blocks. Instances in `exclude` (those a request
+        already failed on) only when there is no other."""
         workers = self.live(role)
         if not workers:
             raise Unavailable(f"no {role} instance is registered with the gateway")
+        workers = [w for w in workers if w.worker_id not in exclude] or workers
 
         def load(w: Worker) -> tuple:
             busy = w.load.running_seqs + w.load.waiting_seqs + w.load.pending_pulls

@@ -224,6 +224,7 @@ class Router:
             return
         first = reply.first_token_id
         failures: list[str] = []
+        failed_decode: set[str] = set()  # the next attempt prefers another decode instance
         for attempt in range(KV_HANDOFF_ATTEMPTS):
             if attempt:
                 # The KV could not be pulled (its source died, or a chunk ran out of retries):
@@ -242,7 +243,7 @@ class Router:
             pulled = False
             try:
                 if early is None:
-                    early = self._start_decode(req, first, reply.kv, trace)
+                    early = self._start_decode(req, first, reply.kv, trace, failed_decode)
             except BaseException:  # e.g. the deadline passed: the held KV is ours to release
                 await self._release(reply.kv, trace)
                 raise
@@ -255,6 +256,9 @@ class Router:
             except grpc.aio.AioRpcError as e:
                 if pulled or e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
+                # Its source or the decode instance itself failed (it may be dead and still
+                # leased): the next attempt goes elsewhere when it can.
+                failed_decode.add(call.worker.worker_id)
                 failures.append(_details(e))
                 log.warning("request %s: KV handoff failed (%s)", req.request_id, failures[-1])
         raise RemoteError(
@@ -286,7 +290,9 @@ class Router:
         tried.add(prefill.worker_id)
         ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
-        early = self.early_handoff if early is None else early
+        if early is None:
+            # A request of one token ends at prefill's: nothing to pull, no decode to start.
+            early = self.early_handoff and req.params.max_tokens > 1
         decode = kv = events = None
         try:
             events = stub.Prefill(
@@ -335,11 +341,13 @@ class Router:
         finally:
             prefill.settle(ticket)
 
-    def _start_decode(self, req: Request, first_token: int | None, kv, trace) -> DecodeCall:
+    def _start_decode(
+        self, req: Request, first_token: int | None, kv, trace, failed: set[str] = frozenset()
+    ) -> DecodeCall:
         """A Decode call on the least-loaded decode instance for KV held on a prefill
         instance (`first_token` None: a streaming handle; the decode instance asks the source
-        for it)."""
-        decode = self.registry.pick_decode()
+        for it), another than those in `failed` if there is one."""
+        decode = self.registry.pick_decode(exclude=failed)
         ticket = decode.send()
         call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
