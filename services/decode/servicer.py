@@ -55,6 +55,7 @@ def worker_load(worker: DecodeWorker) -> common_pb2.WorkerLoad:
         free_kv_blocks=load.free_blocks,
         total_kv_blocks=load.total_blocks,
         pending_pulls=worker.pulling,
+        decode_step_ms=load.decode_step_ms,
     )
 
 

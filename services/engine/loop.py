@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("distserve.engine")
 
+STEP_MS_WEIGHT = 0.2  # of the newest decode step in EngineLoad.decode_step_ms
+
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -54,6 +56,7 @@ class EngineLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     requests: int = 0
+    decode_step_ms: float = 0.0  # recent decode steps' time (an exponential average)
 
 
 class EngineFailed(Exception):
@@ -90,6 +93,7 @@ class EngineLoop:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._step_ms = 0.0
         self.load = EngineLoad(
             total_blocks=engine.pool.num_blocks, free_blocks=engine.pool.num_free
         )
@@ -145,6 +149,9 @@ class EngineLoop:
         while not self._stopping:
             self._wake.clear()
             self._run_commands()
+            # Before the step too: while a prefill batch runs, its prompts still count as
+            # queued (taken out of the waiting queue, they would vanish from the load).
+            self._snapshot()
             try:
                 self._iterate()
             except Exception as e:  # a bug or a device error: fail what is in flight, go on
@@ -181,6 +188,8 @@ class EngineLoop:
             return
         kind, size, tokens = engine.last_step
         info = StepInfo(kind, size, tokens, started, time.monotonic() - started)
+        if kind == "decode":
+            self._step_ms += STEP_MS_WEIGHT * (info.seconds * 1000 - self._step_ms)
         self._loop.call_soon_threadsafe(self._dispatch, outputs, info)
 
     def _scheduled(self, seqs: list[Sequence]) -> None:
@@ -224,6 +233,7 @@ class EngineLoop:
             free_blocks=e.pool.num_free,
             total_blocks=e.pool.num_blocks,
             requests=e.num_requests,
+            decode_step_ms=self._step_ms,
         )
 
     # -- on the event loop -----------------------------------------------------------------------

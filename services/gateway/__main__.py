@@ -98,8 +98,15 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--admission-ttft-factor",
         type=float,
-        default=2.0,
+        default=1.0,
         help="refuse (429) a request predicted to miss this many times the TTFT SLO; 0: off",
+    )
+    p.add_argument(
+        "--decode-tpot-watermark",
+        type=float,
+        default=1.0,
+        help="a decode instance whose recent steps take this many times the TPOT SLO takes no "
+        "new prompts (they wait); 0: off",
     )
     p.add_argument(
         "--decode-pull-watermark",
@@ -144,6 +151,7 @@ def _admission_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> Admi
             ttft_factor=a.admission_ttft_factor,
             pull_watermark=a.decode_pull_watermark,
             kv_watermark=a.decode_kv_watermark,
+            tpot_watermark=a.decode_tpot_watermark,
         )
     except ValueError as e:
         p.error(str(e))
@@ -165,6 +173,7 @@ async def serve(config: GatewayConfig) -> None:
         config.slo.ttft_s,
         config.admission,
         on_refuse=lambda reason: metrics.refusals.labels(reason).inc(),
+        tpot_slo_s=config.slo.tpot_s,
     )
     router = Router(
         registry, tokenizer, served, metrics, feed, config.layerwise_handoff, local, admission

@@ -13,9 +13,12 @@ stream):
   queue ahead of it is refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after
   hint: the time that queue needs to drain below the limit. (With nothing queued it is served,
   however long its own prefill: refusing it would refuse it for ever.)
-* **Decode watermarks.** When every decode instance is past a watermark (pending KV pulls, or KV
-  use), new prompts wait at the gateway before prefill (prefilled KV would only pile up on the
-  prefill instances) for as long as their TTFT budget allows, then are refused the same way.
+  The queue counts the batch being computed too: its prompts are not done.
+* **Decode watermarks.** When every decode instance is past a watermark (pending KV pulls, KV
+  use, or decode steps slower than `tpot_watermark` x the TPOT SLO while it has sequences
+  running: each one it takes in makes every step slower), new prompts wait at the gateway
+  before prefill (prefilled KV would only pile up on the prefill instances) for as long as their
+  TTFT budget allows, then are refused the same way.
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ WATERMARK_POLL_S = 0.02
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_inflight: int = 1024  # requests in the gateway at once
-    ttft_factor: float = 2.0  # refuse past this many times the TTFT SLO (predicted); 0: off
+    ttft_factor: float = 1.0  # refuse past this many times the TTFT SLO (predicted); 0: off
     pull_watermark: int = 16  # pending KV pulls per decode instance past which prefill waits
     kv_watermark: float = 0.95  # share of a decode instance's KV blocks in use, likewise
+    tpot_watermark: float = 1.0  # decode steps slower than this many TPOT SLOs, likewise; 0: off
 
     def __post_init__(self) -> None:
-        if self.max_inflight < 1 or self.ttft_factor < 0 or self.pull_watermark < 1:
-            raise ValueError("max_inflight and pull_watermark must be >= 1, ttft_factor >= 0")
+        if self.max_inflight < 1 or self.pull_watermark < 1:
+            raise ValueError("max_inflight and pull_watermark must be >= 1")
+        if self.ttft_factor < 0 or self.tpot_watermark < 0:
+            raise ValueError("ttft_factor and tpot_watermark must be >= 0")
         if not 0 < self.kv_watermark <= 1:
             raise ValueError("kv_watermark must be in (0, 1]")
 
@@ -63,10 +69,14 @@ class Admission:
         ttft_slo_s: float,
         config: AdmissionConfig | None = None,
         on_refuse: Callable[[str], None] | None = None,
+        *,
+        tpot_slo_s: float | None = None,
     ) -> None:
+        """`tpot_slo_s` None: no decode-step watermark."""
         self.registry = registry
         self.config = config or AdmissionConfig()
         self.limit_ms = self.config.ttft_factor * ttft_slo_s * 1000
+        self.step_limit_ms = self.config.tpot_watermark * (tpot_slo_s or 0.0) * 1000
         # (batch tokens, compute ms) of the latest prefill batches, and the line through them.
         self._batches: deque[tuple[int, float]] = deque(maxlen=FIT_SAMPLES)
         self.cost: tuple[float, float] | None = None  # (a ms, b ms per token)
@@ -130,8 +140,9 @@ class Admission:
                 self._refuse(
                     "decode_watermark",
                     "every decode instance is past its watermark (pending KV pulls "
-                    f">= {self.config.pull_watermark} or KV use >= "
-                    f"{self.config.kv_watermark:.0%}) for longer than the TTFT budget",
+                    f">= {self.config.pull_watermark}, KV use >= "
+                    f"{self.config.kv_watermark:.0%} or decode steps >= "
+                    f"{self.step_limit_ms:.0f} ms) for longer than the TTFT budget",
                     budget_s or 1.0,
                 )
             await asyncio.sleep(WATERMARK_POLL_S)
@@ -143,6 +154,8 @@ class Admission:
     def _past_watermark(self, w: Worker) -> bool:
         load = w.load
         if load.pending_pulls + w.inflight_requests >= self.config.pull_watermark:
+            return True
+        if self.step_limit_ms and load.running_seqs and load.decode_step_ms >= self.step_limit_ms:
             return True
         used = 1 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
         return used >= self.config.kv_watermark

@@ -20,6 +20,7 @@ class Load:
     total_kv_blocks: int = 0
     pending_pulls: int = 0
     held_kv_handles: int = 0
+    decode_step_ms: float = 0.0
 
 
 @dataclass

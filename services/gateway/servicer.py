@@ -101,4 +101,5 @@ def _load(pb: common_pb2.WorkerLoad) -> Load:
         total_kv_blocks=pb.total_kv_blocks,
         pending_pulls=pb.pending_pulls,
         held_kv_handles=pb.held_kv_handles,
+        decode_step_ms=pb.decode_step_ms,
     )

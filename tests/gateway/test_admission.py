@@ -15,7 +15,7 @@ from services.common.errors import Overloaded
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.registry import Load, Registry
-from tests.conftest import start_mesh
+from tests.conftest import start_mesh, stop_now
 
 
 def registry(prefill_queued: int = 0, decode_pulls: int = 0, decode_free: int = 100) -> Registry:
@@ -53,10 +53,10 @@ def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_with_a_retry_hint()
     observe_line(admission, a=0.0, b=0.1)  # 0.1 ms a prompt token
     with pytest.raises(Overloaded) as err:
         asyncio.run(admit(admission))
-    # 30 100 tokens ahead and its own at 0.1 ms: ~3 010 ms against 2 x 1 000 ms.
+    # 30 100 tokens ahead and its own at 0.1 ms: ~3 010 ms against 1 x 1 000 ms.
     assert err.value.status == "RESOURCE_EXHAUSTED"
     assert "30000 prompt tokens are queued ahead" in str(err.value)
-    assert err.value.retry_after_s == 2  # ~1.01 s over the limit, rounded up
+    assert err.value.retry_after_s == 3  # ~2.01 s over the limit, rounded up
     assert refused == ["ttft"] and admission.inflight == 0
     # On an idle mesh it is admitted, even a prompt that alone takes longer than the limit;
     # the factor 0 switches the rule off.
@@ -84,7 +84,7 @@ def test_in_flight_requests_are_bounded():
 def test_saturated_decode_holds_prompts_until_it_drains_or_the_budget_ends():
     reg = registry(decode_pulls=4)
     config = AdmissionConfig(pull_watermark=4)
-    admission = Admission(reg, ttft_slo_s=0.1, config=config)  # a 200 ms budget
+    admission = Admission(reg, ttft_slo_s=0.1, config=config)  # a 100 ms budget
 
     async def drains_soon() -> float:
         async def relieve() -> None:
@@ -104,11 +104,28 @@ def test_saturated_decode_holds_prompts_until_it_drains_or_the_budget_ends():
         asyncio.run(admit(admission))
 
 
+def test_decode_steps_slower_than_the_tpot_slo_hold_new_prompts_back():
+    """Each sequence a decode instance takes in makes every step slower: while its steps are
+    past the TPOT SLO it takes no new prompt; idle, its last step time does not count."""
+    reg = registry()
+    slow = Load(running_seqs=8, decode_step_ms=150.0, free_kv_blocks=100, total_kv_blocks=100)
+    reg.heartbeat("d", slow)
+    admission = Admission(reg, ttft_slo_s=0.1, tpot_slo_s=0.1)
+    with pytest.raises(Overloaded, match="decode steps >= 100 ms"):
+        asyncio.run(admit(admission))
+    idle = Load(running_seqs=0, decode_step_ms=150.0, free_kv_blocks=100, total_kv_blocks=100)
+    reg.heartbeat("d", idle)
+    asyncio.run(admit(admission))
+    reg.heartbeat("d", slow)
+    off = Admission(reg, 0.1, AdmissionConfig(tpot_watermark=0), tpot_slo_s=0.1)
+    asyncio.run(admit(off))
+
+
 @pytest.fixture(scope="module")
 def one_at_a_time(tiny_model):
     mesh = start_mesh(tiny_model, prefill=1, decode=1, gateway_args=("--max-inflight", "1"))
     yield mesh
-    mesh.stop()
+    stop_now(mesh)
 
 
 def test_clients_see_a_refusal_with_when_to_retry(one_at_a_time):
