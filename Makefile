@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos bench-overload protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-planner: $(GEN)
 
 bench-chaos: $(GEN)
 	$(BIN)/python bench/chaos.py
+
+bench-overload: $(GEN)
+	$(BIN)/python bench/overload.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen
