@@ -189,6 +189,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100, help="sequential requests for TTFT")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens per streamed request")
+    ap.add_argument(
+        "--kv-handoff",
+        choices=("layerwise", "after-prefill"),
+        default="layerwise",
+        help="the gateway's handoff (its default: layerwise)",
+    )
     args = ap.parse_args()
     path = default_model("tiny")
     gen = torch.Generator().manual_seed(0)
@@ -205,7 +211,12 @@ def main() -> None:
     torch.set_num_threads(threads)
     edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="/dev/null")
     spec = MeshSpec(
-        model=path, gateway_port=0, pin=True, worker_args=("--kv-cache-mb", "64"), edge=edge
+        model=path,
+        gateway_port=0,
+        pin=True,
+        worker_args=("--kv-cache-mb", "64"),
+        gateway_args=("--kv-handoff", args.kv_handoff),
+        edge=edge,
     )
     with Mesh(spec) as mesh:
         m_ttft, m_gap = asyncio.run(mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests))
@@ -248,6 +259,7 @@ def main() -> None:
     result = {
         "bench": "mesh",
         "preset": "tiny",
+        "kv_handoff": args.kv_handoff,
         "ttft_ms_p50": round(pct(m_ttft, 0.5) * ms, 3),
         "ttft_ms_p99": round(pct(m_ttft, 0.99) * ms, 3),
         "engine_ttft_ms_p50": round(pct(e_ttft, 0.5) * ms, 3),
