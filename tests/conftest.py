@@ -39,6 +39,33 @@ def start_mesh(model: Path, **kwargs):
     return mesh
 
 
+def stop_now(mesh) -> None:
+    """Stop a mesh whose test is over: SIGKILL its workers, then stop the rest (Envoy, the
+    gateway, a planner) as `Mesh.stop` does. A graceful stop of a worker (drain, deregister,
+    the server's grace period, the interpreter's exit) costs 2-3 s of a 2-core machine per
+    mesh, and nothing is checked after a test's end; the tests of graceful stops and drains
+    (test_resilience.py, `distserve up` in test_mesh.py) signal the workers themselves."""
+    for p in mesh.workers:
+        if p.popen.poll() is None:
+            p.popen.kill()
+    for p in mesh.workers:
+        p.popen.wait()
+    mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_mesh(tiny_model):
+    """1 prefill + 1 decode (MESH_WORKER_ARGS) behind an Envoy with the default edge config,
+    started once for the whole session (a mesh takes seconds to start). Only for tests that
+    leave it as they found it: no worker killed, stopped or reconfigured, every request ended
+    and its KV freed. A test that disturbs a mesh starts its own (`mesh_factory`)."""
+    from services.edge.config import EdgeConfig
+
+    mesh = start_mesh(tiny_model, prefill=1, decode=1, edge=EdgeConfig(port=0))
+    yield mesh
+    stop_now(mesh)
+
+
 @pytest.fixture
 def mesh_factory(tiny_model):
     """start(prefill=, decode=, colocated=, **MeshSpec fields) -> a running Mesh, stopped when
@@ -52,4 +79,4 @@ def mesh_factory(tiny_model):
 
     yield start
     for mesh in meshes:
-        mesh.stop()
+        stop_now(mesh)

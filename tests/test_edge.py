@@ -31,11 +31,10 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_model):
-    """1 prefill + 1 decode behind an Envoy with the default edge config on a free port."""
-    mesh = start_mesh(tiny_model, prefill=1, decode=1, edge=EdgeConfig(port=0))
-    yield mesh
-    mesh.stop()
+def mesh(shared_mesh):
+    """1 prefill + 1 decode behind an Envoy with the default edge config on a free port: the
+    session's shared mesh (the tests using it leave it as they found it)."""
+    return shared_mesh
 
 
 def client(address: str, **kwargs) -> openai.OpenAI:

@@ -26,7 +26,6 @@ from services.common.gen.distserve.v1 import (
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from tests.conftest import start_mesh
 
 PROMPTS = [
     "Hello",
@@ -36,10 +35,18 @@ PROMPTS = [
 ]
 
 
+_EXPECTED: dict[tuple, list[tuple[list[int], str]]] = {}
+
+
 def expected(model, prompts, max_tokens=24):
-    engine = LLMEngine(model, EngineConfig(num_blocks=256))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [(c.token_ids, c.text) for c in engine.generate(prompts, params)]
+    """[(token ids, text)] of the in-process engine, greedy: computed once per (model, prompts,
+    max_tokens) in the session (the engine is deterministic; a run costs 0.2-3 s)."""
+    key = (str(model), tuple(prompts), max_tokens)
+    if key not in _EXPECTED:
+        engine = LLMEngine(model, EngineConfig(num_blocks=256))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        _EXPECTED[key] = [(c.token_ids, c.text) for c in engine.generate(list(prompts), params)]
+    return [(list(ids), text) for ids, text in _EXPECTED[key]]
 
 
 async def generate(address, prompt, max_tokens=24, **sampling):
@@ -85,10 +92,9 @@ def kv_all_free(mesh) -> bool:
 
 
 @pytest.fixture(scope="module")
-def mesh_1p1d(tiny_model):
-    mesh = start_mesh(tiny_model, prefill=1, decode=1)
-    yield mesh
-    mesh.stop()
+def mesh_1p1d(shared_mesh):
+    """The session's 1P1D mesh (the tests using it leave it as they found it)."""
+    return shared_mesh
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from services.common.gen.distserve.v1 import (
 )
 from services.edge.config import EdgeConfig
 from tests.certs import mesh_pki
-from tests.conftest import start_mesh
+from tests.conftest import start_mesh, stop_now
 from tests.test_mesh import PROMPTS, expected
 
 TARGET = (("grpc.ssl_target_name_override", mesh_tls.SERVER_NAME),)
@@ -50,7 +50,7 @@ def tls_mesh(tiny_model, pki):
         try:
             yield mesh
         finally:
-            mesh.stop()
+            stop_now(mesh)
     mesh_tls.mesh_tls.cache_clear()
 
 

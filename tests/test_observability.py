@@ -50,80 +50,93 @@ def children(spans: list[dict], parent: dict) -> dict[str, list[dict]]:
     return out
 
 
-def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(tiny_model):
-    from tests.conftest import start_mesh
+@pytest.fixture(scope="module")
+def traced_mesh(tiny_model):
+    """One 1P1D mesh for the module: every process exports OTLP to `mesh.receiver` (Envoy in
+    front, exporting too), and a planner the gateway feeds."""
+    from tests.conftest import start_mesh, stop_now
 
     with OtlpReceiver() as receiver:
         env = {**TRACE_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"}
         edge = EdgeConfig(port=0, access_log="", otlp_endpoint=receiver.endpoint)
-        mesh = start_mesh(tiny_model, prefill=1, decode=1, edge=edge, env=env)
+        mesh = start_mesh(tiny_model, prefill=1, decode=1, edge=edge, env=env, planner=True)
+        mesh.receiver = receiver
         try:
-            gaps = []
-            for i in range(5):
-                trace_id = f"{i + 1:032x}"
-                client_ttft, ids = generate_timed(mesh.edge_address, "Trace me", 6, trace_id)
-                assert len(ids) == 6
-                # (Envoy names its span "ingress", after its role)
-                spans = receiver.wait_for(trace_id, {"ingress", *REQUEST_SPANS, "kv.lease"}, 20)
-                # Envoy continues the client's trace; the gateway's root span is its child.
-                [envoy] = [s for s in spans if s["service"] == "envoy"]
-                assert envoy["parent_span_id"] == "00f067aa0ba902b7"
-                [root] = [s for s in spans if "gen_ai.operation.name" in s["attributes"]]
-                assert root["service"] == "distserve-gateway"
-                assert root["parent_span_id"] == envoy["span_id"]
-                a = root["attributes"]
-                assert a["gen_ai.operation.name"] == "text_completion"
-                assert a["gen_ai.request.model"] == tiny_model.name
-                assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"]) == (6, 0.0)
-                assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) > (0, 5)
-                assert a["gen_ai.response.finish_reasons"] == ["length"]
-                assert a["distserve.mode"] == "disaggregated"
-                assert 0 < a["distserve.tpot_ms"] < a["distserve.first_itl_ms"] + 1000
-                # The tree: every phase of the request hangs off the root, in its own process.
-                kids = children(spans, root)
-                services = {n: {s["service"] for s in kids[n]} for n in kids}
-                assert services == {
-                    "prefill.queue": {"distserve-prefill"},
-                    "prefill.compute": {"distserve-prefill"},
-                    "kv.lease": {"distserve-prefill"},
-                    "kv.handoff": {"distserve-decode"},
-                    "decode.queue": {"distserve-decode"},
-                    "decode": {"distserve-decode"},
-                }
-                [handoff] = kids["kv.handoff"]
-                h = handoff["attributes"]
-                assert h["kv.bytes"] > 0 and h["kv.chunks"] >= 2 and h["kv.chunks_retried"] == 0
-                assert h["kv.transport"] == "ucx" and h["kv.bandwidth_bytes_per_s"] > 0
-                # Layer-wise: the pull starts while prefill computes (how much of it hides
-                # behind prefill depends on timing; tests/kvtransfer/test_layerwise.py checks it).
-                assert h["kv.streaming"] is True and 0.0 <= h["kv.overlap_fraction"] <= 1.0
-                [compute] = kids["prefill.compute"]
-                assert (
-                    compute["attributes"]["prefill.batch_tokens"] >= a["gen_ai.usage.input_tokens"]
-                )
-                # Phases in order: the handoff starts once the prompt is scheduled (before its
-                # compute ends), decode after the handoff (to within 1 ms: spans carry
-                # wall-clock times, read from monotonic clocks).
-                ms = 1_000_000
-                assert compute["start_unix_nano"] <= handoff["start_unix_nano"] + ms
-                assert handoff["end_unix_nano"] <= kids["decode"][0]["start_unix_nano"] + ms
-                # The release reaches the source with the pull's context: its span is the
-                # kvtransfer hop of the trace, under kv.handoff, in the prefill process.
-                released = receiver.wait_for(trace_id, {"kv.release"}, 10)
-                [release] = [s for s in released if s["name"] == "kv.release"]
-                assert release["parent_span_id"] == handoff["span_id"]
-                assert release["service"] == "distserve-prefill"
-                [lease] = kids["kv.lease"]
-                assert lease["attributes"]["kv.outcome"] == "released"
-                # (a send whose bytes arrived may be cancelled by the release before it counts)
-                assert 0 < lease["attributes"]["kv.bytes_sent"] <= h["kv.bytes"]
-                # The span's TTFT is the client's, less the hops in between (Envoy, gRPC).
-                gaps.append(client_ttft * 1000 - a["distserve.ttft_ms"])
-            # The client's TTFT is the span's plus Envoy and the client's own gRPC: never less,
-            # a few ms more (more when the two cores are busy with other work: the median then).
-            assert min(gaps) >= 0 and min(gaps) < 5 and statistics.median(gaps) < 10, gaps
+            yield mesh
         finally:
-            mesh.stop()
+            stop_now(mesh)
+
+
+def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(traced_mesh, tiny_model):
+    mesh, receiver = traced_mesh, traced_mesh.receiver
+    # The requests first, one after the other, then their traces: Envoy exports its spans in
+    # batches (every 5 s, or once 5 are buffered), so waiting after each request would wait
+    # 5 s each time.
+    sent = []
+    for i in range(5):
+        trace_id = f"{i + 1:032x}"
+        client_ttft, ids = generate_timed(mesh.edge_address, "Trace me", 6, trace_id)
+        assert len(ids) == 6
+        sent.append((trace_id, client_ttft))
+    gaps = []
+    for trace_id, client_ttft in sent:
+        # (Envoy names its span "ingress", after its role)
+        spans = receiver.wait_for(trace_id, {"ingress", *REQUEST_SPANS, "kv.lease"}, 20)
+        # Envoy continues the client's trace; the gateway's root span is its child.
+        [envoy] = [s for s in spans if s["service"] == "envoy"]
+        assert envoy["parent_span_id"] == "00f067aa0ba902b7"
+        [root] = [s for s in spans if "gen_ai.operation.name" in s["attributes"]]
+        assert root["service"] == "distserve-gateway"
+        assert root["parent_span_id"] == envoy["span_id"]
+        a = root["attributes"]
+        assert a["gen_ai.operation.name"] == "text_completion"
+        assert a["gen_ai.request.model"] == tiny_model.name
+        assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"]) == (6, 0.0)
+        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) > (0, 5)
+        assert a["gen_ai.response.finish_reasons"] == ["length"]
+        assert a["distserve.mode"] == "disaggregated"
+        assert 0 < a["distserve.tpot_ms"] < a["distserve.first_itl_ms"] + 1000
+        # The tree: every phase of the request hangs off the root, in its own process.
+        kids = children(spans, root)
+        services = {n: {s["service"] for s in kids[n]} for n in kids}
+        assert services == {
+            "prefill.queue": {"distserve-prefill"},
+            "prefill.compute": {"distserve-prefill"},
+            "kv.lease": {"distserve-prefill"},
+            "kv.handoff": {"distserve-decode"},
+            "decode.queue": {"distserve-decode"},
+            "decode": {"distserve-decode"},
+        }
+        [handoff] = kids["kv.handoff"]
+        h = handoff["attributes"]
+        assert h["kv.bytes"] > 0 and h["kv.chunks"] >= 2 and h["kv.chunks_retried"] == 0
+        assert h["kv.transport"] == "ucx" and h["kv.bandwidth_bytes_per_s"] > 0
+        # Layer-wise: the pull starts while prefill computes (how much of it hides
+        # behind prefill depends on timing; tests/kvtransfer/test_layerwise.py checks it).
+        assert h["kv.streaming"] is True and 0.0 <= h["kv.overlap_fraction"] <= 1.0
+        [compute] = kids["prefill.compute"]
+        assert compute["attributes"]["prefill.batch_tokens"] >= a["gen_ai.usage.input_tokens"]
+        # Phases in order: the handoff starts once the prompt is scheduled (before its
+        # compute ends), decode after the handoff (to within 1 ms: spans carry
+        # wall-clock times, read from monotonic clocks).
+        ms = 1_000_000
+        assert compute["start_unix_nano"] <= handoff["start_unix_nano"] + ms
+        assert handoff["end_unix_nano"] <= kids["decode"][0]["start_unix_nano"] + ms
+        # The release reaches the source with the pull's context: its span is the
+        # kvtransfer hop of the trace, under kv.handoff, in the prefill process.
+        released = receiver.wait_for(trace_id, {"kv.release"}, 10)
+        [release] = [s for s in released if s["name"] == "kv.release"]
+        assert release["parent_span_id"] == handoff["span_id"]
+        assert release["service"] == "distserve-prefill"
+        [lease] = kids["kv.lease"]
+        assert lease["attributes"]["kv.outcome"] == "released"
+        # (a send whose bytes arrived may be cancelled by the release before it counts)
+        assert 0 < lease["attributes"]["kv.bytes_sent"] <= h["kv.bytes"]
+        # The span's TTFT is the client's, less the hops in between (Envoy, gRPC).
+        gaps.append(client_ttft * 1000 - a["distserve.ttft_ms"])
+    # The client's TTFT is the span's plus Envoy and the client's own gRPC: never less,
+    # a few ms more (more when the two cores are busy with other work: the median then).
+    assert min(gaps) >= 0 and min(gaps) < 5 and statistics.median(gaps) < 10, gaps
 
 
 def test_colocated_request_spans_and_the_trace_file(tiny_model, tmp_path):
@@ -166,17 +179,8 @@ def value(samples, name: str, **labels) -> float:
     )
 
 
-@pytest.fixture(scope="module")
-def mesh_with_metrics(tiny_model):
-    from tests.conftest import start_mesh
-
-    mesh = start_mesh(tiny_model, prefill=1, decode=1, planner=True)
-    yield mesh
-    mesh.stop()
-
-
-def test_metrics_endpoints_scrape_and_move_with_requests(mesh_with_metrics):
-    mesh = mesh_with_metrics
+def test_metrics_endpoints_scrape_and_move_with_requests(traced_mesh):
+    mesh = traced_mesh
     by_name = {p.name: p.ready["metrics_address"] for p in mesh.workers}
     by_name["gateway"] = next(p for p in mesh.processes if p.name == "gateway").ready[
         "metrics_address"

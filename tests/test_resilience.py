@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.conftest import start_mesh
+from tests.conftest import start_mesh, stop_now
 from tests.test_mesh import addresses, expected, stats, wait_until
 
 PROMPT = "The decode phase adds one token at a time"
@@ -72,7 +72,7 @@ def mesh_1p2d(tiny_model):
     # SIGTERM hands long streams off.
     mesh = start_mesh(tiny_model, prefill=1, decode=2, decode_args=("--drain-timeout-s", "0.05"))
     yield mesh
-    mesh.stop()
+    stop_now(mesh)
 
 
 def test_a_decode_instance_killed_mid_stream_is_invisible_to_the_client(mesh_1p2d, reference):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck
 
 from services.edge.config import EdgeConfig
-from tests.conftest import start_mesh
+from tests.conftest import start_mesh, stop_now
 from tests.test_mesh import addresses, generate, kv_all_free, stats, wait_until
 
 MAX_TOKENS = 32
@@ -42,7 +42,7 @@ def fuzz_mesh(tiny_model):
     try:
         yield mesh
     finally:
-        mesh.stop()
+        stop_now(mesh)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -377,8 +377,9 @@ def test_undecodable_bytes_are_invalid_argument(fuzz_mesh, target):
     "token (max_tokens=1, or a stop string or EOS in the first token) while the decode "
     "instance pulls its KV over UCX (the early, layer-wise handoff the gateway then cancels)",
 )
-def test_requests_that_end_at_the_first_token_leave_decode_alive(mesh_factory):
-    mesh = mesh_factory(prefill=1, decode=1)  # UCX, as deployed
+def test_requests_that_end_at_the_first_token_leave_decode_alive(shared_mesh):
+    mesh = shared_mesh  # 1P1D, UCX, as deployed
+    lapsed_before = leases_expired(mesh)
     one_token = gateway_pb2.GenerateRequest(
         text="Hello there", sampling=common_pb2.SamplingParams(max_tokens=1)
     )
@@ -387,7 +388,7 @@ def test_requests_that_end_at_the_first_token_leave_decode_alive(mesh_factory):
         for _ in range(3):
             assert len(list(stub.Generate(one_token, timeout=RESPONSE_TIME_S))) == 1
     time.sleep(1)  # a crash comes a moment after the answer
-    assert_still_serving_and_nothing_leaked(mesh, lapsed_before=0)
+    assert_still_serving_and_nothing_leaked(mesh, lapsed_before=lapsed_before)
 
 
 def test_two_requests_with_one_id_both_end(fuzz_mesh):

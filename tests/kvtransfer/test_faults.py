@@ -90,7 +90,10 @@ def test_cancel_during_a_pull_frees_both_sides(mesh_factory):
         prefill=1,
         decode=1,
         prefill_args=("--kv-faults", "delay@1:4"),
-        decode_args=("--chunk-timeout-s", "10"),
+        # Longer than the delay: the pull waits on chunk 1, no retry, when the client cancels.
+        # (The decode instance frees the pull's blocks once that wait ends: a released source
+        # never answers, so it is the chunk timeout after the cancel; 10 s here once.)
+        decode_args=("--chunk-timeout-s", "5"),
     )
 
     async def cancel_while_pulling():

@@ -16,6 +16,7 @@ from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.launcher import Mesh, MeshSpec
+from tests.conftest import stop_now
 from tests.test_mesh import kv_all_free, wait_until
 
 # Deep and wide enough that a long prompt's prefill takes a while on one core (12 layers).
@@ -42,7 +43,7 @@ def mesh(request, deep_model):
     m.start()
     m.handoff = request.param
     yield m
-    m.stop()
+    stop_now(m)
 
 
 async def generate(address: str, prompt: list[int], max_tokens: int) -> list[int]:

@@ -44,8 +44,8 @@ def test_search_brackets_the_knee_within_the_probe_budget():
     assert [p.rate for p in s.probes] == pytest.approx([2.0, 1.0, 0.5]) and s.goodput == 0.0
 
 
-def test_bisection_on_the_mesh_finds_a_passing_rate_below_a_failing_one(mesh_factory, tiny_model):
-    mesh = mesh_factory(prefill=1, decode=1)
+def test_bisection_on_the_mesh_finds_a_passing_rate_below_a_failing_one(shared_mesh, tiny_model):
+    mesh = shared_mesh  # 1P1D
     vocab = ModelConfig.from_dir(tiny_model).vocab_size
     target = GrpcTarget(mesh.gateway_address)
     base = WORKLOAD.sample(20, seed=4)

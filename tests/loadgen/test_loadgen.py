@@ -12,7 +12,6 @@ from services.common.model_config import ModelConfig
 from services.loadgen import GrpcTarget, HttpTarget, LoadRequest, load_requests, run_load
 from services.planner.simulator import Slo
 from services.planner.workload import LengthDist, Requests, Workload
-from tests.conftest import start_mesh
 
 WORKLOAD = Workload(
     "lg", LengthDist("uniform", low=4, high=200), LengthDist("uniform", low=1, high=24)
@@ -20,10 +19,9 @@ WORKLOAD = Workload(
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_model):
-    m = start_mesh(tiny_model, prefill=1, decode=1)
-    yield m
-    m.stop()
+def mesh(shared_mesh):
+    """The session's 1P1D mesh (the load runs here end, and free their KV)."""
+    return shared_mesh
 
 
 @pytest.fixture(scope="module")
