@@ -320,13 +320,23 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
             proc.kill()
 
 
-def test_requests_ending_at_their_first_token_leave_decode_alive(mesh_1p1d):
+def test_requests_ending_at_their_first_token_leave_decode_alive(mesh_1p1d, tiny_model):
     """With the layer-wise handoff the gateway cancels a decode call that is pulling when the
-    first token ends the request; no abandoned UCX receive may outlive its buffer (this once
-    crashed the decode instance with SIGSEGV on the second such request)."""
-    for _ in range(6):
+    first token ends the request (here: it is a stop token); no abandoned UCX receive may
+    outlive its buffer (this once crashed the decode instance with SIGSEGV on the second such
+    request). A request for one token starts no decode call at all."""
+    [(first, _)] = expected(tiny_model, ["Hello there"], 1)
+    decode = addresses(mesh_1p1d, "decode")[0]
+    calls = stats(decode, "decode").requests_total
+    for _ in range(3):
         ids, _, last = asyncio.run(generate(mesh_1p1d.gateway_address, "Hello there", 1))
         assert len(ids) == 1 and last.usage.completion_tokens == 1
+    assert stats(decode, "decode").requests_total == calls
+    for _ in range(6):
+        ids, _, last = asyncio.run(
+            generate(mesh_1p1d.gateway_address, "Hello there", 5, stop_token_ids=first)
+        )
+        assert ids == first and last.usage.completion_tokens == 1
     time.sleep(1.0)
     assert all(p.popen.poll() is None for p in mesh_1p1d.processes)
     ids, _, _ = asyncio.run(generate(mesh_1p1d.gateway_address, "Hello there", 5))
