@@ -23,6 +23,7 @@ log = logging.getLogger("distserve.kvtransfer")
 
 # Sent in place of refused data (UCX does not send empty messages); the puller discards it.
 _FILLER = np.zeros(1, dtype=np.uint8)
+REFUSAL_TIMEOUT_S = 1.0  # a refusal sent while the lease's blocks are being freed
 
 
 class ChunkServer:
@@ -70,37 +71,50 @@ class ChunkServer:
         try:
             chunk = await self.source.open_when_ready(req)
         except DistServeError as e:
-            refusal = wire.encode(wire.ChunkStatus(ok=False, error=str(e)))
-            await _send_quietly(ep, refusal, status_tag)
-            await _send_quietly(ep, _FILLER, data_tag)  # completes the puller's posted receive
+            await _refuse(ep, str(e), status_tag, data_tag)
             return
         with self.source.sending(chunk):
-            data = chunk.data
-            fault = chunk.fault
-            if fault is not None:
-                if fault.kind == "exit":
-                    os._exit(17)  # a crashed source: no cleanup, no goodbye
-                if fault.kind == "drop":
-                    return
-                if fault.kind == "close":
-                    await ep.close()
-                    return
-                if fault.kind == "delay":
-                    await asyncio.sleep(fault.seconds)
-                if fault.kind == "corrupt":
-                    data = corrupted(data)
+            status_sent = False
             try:
+                data = chunk.data
+                fault = chunk.fault
+                if fault is not None:
+                    if fault.kind == "exit":
+                        os._exit(17)  # a crashed source: no cleanup, no goodbye
+                    if fault.kind == "drop":
+                        return
+                    if fault.kind == "close":
+                        await ep.close()
+                        return
+                    if fault.kind == "delay":
+                        await asyncio.sleep(fault.seconds)
+                    if fault.kind == "corrupt":
+                        data = corrupted(data)
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
                 status = wire.encode(chunk.status)
                 await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)
+                status_sent = True
                 await asyncio.wait_for(ep.send(data, tag=data_tag), SEND_TIMEOUT_S)
                 self.source.served(chunk)
+            except asyncio.CancelledError:
+                # The lease ended (released, lapsed, drained) before this chunk went out: say
+                # so now, rather than leave the puller waiting out its chunk timeout (with the
+                # blocks of a cancelled request held on its side meanwhile).
+                if not status_sent:
+                    error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
+                    await _refuse(ep, error, status_tag, data_tag, REFUSAL_TIMEOUT_S)
+                raise
             except Exception as e:
                 log.debug("chunk send failed: %s", e)
 
 
-async def _send_quietly(ep, frame, tag: int) -> None:
+async def _refuse(
+    ep, error: str, status_tag: int, data_tag: int, timeout_s: float | None = None
+) -> None:
+    """A refusal: its status, then the filler that completes the puller's posted receive."""
+    refusal = wire.encode(wire.ChunkStatus(ok=False, error=error))
     try:
-        await ep.send(frame, tag=tag)
+        await asyncio.wait_for(ep.send(refusal, tag=status_tag), timeout_s)
+        await asyncio.wait_for(ep.send(_FILLER, tag=data_tag), timeout_s)
     except Exception as e:
-        log.warning("status send failed: %s", e)
+        log.warning("refusal send failed: %s", e)

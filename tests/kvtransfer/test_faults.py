@@ -90,10 +90,11 @@ def test_cancel_during_a_pull_frees_both_sides(mesh_factory):
         prefill=1,
         decode=1,
         prefill_args=("--kv-faults", "delay@1:4"),
-        # Longer than the delay: the pull waits on chunk 1, no retry, when the client cancels.
-        # (The decode instance frees the pull's blocks once that wait ends: a released source
-        # never answers, so it is the chunk timeout after the cancel; 10 s here once.)
-        decode_args=("--chunk-timeout-s", "5"),
+        # Far longer than the delay: the pull waits on chunk 1, no retry, when the client
+        # cancels; the gateway releases the KV, and the source refuses the chunk it was holding
+        # back at once, so the decode instance frees the pull's blocks long before its chunk
+        # timeout.
+        decode_args=("--chunk-timeout-s", "30"),
     )
 
     async def cancel_while_pulling():
@@ -109,7 +110,7 @@ def test_cancel_during_a_pull_frees_both_sides(mesh_factory):
                 break
 
     asyncio.run(cancel_while_pulling())
-    wait_until(lambda: kv_all_free(mesh), timeout=15, what="KV to be freed after the cancel")
+    wait_until(lambda: kv_all_free(mesh), timeout=10, what="KV to be freed after the cancel")
     assert stats(addresses(mesh, "decode")[0], "decode").requests_aborted == 1
 
 
