@@ -74,7 +74,7 @@ class ChunkServer:
             await _refuse(ep, str(e), status_tag, data_tag)
             return
         with self.source.sending(chunk):
-            status_sent = False
+            answering = False  # the status frame is on its way: the answer is given
             try:
                 data = chunk.data
                 fault = chunk.fault
@@ -92,15 +92,18 @@ class ChunkServer:
                         data = corrupted(data)
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
                 status = wire.encode(chunk.status)
+                answering = True
                 await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)
-                status_sent = True
                 await asyncio.wait_for(ep.send(data, tag=data_tag), SEND_TIMEOUT_S)
                 self.source.served(chunk)
             except asyncio.CancelledError:
                 # The lease ended (released, lapsed, drained) before this chunk went out: say
                 # so now, rather than leave the puller waiting out its chunk timeout (with the
-                # blocks of a cancelled request held on its side meanwhile).
-                if not status_sent:
+                # blocks of a cancelled request held on its side meanwhile). Not once the status
+                # is on its way: a cancelled UCX send may still arrive, and a second status and
+                # a filler would then land in the receives of this one (a chunk of wrong bytes,
+                # which the puller's checksum rejects: 18 in a fault-free chaos run).
+                if not answering:
                     error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
                     await _refuse(ep, error, status_tag, data_tag, REFUSAL_TIMEOUT_S)
                 raise
