@@ -16,8 +16,8 @@ here, on an asyncio loop thread of its own, so KV never passes through rank 0 or
   events pipe; an Abort cancels the pull and waits for it to settle (`forget`) before the blocks
   are freed.
 
-Every method but the `_`-prefixed ones is called from the follower's engine thread or its control
-reader; the state is the loop thread's alone.
+The methods without a leading `_` are called from the follower's engine thread; the others run on
+the loop thread (which also reads the control pipe), whose state they alone touch.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class RankKv:
         self._thread.start()
         self.port = self._call(self._start(serve, policy, transport), timeout=60)
 
-    # -- from the engine thread and the control reader ----------------------------------------
+    # -- from the engine thread ---------------------------------------------------------------
 
     def report(self, event: dict) -> None:
         """One JSON line to rank 0."""
