@@ -2,13 +2,17 @@
 
 In one run:
   * effective bandwidth of a pull between two processes (a real ChunkSource serving plain
-    buffers as one layer's K and V, a real KvPuller) for 1 MiB .. 1 GiB over UCX tcp
+    buffers as one layer's K and V, a real KvPuller with the workers' default chunk size and
+    window, or --chunk-mib/--window; xxh3 checked on both ends) for 1 MiB .. 1 GiB over UCX tcp
     (UCX_TLS=tcp), UCX shared memory (UCX_TLS=tcp,sm,cma,self: tcp only to connect) and the gRPC
-    fallback, beside memcpy measured in the same run; medians of 3 pulls after a warm-up;
+    fallback, beside memcpy measured in the same run; medians of 3 pulls after a warm-up. UCX
+    runs with the workers' settings (services.kvtransfer.transports.UCX_DEFAULTS);
+  * over each UCX transport, the transport alone: one ucxx message of the whole size between
+    the same two processes (no chunks, no checksums), so the pull's own cost shows;
   * the handoff on the `small` model (1 prefill + 1 decode, pinned, direct Prefill and Decode
     calls): prefill compute time and pull time (prefill finished -> KV resident on decode) for
-    512-, 2048- and 4000-token prompts (the preset's context is 4096). Layer-wise overlap is not
-    built yet: the whole pull runs after prefill, and the JSON says so (`overlap`: false).
+    512-, 2048- and 4000-token prompts (the preset's context is 4096). Direct calls pull after
+    prefill (the JSON says `overlap`: false); the layer-wise overlap is bench/handoff.py's.
 Prints a table, then one JSON line. Run: `make bench-kvtransfer`.
 """
 
@@ -26,18 +30,14 @@ import time
 import numpy as np
 import torch
 
+from services.kvtransfer.puller import PullPolicy
+
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
 BLOCK = 512 * 2**10  # bytes of one block of the bench's one layer, K or V
 TRANSPORTS = {
     "ucx_tcp": {"UCX_TLS": "tcp"},
     "ucx_sm": {"UCX_TLS": "tcp,sm,cma,self"},
     "grpc": {},
-}
-UCX_ENV = {
-    "UCX_WARN_UNUSED_ENV_VARS": "n",
-    "UCXPY_PROGRESS_MODE": "thread",
-    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
-    "UCXPY_ENABLE_DELAYED_SUBMISSION": "0",
 }
 
 
@@ -82,6 +82,7 @@ async def serve(sizes: list[int]) -> None:
     source = ChunkSource(leases, region, num_layers=1, heads=range(1))
     ucx = ChunkServer(source)
     ucx_port = ucx.start()
+    raw_listener = raw_server(kv.reshape(-1))  # kept alive below
 
     async def free(lease) -> int:
         return 0
@@ -115,25 +116,60 @@ async def serve(sizes: list[int]) -> None:
         )
         handles[size] = MessageToDict(leases.create(f"size-{size}", template).to_pb())
         first += blocks
-    print(json.dumps(handles), flush=True)
+    print(json.dumps({"raw_port": raw_listener.port, "handles": handles}), flush=True)
     await asyncio.Event().wait()  # until the parent kills us
+
+
+def raw_server(data: np.ndarray):
+    """The transport alone, for comparison: a plain ucxx listener that answers an 8-byte size
+    with one message of that many bytes (no chunks, no checksums, no protocol)."""
+    import ucxx
+
+    async def serve_endpoint(ep) -> None:
+        ask = np.empty(1, dtype=np.int64)
+        try:
+            while True:
+                await ep.recv(ask)
+                await ep.send(data[: int(ask[0])])
+        except Exception:
+            pass  # the puller closed its endpoint
+
+    return ucxx.create_listener(serve_endpoint, 0)
+
+
+async def raw_pull(port: int, sizes: list[int]) -> dict[int, float]:
+    import ucxx
+
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    rates = {}
+    for size in sizes:
+        dst = np.empty(size, dtype=np.uint8)
+        times = []
+        for _ in range(4):  # the first is a warm-up
+            t = time.perf_counter()
+            await ep.send(np.array([size], dtype=np.int64))
+            await ep.recv(dst)
+            times.append(time.perf_counter() - t)
+        rates[size] = size / statistics.median(times[1:]) / 1e9
+    await ep.close()
+    return rates
 
 
 # -- the puller process ---------------------------------------------------------------------------
 
 
-async def pull(transport: str, handles: dict) -> dict[int, float]:
+async def pull(transport: str, served: dict, policy) -> dict[str, dict[int, float]]:
     from google.protobuf.json_format import ParseDict
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
-    from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy
+    from services.kvtransfer.puller import KvDestination, KvPuller
     from services.kvtransfer.transports import shutdown_ucx
 
     kind = "grpc" if transport == "grpc" else "ucx"
-    puller = KvPuller(PullPolicy(chunk_bytes=4 * 2**20, window=8), kind)
+    puller = KvPuller(policy, kind)
     rates = {}
-    for size_s, pb in handles.items():
+    for size_s, pb in served["handles"].items():
         size = int(size_s)
         handle = KvHandle.from_pb(ParseDict(pb, common_pb2.KvHandle()))
         blocks = handle.num_blocks
@@ -148,12 +184,18 @@ async def pull(transport: str, handles: dict) -> dict[int, float]:
         rates[size] = size / statistics.median(times) / 1e9
         log(f"{transport:8} {size >> 20:5} MiB: {rates[size]:6.2f} GB/s")
     await puller.close()
+    raw = await raw_pull(served["raw_port"], sorted(rates)) if kind == "ucx" else {}
     shutdown_ucx()
-    return rates
+    return {"pull": rates, "raw": raw}
 
 
-def bandwidth(transport: str, sizes: list[int]) -> dict[int, float]:
-    env = {**os.environ, **UCX_ENV, **TRANSPORTS[transport]}
+def bandwidth(
+    transport: str, sizes: list[int], chunk_mib: int, window: int
+) -> dict[str, dict[int, float]]:
+    """GB/s by size of a pull ("pull") and, over UCX, of the transport alone ("raw")."""
+    from services.kvtransfer.transports import UCX_DEFAULTS  # what the workers run with
+
+    env = {**UCX_DEFAULTS, **os.environ, **TRANSPORTS[transport]}
     cmd = [sys.executable, os.path.abspath(__file__)]
     source = subprocess.Popen(
         [*cmd, "--serve", ",".join(map(str, sizes))], stdout=subprocess.PIPE, text=True, env=env
@@ -161,12 +203,17 @@ def bandwidth(transport: str, sizes: list[int]) -> dict[int, float]:
     try:
         handles = source.stdout.readline()
         result = subprocess.run(
-            [*cmd, "--pull", transport], input=handles, capture_output=True, text=True, env=env
+            [*cmd, "--pull", transport, "--chunk-mib", str(chunk_mib), "--window", str(window)],
+            input=handles,
+            capture_output=True,
+            text=True,
+            env=env,
         )
         if result.returncode:
             sys.stderr.write(result.stderr[-3000:])
             raise SystemExit(f"the {transport} puller failed")
-        return {int(k): v for k, v in json.loads(result.stdout.splitlines()[-1]).items()}
+        measured = json.loads(result.stdout.splitlines()[-1])
+        return {kind: {int(k): v for k, v in r.items()} for kind, r in measured.items()}
     finally:
         source.kill()
         source.wait()
@@ -230,19 +277,24 @@ def main() -> None:
     ap.add_argument("--pull", help=argparse.SUPPRESS)
     ap.add_argument("--sizes-mib", default=",".join(map(str, SIZES_MIB)))
     ap.add_argument("--handoff-lengths", default="512,2048,4000")
+    ap.add_argument("--chunk-mib", type=int, default=PullPolicy.chunk_bytes >> 20)
+    ap.add_argument("--window", type=int, default=PullPolicy.window)
     args = ap.parse_args()
     if args.serve:
         asyncio.run(serve([int(s) for s in args.serve.split(",")]))
         return
     if args.pull:
-        rates = asyncio.run(pull(args.pull, json.loads(sys.stdin.read())))
+        policy = PullPolicy(chunk_bytes=args.chunk_mib * 2**20, window=args.window)
+        rates = asyncio.run(pull(args.pull, json.loads(sys.stdin.read()), policy))
         print(json.dumps(rates))
         return
 
     sizes = [int(s) * 2**20 for s in args.sizes_mib.split(",")]
     memcpy = memcpy_gb_s()
     log(f"memcpy {memcpy:.2f} GB/s")
-    rates = {t: bandwidth(t, sizes) for t in TRANSPORTS}
+    measured = {t: bandwidth(t, sizes, args.chunk_mib, args.window) for t in TRANSPORTS}
+    rates = {t: m["pull"] for t, m in measured.items()}
+    raw = {t: m["raw"] for t, m in measured.items() if m["raw"]}
 
     from services.engine.presets import default_model
     from services.launcher import Mesh, MeshSpec
@@ -263,9 +315,12 @@ def main() -> None:
 
     cpu = os.popen("grep -m1 'model name' /proc/cpuinfo").read().split(":")[-1].strip()
     print(f"\nKV transfer benchmark: {cpu}, {os.cpu_count()} cpus; memcpy {memcpy:.2f} GB/s")
-    print(f"{'size':>10}" + "".join(f"{t:>12}" for t in TRANSPORTS) + "   GB/s")
+    print(f"pulls ({args.chunk_mib} MiB chunks, window {args.window}, checksummed), and raw: one")
+    print("ucxx message of the whole size, the transport alone")
+    columns = [(t, rates[t]) for t in TRANSPORTS] + [(f"{t}_raw", r) for t, r in raw.items()]
+    print(f"{'size':>10}" + "".join(f"{name:>12}" for name, _ in columns) + "   GB/s")
     for s in sizes:
-        print(f"{s >> 20:>7} MiB" + "".join(f"{rates[t][s]:>12.2f}" for t in TRANSPORTS))
+        print(f"{s >> 20:>7} MiB" + "".join(f"{r[s]:>12.2f}" for _, r in columns))
     print("\nhandoff, small model (105M, float32), no layer-wise overlap:")
     for n, h in hand.items():
         frac = h["pull_ms"] / h["prefill_ms"]
@@ -279,7 +334,13 @@ def main() -> None:
         "cpu": cpu,
         "memcpy_gb_s": round(memcpy, 2),
         "gb_s": {t: {str(s >> 20): round(r, 3) for s, r in rates[t].items()} for t in rates},
+        "raw_gb_s": {t: {str(s >> 20): round(v, 3) for s, v in raw[t].items()} for t in raw},
+        "chunk_mib": args.chunk_mib,
+        "window": args.window,
         "ucx_sm_fraction_of_memcpy_64MiB": round(rates["ucx_sm"][at] / memcpy, 3)
+        if at in sizes
+        else None,
+        "ucx_sm_raw_fraction_of_memcpy_64MiB": round(raw["ucx_sm"][at] / memcpy, 3)
         if at in sizes
         else None,
         "ucx_over_grpc_64MiB": round(

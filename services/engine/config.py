@@ -77,22 +77,13 @@ def configure_process(args: argparse.Namespace) -> None:
     """Pin the process to its core and set torch's thread count, as the options ask.
 
     Also shortens the interpreter's GIL switch interval (5 ms by default): the engine thread
-    holds the GIL between torch kernels, and the event loop serving gRPC must get it promptly;
-    and sets ucxx's progress mode unless UCXPY_PROGRESS_MODE says otherwise.
+    holds the GIL between torch kernels, and the event loop serving gRPC must get it promptly.
     """
     import sys
 
     import torch
 
     sys.setswitchinterval(0.0005)
-    # UCX: by default ucxx's asyncio API waits for each request with `sleep(0)` in a loop, so a
-    # pending receive (one is always pending in a prefill instance) pins a core. Python futures
-    # completed by ucxx's notifier thread make an idle process idle; requests are submitted at
-    # once rather than through the progress thread (delayed submission adds milliseconds).
-    os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread")
-    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-    os.environ.setdefault("UCXPY_ENABLE_DELAYED_SUBMISSION", "0")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     if args.threads:

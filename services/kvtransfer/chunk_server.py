@@ -91,6 +91,7 @@ class ChunkServer:
                     if fault.kind == "corrupt":
                         data = corrupted(data)
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
+                await self.source.seal(chunk)
                 status = wire.encode(chunk.status)
                 answering = True
                 await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)

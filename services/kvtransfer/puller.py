@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
-import xxhash
 
 from services.common import mesh_tls, telemetry
 from services.common.errors import (
@@ -316,7 +315,7 @@ class KvPuller:
                         f"chunk of {status.nbytes} bytes for a region of {buffer.nbytes}"
                     )
                 verify = policy.verify and status.checksummed and isinstance(buffer, np.ndarray)
-                if not verify or xxhash.xxh3_64_intdigest(buffer) == status.checksum:
+                if not verify or await wire.checksum(buffer) == status.checksum:
                     if land is not None:
                         land()
                     return buffer.nbytes

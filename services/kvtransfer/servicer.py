@@ -62,6 +62,7 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
                 status=kvtransfer_pb2.KvChunkStatus(ok=False, error=str(e))
             )
         with self.source.sending(chunk):
+            await self.source.seal(chunk)
             data = chunk.data
             fault = chunk.fault
             if fault is not None:

@@ -1,9 +1,9 @@
 """The serving side of the data plane, independent of the transport.
 
 `ChunkSource.open` checks a KvChunkRequest (lease, access token, layer, block range), returns the
-region to send with its status (size, xxh3-64 checksum) and, when fault injection is on, the fault
-that hits it. The UCX server and the gRPC fallback both serve through it and bracket each send
-with `sending`, so that held blocks are never freed under a send in progress.
+region to send with its status (size; `seal` adds the xxh3-64 checksum) and, when fault injection
+is on, the fault that hits it. The UCX server and the gRPC fallback both serve through it and
+bracket each send with `sending`, so that held blocks are never freed under a send in progress.
 
 A source holds a range of KV heads (all of them on a single-rank instance; its own share on a
 rank of a tensor-parallel one, which serves it on a listener of its own). A request may ask for
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.kvtransfer import wire
@@ -112,13 +111,17 @@ class ChunkSource:
 
     def _chunk(self, lease: Lease, data) -> Chunk:
         status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)
-        if isinstance(data, np.ndarray):
-            status.checksum = xxhash.xxh3_64_intdigest(data)
-            status.checksummed = True
         fault = self.faults.next_chunk() if self.faults is not None else None
         if fault is not None:
             log.warning("injecting fault %s on chunk %d", fault.kind, fault.at)
         return Chunk(lease, data, status, fault)
+
+    async def seal(self, chunk: Chunk) -> None:
+        """Put the checksum of a chunk in host memory into its status (device memory goes
+        unchecksummed: UCX moves it GPU to GPU). Inside `sending`: it reads the blocks."""
+        if isinstance(chunk.data, np.ndarray):
+            chunk.status.checksum = await wire.checksum(chunk.data)
+            chunk.status.checksummed = True
 
     @contextlib.contextmanager
     def sending(self, chunk: Chunk) -> Iterator[None]:
