@@ -44,7 +44,7 @@ def start(model: Path, mode: str) -> Mesh:
         gateway_port=0,
         pin=True,
         worker_args=("--kv-cache-mb", "512", "--max-num-seqs", "8"),
-        gateway_args=("--kv-handoff", mode),
+        gateway_args=("--kv-handoff", mode, "--layerwise-min-tokens", "0"),
     )
     mesh = Mesh(spec)
     mesh.start()

@@ -59,7 +59,15 @@ def traced_mesh(tiny_model):
     with OtlpReceiver() as receiver:
         env = {**TRACE_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"}
         edge = EdgeConfig(port=0, access_log="", otlp_endpoint=receiver.endpoint)
-        mesh = start_mesh(tiny_model, prefill=1, decode=1, edge=edge, env=env, planner=True)
+        mesh = start_mesh(
+            tiny_model,
+            prefill=1,
+            decode=1,
+            edge=edge,
+            env=env,
+            planner=True,
+            gateway_args=("--layerwise-min-tokens", "0"),  # the short prompts stream their KV too
+        )
         mesh.receiver = receiver
         try:
             yield mesh

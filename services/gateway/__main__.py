@@ -53,6 +53,7 @@ class GatewayConfig:
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
     planner: str | None = None  # host:port of the planner, which gets the live workload
     layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
+    layerwise_min_tokens: int = 256  # ... for prompts of at least this many tokens
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
     local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 rules
@@ -80,6 +81,13 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         choices=("layerwise", "after-prefill"),
         default="layerwise",
         help="layerwise: decode pulls each layer as prefill computes it",
+    )
+    p.add_argument(
+        "--layerwise-min-tokens",
+        type=int,
+        default=256,
+        help="shorter prompts hand their KV off after prefill: their pull takes a few ms, and "
+        "pulling beside prefill only slows their first token (0: every prompt)",
     )
     p.add_argument(
         "--profile",
@@ -123,6 +131,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
+    if a.layerwise_min_tokens < 0:
+        p.error("--layerwise-min-tokens must be >= 0")
     if min(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_window_s) <= 0:
         p.error("SLOs and their window must be positive")
     return GatewayConfig(
@@ -138,6 +148,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
         planner=a.planner,
         layerwise_handoff=a.kv_handoff == "layerwise",
+        layerwise_min_tokens=a.layerwise_min_tokens,
         profile=a.profile,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         admission=_admission_config(p, a),
@@ -175,9 +186,8 @@ async def serve(config: GatewayConfig) -> None:
         on_refuse=lambda reason: metrics.refusals.labels(reason).inc(),
         tpot_slo_s=config.slo.tpot_s,
     )
-    router = Router(
-        registry, tokenizer, served, metrics, feed, config.layerwise_handoff, local, admission
-    )
+    early_min = config.layerwise_min_tokens if config.layerwise_handoff else None
+    router = Router(registry, tokenizer, served, metrics, feed, early_min, local, admission)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:

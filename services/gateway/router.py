@@ -83,7 +83,7 @@ class Router:
         model: str = "",
         metrics: GatewayMetrics | None = None,
         feed: PlannerFeed | None = None,
-        early_handoff: bool = True,
+        early_handoff_min_tokens: int | None = 0,
         local_prefill: LocalPrefill | None = None,
         admission: Admission | None = None,
     ) -> None:
@@ -92,8 +92,9 @@ class Router:
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
         self.feed = feed  # finished requests' samples for the planner
-        # Layer-wise handoff: decode pulls the KV while prefill computes it.
-        self.early_handoff = early_handoff
+        # Layer-wise handoff (decode pulls the KV while prefill computes it) for prompts of at
+        # least this many tokens; None: never.
+        self.early_handoff_min_tokens = early_handoff_min_tokens
         # Conditional disaggregation: short prompts prefilled on a decode instance.
         self.local_prefill = local_prefill
         # Refuses early (429) what cannot be served in time; None admits everything.
@@ -291,8 +292,11 @@ class Router:
         ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         if early is None:
-            # A request of one token ends at prefill's: nothing to pull, no decode to start.
-            early = self.early_handoff and req.params.max_tokens > 1
+            # A request of one token ends at prefill's: nothing to pull, no decode to start. A
+            # short prompt's KV is pulled in a few ms after prefill: there is little to hide, and
+            # a pull running beside prefill would only slow its first token.
+            least = self.early_handoff_min_tokens
+            early = least is not None and len(req.prompt_ids) >= least and req.params.max_tokens > 1
         decode = kv = events = None
         try:
             events = stub.Prefill(

@@ -22,6 +22,7 @@ from tests.test_mesh import kv_all_free, wait_until
 # Deep and wide enough that a long prompt's prefill takes a while on one core (12 layers).
 DEEP = {"num_hidden_layers": 12, "hidden_size": 256, "intermediate_size": 768}
 PROMPT = [5 + (i * 7) % 900 for i in range(900)]
+LAYERWISE_MIN = 100  # shorter prompts hand off after prefill even in layer-wise mode
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "8")
 
 
@@ -37,7 +38,7 @@ def mesh(request, deep_model):
         gateway_port=0,
         pin=True,
         worker_args=WORKER_ARGS,
-        gateway_args=("--kv-handoff", request.param),
+        gateway_args=("--kv-handoff", request.param, "--layerwise-min-tokens", str(LAYERWISE_MIN)),
     )
     m = Mesh(spec)
     m.start()
@@ -85,6 +86,17 @@ def test_tokens_are_exact_and_layerwise_pulls_hide_behind_prefill(mesh, deep_mod
         assert total / count > 0.5
     else:
         assert total == 0
+
+
+def test_a_short_prompt_hands_off_after_prefill(mesh, deep_model):
+    short = PROMPT[: LAYERWISE_MIN - 1]
+    engine = LLMEngine(deep_model, EngineConfig(num_blocks=256), detokenize=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    [expected] = engine.generate([short], params)
+    before = overlap(mesh)
+    assert asyncio.run(generate(mesh.gateway_address, short, 4)) == expected.token_ids
+    total, count = (a - b for a, b in zip(overlap(mesh), before, strict=True))
+    assert (total, count) == (0, 1)  # pulled once, none of it while prefill computed
 
 
 def test_a_first_token_that_ends_the_request_frees_everything(mesh):
