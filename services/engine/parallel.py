@@ -265,19 +265,23 @@ def spawn_ranks(
     target: Callable[..., None], tp: int, *args: object, backend: str | None = None
 ) -> None:
     """Run `target(TensorParallel, *args)` in `tp` fresh processes, ranks 0..tp-1, meeting on a
-    free localhost port. Returns when every rank has returned; if one raises, the others are
-    stopped and the error (with the rank's traceback) is raised here. `target` must be a
-    module-level function (processes are spawned, not forked)."""
+    file in a private temporary folder (a port chosen beforehand could be taken by another
+    process in the seconds the ranks take to start). Returns when every rank has returned; if
+    one raises, the others are stopped and the error (with the rank's traceback) is raised here.
+    `target` must be a module-level function (processes are spawned, not forked)."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    mp.start_processes(
-        _run_rank,
-        args=(target, tp, init_method, backend, args),
-        nprocs=tp,
-        join=True,
-        start_method="spawn",
-    )
+    with tempfile.TemporaryDirectory(prefix="distserve-tp-") as folder:
+        init_method = f"file://{folder}/rendezvous"
+        mp.start_processes(
+            _run_rank,
+            args=(target, tp, init_method, backend, args),
+            nprocs=tp,
+            join=True,
+            start_method="spawn",
+        )
 
 
 def _run_rank(
