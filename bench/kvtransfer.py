@@ -158,7 +158,7 @@ async def raw_pull(port: int, sizes: list[int]) -> dict[int, float]:
 # -- the puller process ---------------------------------------------------------------------------
 
 
-async def pull(transport: str, served: dict, policy) -> dict[str, dict[int, float]]:
+async def pull(transport: str, served: dict, policy: PullPolicy) -> dict[str, dict[int, float]]:
     from google.protobuf.json_format import ParseDict
 
     from services.common.gen.distserve.v1 import common_pb2
