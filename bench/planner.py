@@ -107,52 +107,13 @@ def simulator_fidelity() -> dict:
     """Predicted vs measured attainment of 1P1D on this machine (part (1))."""
     import tempfile
 
-    from services.common.model_config import ModelConfig
     from services.engine.presets import create_model
-    from services.launcher import Mesh, MeshSpec
     from services.loadgen import fidelity
-    from services.planner.latency import load
 
     with tempfile.TemporaryDirectory() as tmp:
         model = create_model("tiny", Path(tmp) / "tiny")
-        profile = fidelity.profile_pinned(model, "full")
-        (Path(tmp) / "profile.json").write_text(json.dumps(profile))
-        latency = load(Path(tmp) / "profile.json")
-        vocab = ModelConfig.from_dir(model).vocab_size
-        mesh = Mesh(MeshSpec(model, gateway_port=0, worker_args=fidelity.WORKER_ARGS, pin=True))
-        try:
-            mesh.start()
-            params = fidelity.EngineParams.of(mesh, model)
-            fidelity.warm_up(mesh.gateway_address, vocab)
-            cal_requests = fidelity.WORKLOAD.sample(60, seed=99).at_rate(6.0)
-            cal = fidelity.calibrate(mesh, latency, cal_requests, vocab, seed=99)
-            base = fidelity.WORKLOAD.sample(FIDELITY_REQUESTS, seed=7)
-            slo = fidelity.slo_rule(latency, cal, base, params)
-            rates = fidelity.choose_rates(latency, cal, base, params, slo, FIDELITY_TARGETS)
-            rows = fidelity.compare(mesh, latency, cal, base, params, slo, rates, vocab, seed=7)
-        finally:
-            mesh.stop()
-    return {
-        "slo_ms": [round(slo.ttft_s * 1000, 3), round(slo.tpot_s * 1000, 3)],
-        "calibration": cal.to_json(),
-        "engine": {
-            "kv_capacity_tokens": params.kv_capacity,
-            "max_batch_tokens": params.max_batch_tokens,
-            "max_num_seqs": params.max_num_seqs,
-        },
-        "rows": [
-            {
-                "rate_rps": r.rate,
-                "predicted": round(r.predicted, 4),
-                "measured": round(r.measured, 4),
-                "gap_pp": round(r.gap_pp, 2),
-                "errors": r.errors,
-                "send_lag_max_ms": round(r.send_lag_max_ms, 2),
-            }
-            for r in rows
-        ],
-        "max_gap_pp": round(max(r.gap_pp for r in rows), 2),
-    }
+        result = fidelity.measure(model, "full", FIDELITY_TARGETS, FIDELITY_REQUESTS)
+    return result.to_json()
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -355,3 +356,76 @@ def compare(
             )
         )
     return rows
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """One comparison: the SLOs, what the mesh costs beyond the engine, and one row per rate."""
+
+    slo: Slo
+    calibration: MeshCalibration
+    params: EngineParams
+    rows: list[FidelityRow]
+
+    @property
+    def max_gap_pp(self) -> float:
+        return max(r.gap_pp for r in self.rows)
+
+    def to_json(self) -> dict:
+        return {
+            "slo_ms": [round(self.slo.ttft_s * 1000, 3), round(self.slo.tpot_s * 1000, 3)],
+            "calibration": self.calibration.to_json(),
+            "engine": {
+                "kv_capacity_tokens": self.params.kv_capacity,
+                "max_batch_tokens": self.params.max_batch_tokens,
+                "max_num_seqs": self.params.max_num_seqs,
+            },
+            "rows": [
+                {
+                    "rate_rps": r.rate,
+                    "predicted": round(r.predicted, 4),
+                    "measured": round(r.measured, 4),
+                    "gap_pp": round(r.gap_pp, 2),
+                    "errors": r.errors,
+                    "send_lag_max_ms": round(r.send_lag_max_ms, 2),
+                }
+                for r in self.rows
+            ],
+            "max_gap_pp": round(self.max_gap_pp, 2),
+        }
+
+
+def measure(
+    model_dir: Path,
+    grid: str,
+    targets: tuple[float, ...],
+    requests: int,
+    calibration_requests: int = 60,
+    seed: int = 7,
+) -> Fidelity:
+    """The whole comparison on `model_dir`: profile it pinned (`grid`), start a pinned 1P1D
+    mesh, calibrate it, derive the SLOs, pick the rates at which the simulator predicts each
+    target attainment, and run the same `requests` seeded requests at each rate through both."""
+    from services.launcher import Mesh, MeshSpec
+    from services.planner.latency import load
+
+    profile = profile_pinned(model_dir, grid)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        path.write_text(json.dumps(profile))
+        latency = load(path)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    mesh = Mesh(MeshSpec(model_dir, gateway_port=0, worker_args=WORKER_ARGS, pin=True))
+    try:
+        mesh.start()
+        params = EngineParams.of(mesh, model_dir)
+        warm_up(mesh.gateway_address, vocab)
+        cal_requests = WORKLOAD.sample(calibration_requests, seed=99).at_rate(6.0)
+        cal = calibrate(mesh, latency, cal_requests, vocab, seed=99)
+        base = WORKLOAD.sample(requests, seed=seed)
+        slo = slo_rule(latency, cal, base, params)
+        rates = choose_rates(latency, cal, base, params, slo, targets)
+        rows = compare(mesh, latency, cal, base, params, slo, rates, vocab, seed=seed)
+    finally:
+        mesh.stop()
+    return Fidelity(slo, cal, params, rows)
