@@ -31,8 +31,10 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +43,7 @@ import torch
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.parallel import CommTimer, TensorParallel, free_port
+from services.engine.parallel import CommTimer, TensorParallel
 from services.engine.presets import default_model
 from services.engine.sequence import Sequence
 
@@ -258,7 +260,8 @@ def tp_compare(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     procs, conns = [], {}
     # TP=1 on the first core; TP=2 ranks on the first two. They never run at the same time.
-    init2 = f"tcp://127.0.0.1:{free_port()}"
+    rendezvous = tempfile.mkdtemp(prefix="distserve-tp-")  # the TP=2 ranks meet on a file there
+    init2 = f"file://{rendezvous}/rendezvous"
     for name, tp, rank, core, init in (
         ("tp1", 1, 0, cores[0], "tcp://127.0.0.1:0"),
         ("tp2r0", 2, 0, cores[0], init2),
@@ -316,6 +319,7 @@ def tp_compare(args: argparse.Namespace) -> dict:
         for p in procs:
             if p.is_alive():
                 p.terminate()
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
     t1, t2 = statistics.median(tp1), statistics.median(tp2)
     frac_rank = [statistics.median(f) for f in frac]

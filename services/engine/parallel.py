@@ -15,7 +15,6 @@ the same order (see docs/engine.md, "Tensor parallelism").
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from torch import nn
 
 from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.model_config import ModelConfig
+
+TIMEOUT = timedelta(minutes=10)  # longest a rank waits for the others (start-up, collectives)
 
 
 class CommTimer:
@@ -89,11 +90,13 @@ class TensorParallel:
         cls,
         tp: int,
         rank: int,
-        init_method: str,
+        init_method: str | None = None,
         backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=10),
+        timeout: timedelta = TIMEOUT,
+        store: dist.Store | None = None,
     ) -> TensorParallel:
-        """Join a group of `tp` ranks meeting at `init_method` (e.g. "tcp://127.0.0.1:PORT").
+        """Join a group of `tp` ranks meeting at `init_method` (e.g. "file:///tmp/x/rendezvous")
+        or, instead, through `store` (see `local_store`).
 
         backend None: nccl when CUDA is available (each rank takes GPU rank % device count),
         else gloo. tp == 1 starts no process group.
@@ -105,7 +108,12 @@ class TensorParallel:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=tp, timeout=timeout
+            backend,
+            init_method=init_method,
+            store=store,
+            rank=rank,
+            world_size=tp,
+            timeout=timeout,
         )
         return cls(rank, tp, dist.group.WORLD)
 
@@ -254,11 +262,14 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
 # -- starting ranks --------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_store(tp: int, rank: int, port: int = 0, timeout: timedelta = TIMEOUT) -> dist.TCPStore:
+    """The rendezvous of a group of `tp` ranks on this host: rank 0 listens on a port the OS
+    gives it (`port` 0), the others connect to that port. A port picked beforehand and passed
+    on could be taken by another process in the seconds before rank 0 binds it; this one is held
+    from the start, and nothing is left on disk whatever happens to the ranks."""
+    return dist.TCPStore(
+        "127.0.0.1", port, tp, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
 
 
 def spawn_ranks(

@@ -40,7 +40,7 @@ from services.common.errors import RemoteError
 from services.engine import commands
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.parallel import TensorParallel, free_port
+from services.engine.parallel import TensorParallel, local_store
 
 if TYPE_CHECKING:
     from services.kvtransfer.rank_kv import RankKv
@@ -175,7 +175,7 @@ def start_engine(
     "transport": "auto" | "ucx" | "grpc"} for pulling followers."""
     if tp == 1:
         return LLMEngine(model, config, detokenize=detokenize), None
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    store = local_store(tp, 0)
     followers = []
     for rank in range(1, tp):
         control_r, control_w = os.pipe()
@@ -188,8 +188,8 @@ def start_engine(
             str(rank),
             "--tp",
             str(tp),
-            "--init-method",
-            init_method,
+            "--store-port",
+            str(store.port),
             "--model",
             str(model),
             "--engine-config",
@@ -218,7 +218,7 @@ def start_engine(
         followers.append(
             Follower(rank, process, os.fdopen(control_w, "wb"), os.fdopen(events_r, "rb"))
         )
-    group = RankGroup(TensorParallel.init(tp, 0, init_method), followers)
+    group = RankGroup(TensorParallel.init(tp, 0, store=store), followers)
     try:
         engine = LLMEngine(model, config, detokenize=detokenize, tp=group.tp)
         group.await_ready()
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m services.engine.tp_group", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--init-method", required=True)
+    p.add_argument("--store-port", type=int, required=True, help="rank 0's rendezvous store")
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
     p.add_argument("--kv", choices=("serve", "pull"), default="pull")
@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> None:
 
     config = EngineConfig(**json.loads(args.engine_config))
     options = json.loads(args.kv_options)
-    tp = TensorParallel.init(args.tp, args.rank, args.init_method)
+    tp = TensorParallel.init(
+        args.tp, args.rank, store=local_store(args.tp, args.rank, args.store_port)
+    )
     kv = None
     try:
         engine = LLMEngine(args.model, config, detokenize=not args.no_detokenize, tp=tp)
