@@ -1,9 +1,11 @@
-"""A test OTLP/gRPC receiver on the `opentelemetry-proto` service definition: it keeps every span
-any process (our services, Envoy) exports to it, in the JSON-lines shape of
-`services.common.telemetry.span_json`."""
+"""A test OTLP receiver on the `opentelemetry-proto` definitions, over gRPC (the TraceService) and
+over HTTP (protobuf bodies POSTed to /v1/traces): it keeps every span any process (our services,
+Envoy) exports to it, in the JSON-lines shape of `services.common.telemetry.span_json`."""
 
 from __future__ import annotations
 
+import gzip
+import http.server
 import threading
 import time
 from concurrent import futures
@@ -26,23 +28,39 @@ def _attributes(kvs) -> dict:
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[dict] = []
+        self.exports = {"grpc": 0, "http": 0}  # export requests received, by transport
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._http.daemon_threads = True
 
     @property
     def endpoint(self) -> str:
+        """host:port of the OTLP/gRPC service."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        """The OTLP/HTTP base URL (an exporter appends /v1/traces)."""
+        return f"http://127.0.0.1:{self._http.server_address[1]}"
 
     def __enter__(self) -> OtlpReceiver:
         self._server.start()
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._server.stop(grace=None)
+        self._http.shutdown()
+        self._http.server_close()
 
     def Export(self, request, context):
+        self.keep(request, "grpc")
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def keep(self, request: trace_service_pb2.ExportTraceServiceRequest, transport: str) -> None:
         out = []
         for rs in request.resource_spans:
             service = _attributes(rs.resource.attributes).get("service.name", "")
@@ -65,7 +83,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                     )
         with self._lock:
             self.spans += out
-        return trace_service_pb2.ExportTraceServiceResponse()
+            self.exports[transport] += 1
 
     def trace(self, trace_id: str) -> list[dict]:
         with self._lock:
@@ -83,3 +101,33 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             if time.monotonic() > deadline:
                 raise AssertionError(f"spans {sorted(missing)} never arrived; got {spans}")
             time.sleep(0.05)
+
+
+def _handler(receiver: OtlpReceiver) -> type[http.server.BaseHTTPRequestHandler]:
+    class OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
+        """OTLP/HTTP with binary protobuf: POST /v1/traces, an ExportTraceServiceRequest in,
+        an ExportTraceServiceResponse out."""
+
+        def do_POST(self) -> None:
+            if self.path != "/v1/traces":
+                return self._reply(404, b"")
+            if self.headers.get("Content-Type") != "application/x-protobuf":
+                return self._reply(415, b"")
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            receiver.keep(request, "http")
+            self._reply(200, trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
+
+        def _reply(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args) -> None:  # quiet: no line per export on stderr
+            pass
+
+    return OtlpHttpHandler

@@ -93,7 +93,8 @@ def recorded_spans() -> list[dict]:
              **{"prefill.batch_size": 2, "prefill.batch_tokens": 20}),
         span(1, 0x13, 0x10, "kv.lease", PREFILL, 25, 33),
         handoff(1, 0x14, 0x10, 20, 32, bw=2e9, retried=0, nbytes=4_000_000),
-        span(1, 0x15, 0x14, "kv.describe", PREFILL, 20, 21),
+        # the source frees the pulled KV under the pull's context, as decoding starts
+        span(1, 0x15, 0x14, "kv.release", PREFILL, 33, 34, **{"kv.blocks": 1}),
         span(1, 0x16, 0x10, "decode.queue", DECODE, 32, 34),
         span(1, 0x17, 0x10, "decode", DECODE, 34, 99,
              **{"gen_ai.usage.output_tokens": 11, "decode.tpot_ms": 5.0}),
@@ -114,7 +115,7 @@ def recorded_spans() -> list[dict]:
         span(3, 0x34, 0x30, "prefill.queue", PREFILL, 60, 64),
         span(3, 0x35, 0x30, "prefill.compute", PREFILL, 64, 80),
         handoff(3, 0x36, 0x30, 78, 95, bw=1.5e9, retried=1, nbytes=12_000_000),
-        span(3, 0x37, 0x99, "kv.describe", PREFILL, 78, 79),  # its parent was not recorded
+        span(3, 0x37, 0x99, "kv.release", PREFILL, 95, 96),  # its parent was not recorded
         span(3, 0x38, 0x30, "decode.queue", DECODE, 95, 96),
         span(3, 0x39, 0x30, "decode", DECODE, 96, 299),
         # req-4 colocated: queue 2, prefill 8, no handoff, first ITL 9 > 3 x 2.
@@ -163,10 +164,10 @@ def test_spans_group_into_requests_by_gateway_span_in_start_order(trace_file):
         ("envoy", "ingress"),
     ]
     assert [s.name for s in first.spans] == [
-        "prefill.queue", "prefill.compute", "kv.handoff", "kv.describe",
-        "kv.lease", "decode.queue", "decode",
+        "prefill.queue", "prefill.compute", "kv.handoff", "kv.lease",
+        "decode.queue", "kv.release", "decode",
     ]  # fmt: skip
-    assert "kv.describe" in [s.name for s in traces[2].spans]  # orphan kept with its request
+    assert "kv.release" in [s.name for s in traces[2].spans]  # orphan kept with its request
 
 
 def test_breakdown_sums_attempts_and_flags_bubbles_over_three_tpot(trace_file):

@@ -10,6 +10,7 @@ import pytest
 from services.common import telemetry
 from services.edge.config import otlp_grpc_endpoint
 from services.gateway.observe import Slo, SloWindow
+from tests.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture
@@ -19,6 +20,8 @@ def clean_env(monkeypatch):
         "OTEL_TRACES_EXPORTER",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
         "OTEL_TRACES_SAMPLER",
         "OTEL_TRACES_SAMPLER_ARG",
         "DISTSERVE_TRACE_FILE",
@@ -91,6 +94,51 @@ def test_sdk_disabled_wins_and_sampling_ratio_zero_records_nothing(clean_env, tm
         telemetry.start("unsampled", None).end()
     telemetry.shutdown()
     assert not path.exists() or read(path) == []
+
+
+def test_parent_based_sampling_follows_the_incoming_traceparent(clean_env, tmp_path):
+    # Ratio 0 for new traces: only the caller's decision (the sampled flag) records a span,
+    # and the decision travels on to the next hop.
+    path = tmp_path / "s.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    assert telemetry.setup("gateway")
+    sampled, unsampled, caller = "ab" * 16, "cd" * 16, "00f067aa0ba902b7"
+    for trace_id, flags in ((sampled, "01"), (unsampled, "00")):
+        parent = telemetry.from_headers({"traceparent": f"00-{trace_id}-{caller}-{flags}"})
+        span = telemetry.start("request", parent)
+        assert span.is_recording() is (flags == "01")
+        onward = dict(telemetry.outgoing(telemetry.context_of(span)))["traceparent"]
+        assert onward.startswith(f"00-{trace_id}-") and onward.endswith(f"-{flags}")
+        span.end()
+    telemetry.start("no caller", None).end()  # a new trace: the ratio (0) decides
+    telemetry.shutdown()
+    assert [(s["name"], s["trace_id"], s["parent_span_id"]) for s in read(path)] == [
+        ("request", sampled, caller)
+    ]
+
+
+def test_spans_export_over_otlp_http_protobuf(clean_env):
+    with OtlpReceiver() as receiver:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.http_endpoint)
+        assert telemetry.setup("decode", "decode-3")
+        span = telemetry.start("root", None, {"a": 1})
+        t0 = time.monotonic()
+        telemetry.record("child", telemetry.context_of(span), t0, t0 + 0.25, {"b": [1, 2]})
+        span.end()
+        telemetry.shutdown()  # flushes: the POST is done when this returns
+        assert sorted(s["name"] for s in receiver.spans) == ["child", "root"]
+        spans = {s["name"]: s for s in receiver.spans}
+        assert receiver.exports == {"grpc": 0, "http": 1}
+    ctx = span.get_span_context()
+    root, child = spans["root"], spans["child"]
+    assert (root["trace_id"], root["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+    assert child["trace_id"] == root["trace_id"] and child["parent_span_id"] == root["span_id"]
+    assert child["end_unix_nano"] - child["start_unix_nano"] == pytest.approx(0.25e9, abs=1e3)
+    assert (root["attributes"], child["attributes"]) == ({"a": 1}, {"b": [1, 2]})
+    assert {s["service"] for s in spans.values()} == {"distserve-decode"}
 
 
 @pytest.mark.parametrize(
