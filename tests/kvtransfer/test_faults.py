@@ -10,6 +10,7 @@ import pytest
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.test_mesh import PROMPTS, addresses, expected, generate, kv_all_free, stats, wait_until
+from tests.test_observability import scrape, value
 
 PROMPT = PROMPTS[2]  # long enough for several chunks per layer with 4-block chunks
 DECODE = ("--chunk-timeout-s", "1", "--chunk-attempts", "4", "--chunk-kb", "4")
@@ -46,6 +47,11 @@ def test_a_faulty_chunk_is_fetched_again_and_the_tokens_are_unchanged(
     d = stats(addresses(mesh, "decode")[0], "decode")
     assert d.chunks_retried >= 1 and d.pulls_failed == 0
     assert getattr(d, counter) >= 1
+    # ... and the decode instance's Prometheus endpoint says the same.
+    [decode] = [w for w in mesh.workers if w.name.startswith("decode")]
+    metrics = scrape(decode.ready["metrics_address"])
+    assert value(metrics, f"distserve_kv_{counter}_total") == getattr(d, counter)
+    assert value(metrics, "distserve_kv_pulls_failed_total") == 0
     wait_until(lambda: kv_all_free(mesh), what="KV to be freed on both sides")
 
 
