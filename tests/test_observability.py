@@ -202,6 +202,32 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(traced
     assert statistics.median(abs(e) for e in tpot_errors) < 1, tpot_errors
 
 
+def test_an_http_request_through_envoy_is_one_trace_too(traced_mesh, tiny_model):
+    from tests.test_edge import request
+
+    mesh, receiver = traced_mesh, traced_mesh.receiver
+    trace_id = "5e" * 16
+    body = {"model": tiny_model.name, "prompt": "Trace me over HTTP", "max_tokens": 4}
+    status, _, reply = request(
+        mesh.edge_address,
+        "POST",
+        "/v1/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json", "traceparent": traceparent(trace_id)},
+    )
+    assert status == 200, reply
+    root_name = f"text_completion {tiny_model.name}"
+    spans = receiver.wait_for(trace_id, {"ingress", root_name, *REQUEST_SPANS}, 20)
+    [envoy] = [s for s in spans if s["service"] == "envoy"]
+    assert envoy["parent_span_id"] == "00f067aa0ba902b7"
+    [root] = [s for s in spans if s["name"] == root_name]
+    assert root["service"] == "distserve-gateway" and root["parent_span_id"] == envoy["span_id"]
+    a = root["attributes"]
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.usage.output_tokens"] == reply["usage"]["completion_tokens"] == 4
+    assert set(children(spans, root)) >= REQUEST_SPANS
+
+
 def test_trace_report_breaks_down_the_requests_the_mesh_recorded(
     traced_mesh, tiny_model, tmp_path, capsys
 ):

@@ -6,7 +6,10 @@ import argparse
 import logging
 from pathlib import Path
 
+from services.common import telemetry
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.metrics import add_metrics_args, worker_registry
+from services.common.metrics import serve as serve_metrics
 from services.common.server import (
     announce_ready,
     run,
@@ -16,6 +19,7 @@ from services.common.server import (
 )
 from services.planner.config import PlannerConfig
 from services.planner.drift import DriftConfig
+from services.planner.metrics import PlannerMetrics
 from services.planner.replanner import Replanner
 from services.planner.servicer import PlannerServicer
 
@@ -36,6 +40,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--drift-rate", type=float, default=0.3, help="relative rate shift")
     p.add_argument("--drift-length", type=float, default=0.25, help="relative length shift")
     p.add_argument("--drift-confirm", type=int, default=2, help="drifting windows in a row")
+    add_metrics_args(p)
     a = p.parse_args(argv)
     return PlannerConfig(
         host=a.host,
@@ -47,18 +52,24 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         max_num_seqs=a.max_num_seqs,
         num_requests=a.num_requests,
         drift=DriftConfig(a.drift_window, a.drift_rate, a.drift_length, a.drift_confirm),
+        metrics_port=a.metrics_port,
     )
 
 
 async def serve(config: PlannerConfig) -> None:
-    servicer = PlannerServicer(config, Replanner(config.drift, config.workers))
+    metrics = PlannerMetrics(worker_registry())
+    servicer = PlannerServicer(config, Replanner(config.drift, config.workers), metrics)
 
     def add(server) -> None:
         planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
 
     names = [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name]
     server, health, port = await start_server(config.host, config.port, add, names)
-    announce_ready("planner", address=f"{config.host}:{port}")
+    announce_ready(
+        "planner",
+        address=f"{config.host}:{port}",
+        metrics_address=serve_metrics(metrics.registry, config.host, config.metrics_port),
+    )
     sig = await wait_for_signal()
     log.info("signal %d: stopping", sig)
     await health.enter_graceful_shutdown()
@@ -67,7 +78,11 @@ async def serve(config: PlannerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    run(serve(parse(argv)))
+    telemetry.setup("planner")
+    try:
+        run(serve(parse(argv)))
+    finally:
+        telemetry.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ class PlannerConfig:
     max_num_seqs: int = 256  # running requests per decode or colocated instance
     num_requests: int = 1000  # simulated per instance per goodput probe
     drift: DriftConfig = field(default_factory=DriftConfig)
+    metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
 
     def __post_init__(self) -> None:
         if self.workers == 1 or self.workers < 0:

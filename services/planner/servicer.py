@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
+from services.common import telemetry
 from services.common.errors import DistServeError, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
 from services.planner.config import PlannerConfig
-from services.planner.drift import Sample
+from services.planner.drift import Drift, Sample
+from services.planner.metrics import PlannerMetrics
 from services.planner.placement import Placement, PlanSpec
 from services.planner.replanner import Current, Replanner
 
@@ -18,12 +21,18 @@ log = logging.getLogger("distserve.planner")
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
-    def __init__(self, config: PlannerConfig, replanner: Replanner) -> None:
+    def __init__(
+        self, config: PlannerConfig, replanner: Replanner, metrics: PlannerMetrics | None = None
+    ) -> None:
         self.config = config
         self.replanner = replanner
+        self.metrics = metrics
 
     async def Plan(self, request, context):
-        result, current = await self.replanner.plan(plan_spec(request, self.config))
+        spec = plan_spec(request, self.config)
+        with _searching("planner.plan", telemetry.incoming(context)) as search:
+            result, current = await self.replanner.plan(spec)
+            search.adopted(current, self.metrics)
         reply = planner_pb2.PlanResponse(placement=placement_to_pb(current))
         if result is not None:
             reply.colocated.CopyFrom(placement_to_pb(Current(result.colocated, 0, "baseline")))
@@ -38,11 +47,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def ReportWorkload(self, request_iterator, context):
         # Client streaming is not covered by the shared ErrorInterceptor: map errors here.
         try:
-            return await self._report(request_iterator)
+            return await self._report(request_iterator, telemetry.incoming(context))
         except DistServeError as e:
             await context.abort(status_code(e), str(e))
 
-    async def _report(self, request_iterator) -> planner_pb2.ReportWorkloadResponse:
+    async def _report(self, request_iterator, trace) -> planner_pb2.ReportWorkloadResponse:
         samples, reasons, replans = 0, [], []
         async for pb in request_iterator:
             sample = Sample(
@@ -50,10 +59,14 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             )
             drift = self.replanner.observe(sample)
             samples += 1
+            if self.metrics is not None:
+                self.metrics.samples.inc()
             if drift is not None:
                 log.info("workload drift: %s", "; ".join(drift.reasons))
                 reasons.append("; ".join(drift.reasons))
-                replans.append(asyncio.create_task(self.replanner.replan(drift)))
+                if self.metrics is not None:
+                    self.metrics.drifts.inc()
+                replans.append(asyncio.create_task(self._replan(drift, trace)))
         await asyncio.gather(*replans)
         reply = planner_pb2.ReportWorkloadResponse(
             samples=samples, drifts=len(reasons), reasons=reasons
@@ -61,6 +74,44 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if self.replanner.current is not None:
             reply.placement.CopyFrom(placement_to_pb(self.replanner.current))
         return reply
+
+    async def _replan(self, drift: Drift, trace) -> None:
+        with _searching("planner.replan", trace, {"planner.drift": "; ".join(drift.reasons)}) as s:
+            current = await self.replanner.replan(drift)
+            if current is not None:
+                s.adopted(current, self.metrics)
+
+
+class _searching:
+    """A placement search: its span (under the caller's trace) and, once a placement is
+    adopted, the metrics and the span's attributes describing it."""
+
+    def __init__(self, name: str, trace, attributes: dict | None = None) -> None:
+        self.span = telemetry.start(name, trace, attributes)
+        self.started = time.monotonic()
+
+    def adopted(self, current: Current, metrics: PlannerMetrics | None) -> None:
+        seconds = time.monotonic() - self.started
+        if metrics is not None:
+            metrics.adopted(current, seconds)
+        p = current.placement
+        self.span.set_attributes(
+            {
+                "planner.algorithm": p.algorithm,
+                "planner.version": current.version,
+                "planner.search_seconds": seconds,
+                "planner.goodput_per_device_rps": p.per_device,
+                "planner.instances": len(p.instances),
+            }
+        )
+
+    def __enter__(self) -> _searching:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if error is not None:
+            telemetry.fail(self.span, error)
+        self.span.end()
 
 
 def plan_spec(request, config: PlannerConfig) -> PlanSpec:

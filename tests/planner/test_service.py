@@ -4,8 +4,10 @@ and the single-host split it recommends."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -23,7 +25,10 @@ WINDOW = 50
 
 
 @pytest.fixture(scope="module")
-def planner():
+def planner(tmp_path_factory):
+    """The planner's stub; `.ready` is its ready line, `.trace_file` where its spans go."""
+    trace_file = tmp_path_factory.mktemp("planner") / "spans.jsonl"
+    env = {**os.environ, "DISTSERVE_TRACE_FILE": str(trace_file), "OTEL_BSP_SCHEDULE_DELAY": "50"}
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "services.planner", "--port", "0", "--cluster", "1x4",
@@ -31,12 +36,15 @@ def planner():
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )  # fmt: skip
     try:
         ready = json.loads(proc.stdout.readline())
         assert ready["event"] == "ready" and ready["service"] == "planner"
         with grpc.insecure_channel(ready["address"]) as channel:
-            yield planner_pb2_grpc.PlannerStub(channel)
+            stub = planner_pb2_grpc.PlannerStub(channel)
+            stub.ready, stub.trace_file = ready, trace_file
+            yield stub
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -60,7 +68,9 @@ def test_plan_report_drift_and_replan(planner):
     request = planner_pb2.PlanRequest(
         model_spec="opt-13b", workload="code", ttft_slo_ms=250, tpot_slo_ms=100, rate=5
     )
-    reply = planner.Plan(request, timeout=120)
+    trace_id = "ab" * 16
+    traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    reply = planner.Plan(request, timeout=120, metadata=(("traceparent", traceparent),))
     assert reply.placement.version == 1 and reply.placement.reason == "plan"
     assert reply.placement.num_gpus <= 4 and reply.ratio_over_colocated > 0
     assert {p.role for p in reply.placement.phases} == {"prefill", "decode"}
@@ -77,6 +87,39 @@ def test_plan_report_drift_and_replan(planner):
     assert shifted.placement.version == 2
     assert shifted.placement.reason.startswith("drift: rate")
     assert planner.GetPlacement(planner_pb2.GetPlacementRequest()).version == 2
+
+    # What it was told and what it decided, on its Prometheus endpoint ...
+    from tests.test_observability import scrape, value
+
+    m = scrape(planner.ready["metrics_address"])
+    assert value(m, "distserve_planner_workload_samples_total") == 8 * WINDOW
+    assert value(m, "distserve_planner_drifts_total") == 1
+    assert value(m, "distserve_planner_placements_total", reason="plan") == 1
+    assert value(m, "distserve_planner_placements_total", reason="drift") == 1
+    assert value(m, "distserve_planner_search_seconds_count") == 2
+    assert value(m, "distserve_planner_placement_version") == 2
+    assert value(m, "distserve_planner_goodput_per_device_rps") == pytest.approx(
+        shifted.placement.goodput_per_gpu_rps
+    )
+    roles = [i.role for i in shifted.placement.instances]
+    for role in ("prefill", "decode"):
+        assert value(m, "distserve_planner_instances", role=role) == roles.count(role)
+    # ... and in its trace: the Plan call's search joins the caller's trace.
+    deadline = time.monotonic() + 10
+    while True:
+        lines = planner.trace_file.read_text().splitlines() if planner.trace_file.exists() else []
+        spans = {s["name"]: s for s in map(json.loads, lines)}
+        if {"planner.plan", "planner.replan"} <= set(spans):
+            break
+        assert time.monotonic() < deadline, f"planner spans never came: {sorted(spans)}"
+        time.sleep(0.05)
+    plan_span, replan = spans["planner.plan"], spans["planner.replan"]
+    assert (plan_span["trace_id"], plan_span["parent_span_id"]) == (trace_id, "00f067aa0ba902b7")
+    assert plan_span["service"] == "distserve-planner"
+    assert plan_span["attributes"]["planner.version"] == 1
+    assert plan_span["attributes"]["planner.algorithm"] == reply.placement.algorithm
+    assert replan["attributes"]["planner.version"] == 2
+    assert replan["attributes"]["planner.drift"] == shifted.reasons[0]
 
 
 def test_bad_requests_get_invalid_argument(planner):
