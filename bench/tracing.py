@@ -9,7 +9,9 @@ Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own 
 Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` at once,
 straight to the gateway over gRPC. Rounds alternate between the meshes (off, file, otlp, off,
 ...) so that all see the same machine; the figure is the median throughput over rounds, and the
-overhead is 1 - traced / off. Also the TTFT p50 of sequential 2-token requests on each mesh.
+overhead is 1 - traced / off. Also the TTFT p50 of sequential 2-token requests on each mesh, and
+where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
+/proc), median over rounds.
 Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
 Run: `python bench/tracing.py`.
 """
@@ -36,6 +38,15 @@ from services.launcher import Mesh, MeshSpec
 from tests.otlp_receiver import OtlpReceiver
 
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
+
+
+def cpu_seconds(mesh: Mesh) -> dict[str, float]:
+    """CPU time (user + system, all threads) each process of the mesh has used so far."""
+    out = {}
+    for p in mesh.processes:
+        fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[p.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def start(model: Path, env: dict[str, str]) -> Mesh:
@@ -70,6 +81,7 @@ def main() -> None:
         meshes = {name: start(model, env) for name, env in envs.items()}
         try:
             rates: dict[str, list[float]] = {name: [] for name in meshes}
+            cpu: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
             ttft: dict[str, float] = {}
 
             async def load(address: str) -> float:
@@ -84,7 +96,11 @@ def main() -> None:
                 asyncio.run(load(mesh.gateway_address))
             for r in range(args.rounds):
                 for name, mesh in meshes.items():
+                    before = cpu_seconds(mesh)
                     rates[name].append(asyncio.run(load(mesh.gateway_address)))
+                    for proc, seconds in cpu_seconds(mesh).items():
+                        per_request = (seconds - before[proc]) / len(prompts)
+                        cpu[name].setdefault(proc, []).append(per_request)
                 print(
                     f"round {r + 1}/{args.rounds}: "
                     + ", ".join(f"{n} {v[-1]:,.0f} tok/s" for n, v in rates.items()),
@@ -114,6 +130,13 @@ def main() -> None:
         o = f"{overhead[name]:+.1%}" if name in overhead else "baseline"
         print(f"{name:8} {median[name]:15,.0f} {o:>9} {ttft[name]:12.2f}")
     print(f"spans exported: {traced_lines} to the file, {exported} over OTLP")
+    cpu_ms = {
+        name: {proc: round(statistics.median(v) * 1000, 3) for proc, v in procs.items()}
+        for name, procs in cpu.items()
+    }
+    print("CPU ms per request (median over rounds):")
+    for name, procs in cpu_ms.items():
+        print(f"  {name:8} " + "  ".join(f"{proc} {ms:.2f}" for proc, ms in procs.items()))
     print("target: throughput cost <= 3%")
     result = {
         "bench": "tracing",
@@ -131,6 +154,7 @@ def main() -> None:
         "ttft_p50_ms": {k: round(v, 3) for k, v in ttft.items()},
         "spans_file": traced_lines,
         "spans_otlp": exported,
+        "cpu_ms_per_request": cpu_ms,
         "tracing_overhead_fraction": round(max(overhead.values()), 4),
     }
     print(json.dumps(result))
