@@ -7,9 +7,10 @@ Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own 
   * otlp: every span exported over OTLP/gRPC to a receiver in this process (a collector's work
     is done on the same two cores, so this is the pessimistic case).
 Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` at once,
-straight to the gateway over gRPC. Rounds alternate between the meshes (off, file, otlp, off,
-...) so that all see the same machine; the figure is the median throughput over rounds, and the
-overhead is 1 - traced / off. Also the TTFT p50 of sequential 2-token requests on each mesh, and
+straight to the gateway over gRPC. Each round runs every mesh once, in a shuffled order (seeded),
+so that all see the same machine and none always goes first; the overhead is 1 - the median over
+rounds of (traced / off in the same round): paired, so a round the whole machine was slow in
+counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
 where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
 /proc), median over rounds.
 Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -94,8 +96,10 @@ def main() -> None:
 
             for mesh in meshes.values():  # warm-up: connections, UCX endpoints
                 asyncio.run(load(mesh.gateway_address))
+            order = random.Random(0)
             for r in range(args.rounds):
-                for name, mesh in meshes.items():
+                for name in order.sample(list(meshes), len(meshes)):
+                    mesh = meshes[name]
                     before = cpu_seconds(mesh)
                     rates[name].append(asyncio.run(load(mesh.gateway_address)))
                     for proc, seconds in cpu_seconds(mesh).items():
@@ -118,7 +122,10 @@ def main() -> None:
         exported = len(receiver.spans)
     traced_lines = sum(1 for _ in spans_file.open()) if spans_file.exists() else 0
     median = {name: statistics.median(v) for name, v in rates.items()}
-    overhead = {name: 1 - median[name] / median["off"] for name in ("file", "otlp")}
+    overhead = {
+        name: 1 - statistics.median(t / o for t, o in zip(rates[name], rates["off"], strict=True))
+        for name in ("file", "otlp")
+    }
     print()
     print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
     print(
