@@ -13,7 +13,9 @@ rounds of (traced / off in the same round): paired, so a round the whole machine
 counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
 where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
 /proc), median over rounds.
-Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
+Traced meshes export every 100 ms and each round ends with a 0.3 s pause, so that a mesh's
+exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
+mesh's. Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
 Run: `python bench/tracing.py`.
 """
 
@@ -28,6 +30,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +43,7 @@ from services.launcher import Mesh, MeshSpec
 from tests.otlp_receiver import OtlpReceiver
 
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
+EXPORT_DELAY_S = 0.1
 
 
 def cpu_seconds(mesh: Mesh) -> dict[str, float]:
@@ -75,10 +79,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     spans_file = tmp / "spans.jsonl"
     with OtlpReceiver() as receiver:
+        # Spans leave within 100 ms (the SDK's default is every 5 s), so that a round's exports
+        # run in that round and the pause after it, not in the next mesh's round.
+        export = {"OTEL_BSP_SCHEDULE_DELAY": str(int(EXPORT_DELAY_S * 1000))}
         envs = {
             "off": {},
-            "file": {"DISTSERVE_TRACE_FILE": str(spans_file)},
-            "otlp": {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"},
+            "file": {**export, "DISTSERVE_TRACE_FILE": str(spans_file)},
+            "otlp": {**export, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"},
         }
         meshes = {name: start(model, env) for name, env in envs.items()}
         try:
@@ -102,6 +109,7 @@ def main() -> None:
                     mesh = meshes[name]
                     before = cpu_seconds(mesh)
                     rates[name].append(asyncio.run(load(mesh.gateway_address)))
+                    time.sleep(3 * EXPORT_DELAY_S)  # its last spans go out
                     for proc, seconds in cpu_seconds(mesh).items():
                         per_request = (seconds - before[proc]) / len(prompts)
                         cpu[name].setdefault(proc, []).append(per_request)
