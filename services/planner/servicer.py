@@ -22,7 +22,7 @@ log = logging.getLogger("distserve.planner")
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(
-        self, config: PlannerConfig, replanner: Replanner, metrics: PlannerMetrics | None = None
+        self, config: PlannerConfig, replanner: Replanner, metrics: PlannerMetrics
     ) -> None:
         self.config = config
         self.replanner = replanner
@@ -59,13 +59,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             )
             drift = self.replanner.observe(sample)
             samples += 1
-            if self.metrics is not None:
-                self.metrics.samples.inc()
+            self.metrics.samples.inc()
             if drift is not None:
                 log.info("workload drift: %s", "; ".join(drift.reasons))
                 reasons.append("; ".join(drift.reasons))
-                if self.metrics is not None:
-                    self.metrics.drifts.inc()
+                self.metrics.drifts.inc()
                 replans.append(asyncio.create_task(self._replan(drift, trace)))
         await asyncio.gather(*replans)
         reply = planner_pb2.ReportWorkloadResponse(
@@ -90,10 +88,9 @@ class _searching:
         self.span = telemetry.start(name, trace, attributes)
         self.started = time.monotonic()
 
-    def adopted(self, current: Current, metrics: PlannerMetrics | None) -> None:
+    def adopted(self, current: Current, metrics: PlannerMetrics) -> None:
         seconds = time.monotonic() - self.started
-        if metrics is not None:
-            metrics.adopted(current, seconds)
+        metrics.adopted(current, seconds)
         p = current.placement
         self.span.set_attributes(
             {
