@@ -18,6 +18,7 @@ import numpy as np
 from services.common.errors import DistServeError
 from services.kvtransfer import wire
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
+from services.kvtransfer.transports import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -37,7 +38,10 @@ class ChunkServer:
     def start(self, port: int = 0) -> int:
         import ucxx  # only hosts that serve over UCX need it
 
-        self._listener = ucxx.create_listener(self._serve_endpoint, port=port)
+        # The handshake of each connection runs to its end (see transports.HANDSHAKE_TIMEOUT_S).
+        self._listener = ucxx.create_listener(
+            self._serve_endpoint, port=port, connect_timeout=HANDSHAKE_TIMEOUT_S
+        )
         self.port = self._listener.port
         return self.port
 

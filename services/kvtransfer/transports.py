@@ -27,6 +27,18 @@ log = logging.getLogger("distserve.kvtransfer")
 # After a failed or abandoned attempt, how long to wait for the source's answer to it before
 # the endpoint is given up (aborting it is the only way to be sure nothing lands later).
 DRAIN_S = 0.25
+# ucxx's connection handshake (exchange_peer_info) receives the peer's 16 bytes into a bytearray
+# of its coroutine; if that coroutine ends while the receive is still posted (its own timeout
+# ran out, or its caller was cancelled), the bytearray is freed and a peer that answers later (a
+# cut link restored) writes into freed memory: seen as decode instances dying of a general
+# protection fault in _PyObject_Malloc (tests/multihost, about 1 run in 3). So a handshake is
+# never abandoned: it runs as a task of its own that nobody cancels, with a timeout of ucxx's own
+# far beyond any real answer (a dead or unreachable peer fails the endpoint before: UCX's error
+# handling completes the receive with an error, which is safe); only the waits for it are short.
+# One that has not answered within HANDSHAKE_REUSE_S (one begun while a link was down may hang
+# long after it is back) is left to finish on its own, and the next attempt starts another.
+HANDSHAKE_TIMEOUT_S = 300.0
+HANDSHAKE_REUSE_S = 1.0
 
 
 def shutdown_ucx() -> None:
@@ -94,6 +106,8 @@ class UcxTransport:
     def __init__(self) -> None:
         self._endpoints: dict[tuple[str, int], object] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        self._handshakes: dict[tuple[str, int], tuple[asyncio.Task, float]] = {}  # newest, started
+        self._unfinished: set[asyncio.Task] = set()  # every handshake until it ends
         self._connected: set[tuple[str, int]] = set()  # peers reached before
         self._tags = itertools.count(1)
         self.reconnects = 0
@@ -180,16 +194,48 @@ class UcxTransport:
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
             ep = self._endpoints.get(key)
-            if ep is None or ep.closed:
-                try:
-                    ep = await ucxx.create_endpoint(host, port)
-                except Exception as e:
-                    raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
-                if key in self._connected:
-                    self.reconnects += 1
-                self._connected.add(key)
-                self._endpoints[key] = ep
-            return ep
+            if ep is not None and not ep.closed:
+                return ep
+            now = asyncio.get_running_loop().time()
+            handshake, started = self._handshakes.get(key, (None, 0.0))
+            if handshake is None or now - started > HANDSHAKE_REUSE_S:
+                # See HANDSHAKE_TIMEOUT_S: never cancelled; adopted when it ends.
+                handshake = asyncio.ensure_future(
+                    ucxx.create_endpoint(host, port, connect_timeout=HANDSHAKE_TIMEOUT_S)
+                )
+                self._handshakes[key] = (handshake, now)
+                self._unfinished.add(handshake)
+                handshake.add_done_callback(lambda task: self._adopt(key, task))
+            try:
+                return self._adopt(key, await asyncio.shield(handshake))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
+
+    def _adopt(self, key: tuple[str, int], done):
+        """The endpoint a finished handshake made (`done`: the endpoint, or its task) becomes
+        the peer's cached one, unless a live one is cached already (then it is aborted: a late
+        handshake); idempotent (the waiter and the task's own callback both call it, so an
+        endpoint whose waiters all gave up is kept or aborted, never leaked)."""
+        if isinstance(done, asyncio.Task):
+            self._unfinished.discard(done)
+            if self._handshakes.get(key, (None,))[0] is done:
+                del self._handshakes[key]
+            if done.cancelled() or done.exception() is not None:
+                return None
+            done = done.result()
+        current = self._endpoints.get(key)
+        if current is not None and current is not done and not current.closed:
+            if not done.closed:
+                done.abort()
+            return current
+        if current is not done:
+            if key in self._connected:
+                self.reconnects += 1
+            self._connected.add(key)
+            self._endpoints[key] = done
+        return done
 
     def _drop(self, key: tuple[str, int], ep) -> None:
         """Forget a broken endpoint (only if it is still the cached one) and abort it, unless
