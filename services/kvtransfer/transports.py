@@ -240,10 +240,9 @@ class UcxTransport:
     def _drop(self, key: tuple[str, int], ep) -> None:
         """Forget a broken endpoint (only if it is still the cached one) and abort it, unless
         UCX already closed it on an error (its error callback ran: the receives posted on it
-        are completed with an error). Aborting such an endpoint again is the likeliest cause of
-        a crash seen once: a decode instance died of a general protection fault in the Python
-        allocator just after `connect ... Network is unreachable` (tests/multihost, a cut KV
-        link; ucxx has fixed crashes in aborting endpoints before)."""
+        are completed with an error: aborting it again is not needed, and ucxx has had crashes
+        in aborting endpoints). The general protection faults once blamed on this were the
+        abandoned handshakes of HANDSHAKE_TIMEOUT_S."""
         if self._endpoints.get(key) is ep:
             del self._endpoints[key]
         if ep.closed:
