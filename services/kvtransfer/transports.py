@@ -207,35 +207,35 @@ class UcxTransport:
                 self._unfinished.add(handshake)
                 handshake.add_done_callback(lambda task: self._adopt(key, task))
             try:
-                return self._adopt(key, await asyncio.shield(handshake))
+                await asyncio.shield(handshake)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
+            # `_adopt` ran first: a future's callbacks run in the order they were added.
+            ep = self._endpoints.get(key)
+            if ep is None:  # dropped meanwhile by a failed attempt
+                raise Unavailable(f"the endpoint to the KV source at {host}:{port} broke")
+            return ep
 
-    def _adopt(self, key: tuple[str, int], done):
-        """The endpoint a finished handshake made (`done`: the endpoint, or its task) becomes
-        the peer's cached one, unless a live one is cached already (then it is aborted: a late
-        handshake); idempotent (the waiter and the task's own callback both call it, so an
-        endpoint whose waiters all gave up is kept or aborted, never leaked)."""
-        if isinstance(done, asyncio.Task):
-            self._unfinished.discard(done)
-            if self._handshakes.get(key, (None,))[0] is done:
-                del self._handshakes[key]
-            if done.cancelled() or done.exception() is not None:
-                return None
-            done = done.result()
-        current = self._endpoints.get(key)
-        if current is not None and current is not done and not current.closed:
-            if not done.closed:
-                done.abort()
-            return current
-        if current is not done:
-            if key in self._connected:
-                self.reconnects += 1
-            self._connected.add(key)
-            self._endpoints[key] = done
-        return done
+    def _adopt(self, key: tuple[str, int], handshake: asyncio.Task) -> None:
+        """A finished handshake's endpoint becomes the peer's cached one, unless a live one is
+        cached already (then it is aborted: a late handshake); so an endpoint whose waiters all
+        gave up is kept or aborted, never leaked."""
+        self._unfinished.discard(handshake)
+        if self._handshakes.get(key, (None,))[0] is handshake:
+            del self._handshakes[key]
+        if handshake.cancelled() or handshake.exception() is not None:
+            return
+        ep, current = handshake.result(), self._endpoints.get(key)
+        if current is not None and not current.closed:
+            if not ep.closed:
+                ep.abort()
+            return
+        if key in self._connected:
+            self.reconnects += 1
+        self._connected.add(key)
+        self._endpoints[key] = ep
 
     def _drop(self, key: tuple[str, int], ep) -> None:
         """Forget a broken endpoint (only if it is still the cached one) and abort it, unless
