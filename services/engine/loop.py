@@ -77,8 +77,10 @@ class EngineLoop:
         group: RankGroup | None = None,
     ) -> None:
         """on_admitted(seqs): pulled requests got their blocks (decode). For a prefill
-        instance, on the event loop: on_scheduled([(request id, block runs)]) when a batch has
-        its blocks, before it runs; on_layer(request ids, i) once its layer i is computed.
+        instance, on the event loop, for the requests in `layerwise` only (those whose KV is
+        published as it is computed): on_scheduled([(request id, block runs)]) when a batch has
+        its blocks, before it runs; on_layer(request ids, i) once its layer i is computed. A
+        batch with none of them runs without the calls (each would wake the event loop).
         `group`: the other ranks of a tensor-parallel engine (None: tp == 1)."""
         self.engine = engine
         self.group = group
@@ -86,7 +88,8 @@ class EngineLoop:
         self._on_admitted = on_admitted
         self._on_scheduled = on_scheduled
         self._on_layer = on_layer
-        self._batch: list[str] = []
+        self.layerwise: set[str] = set()  # add a request id before submitting the request
+        self._batch: list[str] = []  # the running batch's layer-wise requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -177,10 +180,11 @@ class EngineLoop:
         if self.hold:
             if self.group is not None:
                 self.group.broadcast(PrefillStep())
+            layerwise = bool(self.layerwise)
             outputs = engine.prefill_step(
                 hold=True,
-                on_scheduled=self._scheduled if self._on_scheduled else None,
-                on_layer=self._layer if self._on_layer else None,
+                on_scheduled=self._scheduled if layerwise and self._on_scheduled else None,
+                on_layer=self._layer if layerwise and self._on_layer else None,
             )
         else:
             outputs = self._apply(Step())
@@ -193,12 +197,15 @@ class EngineLoop:
         self._loop.call_soon_threadsafe(self._dispatch, outputs, info)
 
     def _scheduled(self, seqs: list[Sequence]) -> None:
+        seqs = [s for s in seqs if s.request_id in self.layerwise]
         self._batch = [s.request_id for s in seqs]
-        runs = [(s.request_id, tuple((f, n) for f, n in s.block_table.runs)) for s in seqs]
-        self._loop.call_soon_threadsafe(self._on_scheduled, runs)
+        if seqs:
+            runs = [(s.request_id, tuple((f, n) for f, n in s.block_table.runs)) for s in seqs]
+            self._loop.call_soon_threadsafe(self._on_scheduled, runs)
 
     def _layer(self, layer: int) -> None:
-        self._loop.call_soon_threadsafe(self._on_layer, self._batch, layer)
+        if self._batch:
+            self._loop.call_soon_threadsafe(self._on_layer, self._batch, layer)
 
     def _run_commands(self) -> None:
         while True:

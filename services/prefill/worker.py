@@ -161,6 +161,7 @@ class PrefillWorker:
         queue = self.loop.subscribe(request_id)
         if early is not None and not discard_kv:
             self._early[request_id] = (early, len(prompt), trace)
+            self.loop.layerwise.add(request_id)
         try:
             self.loop.submit(request_id, AddRequest(prompt, params, request_id))
             out, info = await queue.get()
@@ -176,6 +177,7 @@ class PrefillWorker:
         finally:
             self.loop.unsubscribe(request_id)
             self._early.pop(request_id, None)
+            self.loop.layerwise.discard(request_id)
         self.phases.record(trace, submitted, info)
         result = dict(
             first_token=out.new_token_ids[0],

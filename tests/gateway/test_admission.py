@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import urllib.error
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 
 from services.common.errors import Overloaded
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.admission import Admission, AdmissionConfig
+from services.gateway.admission import Admission, AdmissionConfig, CostLine
 from services.gateway.registry import Load, Registry
 from tests.conftest import start_mesh, stop_now
 
@@ -44,6 +46,23 @@ def test_the_cost_line_is_fitted_once_batches_span_sizes():
     observe_line(admission)
     a, b = admission.cost
     assert b == pytest.approx(0.1, rel=0.3) and a >= 0
+
+
+def test_the_cost_line_is_least_squares_over_the_latest_batches_only():
+    rng = random.Random(0)
+    line, window = CostLine(size=32), []
+    for i in range(400):
+        tokens = 64 if 100 <= i < 200 else rng.randint(16, 2048)  # and a stretch of one size
+        ms = 3.0 + 0.05 * tokens + rng.uniform(-1.0, 1.0)
+        line.add(tokens, ms)
+        window = [*window, (tokens, ms)][-32:]
+        fit = line.fit()
+        sizes = [t for t, _ in window]
+        if len(window) < 8 or max(sizes) < 2 * min(sizes):  # too few, or one size: no line
+            assert fit is None
+            continue
+        b, a = np.polyfit(sizes, [m for _, m in window], 1)
+        assert fit == pytest.approx((max(0.0, a), b), rel=1e-6, abs=1e-9)
 
 
 def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_with_a_retry_hint():
