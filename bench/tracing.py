@@ -4,13 +4,15 @@ Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own 
 `--pin`; only one mesh is busy at a time), identical but for tracing:
   * off: no exporter configured (no span is created);
   * file: every span appended to a JSON-lines file (`DISTSERVE_TRACE_FILE`);
-  * otlp: every span exported over OTLP/gRPC to a receiver in this process (a collector's work
-    is done on the same two cores, so this is the pessimistic case).
-Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` at once,
-straight to the gateway over gRPC. Each round runs every mesh once, in a shuffled order (seeded),
-so that all see the same machine and none always goes first; the overhead is 1 - the median over
-rounds of (traced / off in the same round): paired, so a round the whole machine was slow in
-counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
+  * otlp: every span exported over OTLP/gRPC to a receiver in a process of its own (a
+    collector's work is done on the same two cores, so this is the pessimistic case; in the load
+    generator's process it would slow the client, not the mesh).
+Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` in
+flight all the time (a new one starts as one ends), straight to the gateway over gRPC; the
+gateway's admission is off (see GATEWAY_ARGS). Each round runs every mesh once, in a shuffled
+order (seeded), so that all see the same machine and none always goes first; the overhead is 1 -
+the median over rounds of (traced / off in the same round): paired, so a round the whole machine
+was slow in counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
 where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
 /proc), median over rounds.
 Traced meshes export every 100 ms and each round ends with a 0.3 s pause, so that a mesh's
@@ -28,6 +30,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,13 +40,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.mesh import mesh_stream_rate, mesh_ttft_and_gap, pct
+import grpc
+
+from bench.mesh import mesh_ttft_and_gap, pct
+from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
-from tests.otlp_receiver import OtlpReceiver
 
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
 EXPORT_DELAY_S = 0.1
+# Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
+# cores are shared by everything) would end a round early.
+GATEWAY_ARGS = ("--admission-ttft-factor", "0")
 
 
 def cpu_seconds(mesh: Mesh) -> dict[str, float]:
@@ -55,8 +63,58 @@ def cpu_seconds(mesh: Mesh) -> dict[str, float]:
     return out
 
 
+async def steady_rate(address: str, prompts: list[list[int]], new: int, concurrency: int) -> float:
+    """Streamed tokens/s with `concurrency` requests in flight until `prompts` run out."""
+    todo = list(reversed(prompts))
+    params = common_pb2.SamplingParams(max_tokens=new, ignore_eos=True)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def client() -> int:
+            n = 0
+            while todo:
+                ids = gateway_pb2.TokenIds(ids=todo.pop())
+                async for r in stub.Generate(
+                    gateway_pb2.GenerateRequest(token_ids=ids, sampling=params)
+                ):
+                    n += len(r.token_ids)
+            return n
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(client() for _ in range(concurrency)))
+        return sum(counts) / (time.perf_counter() - t)
+
+
+class Receiver:
+    """The test OTLP receiver (tests/otlp_receiver.py) in a process of its own."""
+
+    def __enter__(self) -> Receiver:
+        root = Path(__file__).resolve().parents[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.otlp_receiver"],
+            cwd=root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.endpoint = json.loads(self.proc.stdout.readline())["endpoint"]
+        self.spans = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self.proc.communicate(input="", timeout=60)
+        self.spans = json.loads(out.strip().splitlines()[-1])["spans"] if out.strip() else 0
+
+
 def start(model: Path, env: dict[str, str]) -> Mesh:
-    spec = MeshSpec(model=model, gateway_port=0, pin=True, worker_args=WORKER_ARGS, env=env)
+    spec = MeshSpec(
+        model=model,
+        gateway_port=0,
+        pin=True,
+        worker_args=WORKER_ARGS,
+        gateway_args=GATEWAY_ARGS,
+        env=env,
+    )
     mesh = Mesh(spec)
     mesh.start()
     return mesh
@@ -64,8 +122,8 @@ def start(model: Path, env: dict[str, str]) -> Mesh:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--requests", type=int, default=128, help="streamed requests per round")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--requests", type=int, default=384, help="streamed requests per round")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=50)
@@ -78,7 +136,7 @@ def main() -> None:
     os.environ.update(base)  # the meshes inherit this environment, plus their own
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     spans_file = tmp / "spans.jsonl"
-    with OtlpReceiver() as receiver:
+    with Receiver() as receiver:
         # Spans leave within 100 ms (the SDK's default is every 5 s), so that a round's exports
         # run in that round and the pause after it, not in the next mesh's round.
         export = {"OTEL_BSP_SCHEDULE_DELAY": str(int(EXPORT_DELAY_S * 1000))}
@@ -93,22 +151,17 @@ def main() -> None:
             cpu: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
             ttft: dict[str, float] = {}
 
-            async def load(address: str) -> float:
-                out = []
-                for i in range(0, len(prompts), args.concurrency):
-                    batch = prompts[i : i + args.concurrency]
-                    out.append((await mesh_stream_rate(address, batch, args.new_tokens), batch))
-                tokens = sum(len(b) * args.new_tokens for _, b in out)
-                return tokens / sum(len(b) * args.new_tokens / r for r, b in out)
+            def load(address: str) -> float:
+                return asyncio.run(steady_rate(address, prompts, args.new_tokens, args.concurrency))
 
             for mesh in meshes.values():  # warm-up: connections, UCX endpoints
-                asyncio.run(load(mesh.gateway_address))
+                load(mesh.gateway_address)
             order = random.Random(0)
             for r in range(args.rounds):
                 for name in order.sample(list(meshes), len(meshes)):
                     mesh = meshes[name]
                     before = cpu_seconds(mesh)
-                    rates[name].append(asyncio.run(load(mesh.gateway_address)))
+                    rates[name].append(load(mesh.gateway_address))
                     time.sleep(3 * EXPORT_DELAY_S)  # its last spans go out
                     for proc, seconds in cpu_seconds(mesh).items():
                         per_request = (seconds - before[proc]) / len(prompts)
@@ -127,7 +180,7 @@ def main() -> None:
         finally:
             for mesh in meshes.values():
                 mesh.stop()
-        exported = len(receiver.spans)
+    exported = receiver.spans
     traced_lines = sum(1 for _ in spans_file.open()) if spans_file.exists() else 0
     median = {name: statistics.median(v) for name, v in rates.items()}
     overhead = {

@@ -131,3 +131,21 @@ def _handler(receiver: OtlpReceiver) -> type[http.server.BaseHTTPRequestHandler]
             pass
 
     return OtlpHttpHandler
+
+
+def main() -> None:
+    """Run a receiver as a process of its own (for benchmarks: decoding spans then costs the
+    load generator nothing): prints `{"endpoint": ..., "http_endpoint": ...}` once serving, and
+    `{"spans": N}` when its standard input closes, then exits."""
+    import json
+    import sys
+
+    with OtlpReceiver() as receiver:
+        print(json.dumps({"endpoint": receiver.endpoint, "http_endpoint": receiver.http_endpoint}))
+        sys.stdout.flush()
+        sys.stdin.read()
+        print(json.dumps({"spans": len(receiver.spans)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
