@@ -4,9 +4,10 @@ Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own 
 `--pin`; only one mesh is busy at a time), identical but for tracing:
   * off: no exporter configured (no span is created);
   * file: every span appended to a JSON-lines file (`DISTSERVE_TRACE_FILE`);
-  * otlp: every span exported over OTLP/gRPC to a receiver in a process of its own (a
-    collector's work is done on the same two cores, so this is the pessimistic case; in the load
-    generator's process it would slow the client, not the mesh).
+  * otlp: every span exported over OTLP/gRPC to a receiver in a process of its own that counts
+    them (tests/otlp_receiver.py, `count_only`): a collector runs elsewhere in production, here it
+    shares the two cores, so it does the least a collector does (decode each export and count);
+    in the load generator's process it would slow the client, not the mesh.
 Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` in
 flight all the time (a new one starts as one ends), straight to the gateway over gRPC; the
 gateway's admission is off (see GATEWAY_ARGS). Each round runs every mesh once, in a shuffled
@@ -86,7 +87,7 @@ async def steady_rate(address: str, prompts: list[list[int]], new: int, concurre
 
 
 class Receiver:
-    """The test OTLP receiver (tests/otlp_receiver.py) in a process of its own."""
+    """The test OTLP receiver (tests/otlp_receiver.py), counting, in a process of its own."""
 
     def __enter__(self) -> Receiver:
         root = Path(__file__).resolve().parents[1]

@@ -26,7 +26,11 @@ def _attributes(kvs) -> dict:
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, count_only: bool = False) -> None:
+        """`count_only`: keep no span, count them (`received`): a collector's cheapest work,
+        for benchmarks that share the cores with it."""
+        self.count_only = count_only
+        self.received = 0  # spans received
         self.spans: list[dict] = []
         self.exports = {"grpc": 0, "http": 0}  # export requests received, by transport
         self._lock = threading.Lock()
@@ -61,6 +65,12 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def keep(self, request: trace_service_pb2.ExportTraceServiceRequest, transport: str) -> None:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if self.count_only:
+            with self._lock:
+                self.received += n
+                self.exports[transport] += 1
+            return
         out = []
         for rs in request.resource_spans:
             service = _attributes(rs.resource.attributes).get("service.name", "")
@@ -83,6 +93,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                     )
         with self._lock:
             self.spans += out
+            self.received += n
             self.exports[transport] += 1
 
     def trace(self, trace_id: str) -> list[dict]:
@@ -134,17 +145,17 @@ def _handler(receiver: OtlpReceiver) -> type[http.server.BaseHTTPRequestHandler]
 
 
 def main() -> None:
-    """Run a receiver as a process of its own (for benchmarks: decoding spans then costs the
-    load generator nothing): prints `{"endpoint": ..., "http_endpoint": ...}` once serving, and
-    `{"spans": N}` when its standard input closes, then exits."""
+    """Run a counting receiver (`count_only`) as a process of its own, for benchmarks: prints
+    `{"endpoint": ..., "http_endpoint": ...}` once serving, and `{"spans": N}` when its
+    standard input closes, then exits."""
     import json
     import sys
 
-    with OtlpReceiver() as receiver:
+    with OtlpReceiver(count_only=True) as receiver:
         print(json.dumps({"endpoint": receiver.endpoint, "http_endpoint": receiver.http_endpoint}))
         sys.stdout.flush()
         sys.stdin.read()
-        print(json.dumps({"spans": len(receiver.spans)}), flush=True)
+        print(json.dumps({"spans": receiver.received}), flush=True)
 
 
 if __name__ == "__main__":
