@@ -9,9 +9,11 @@ stream):
   tokens queued on the least-loaded prefill (or colocated) instance and its own, priced by
   `a + b * tokens`, a least-squares line through the prefill batches the prefill instances
   reported lately (compute time against batch tokens; no prediction until those batches span a
-  range of sizes). A request predicted to miss `ttft_factor` x the TTFT SLO because of the
-  queue ahead of it is refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a retry-after
-  hint: the time that queue needs to drain below the limit. (With nothing queued it is served,
+  range of sizes), bounded by the cheapest of them (`CostLine`: on a loaded host big batches
+  are slow batches, which least squares alone reads as cost per token). A request predicted
+  to miss `ttft_factor` x the TTFT SLO because of the queue ahead of it is refused at once with
+  RESOURCE_EXHAUSTED / HTTP 429 and a retry-after hint: the time that queue needs to drain
+  below the limit. (With nothing queued it is served,
   however long its own prefill: refusing it would refuse it for ever.)
   The queue counts the batch being computed too: its prompts are not done.
 * **Decode watermarks.** When every decode instance is past a watermark (pending KV pulls, KV
@@ -165,18 +167,25 @@ class Admission:
 
 
 class CostLine:
-    """Least squares `ms = a + b * tokens` over the latest `size` prefill batches, kept as
-    running sums (and the window's smallest and largest batch) so that a batch costs O(1): it
-    is observed on the first token's path, where a numpy fit over the window cost ~0.15 ms."""
+    """`ms = a + b * tokens` over the latest `size` prefill batches: least squares, bounded by
+    what the batches allow, kept as running sums and sliding extremes so that a batch costs
+    O(1) (it is observed on the first token's path, where a numpy fit cost ~0.15 ms).
+
+    The bounds: with a, b >= 0 every batch took at least `b * tokens` and at least `a`, so b is
+    at most the cheapest batch's ms per token and a at most the fastest batch's ms. They matter
+    on a loaded host, where the batches are big exactly when the instance is slow (a slow
+    stretch queues more prompts, and the slow stretch inflates their batch): least squares
+    then reads contention as cost per token (measured: 1.6 ms/token on the tiny model, 80x its
+    real cost, predicting 1 s for a queue one 40 ms batch would clear)."""
 
     def __init__(self, size: int = FIT_SAMPLES) -> None:
         self.size = size
         self._window: deque[tuple[int, float]] = deque()
         self._seq = 0  # batches seen
-        # Candidates for the window's min / max tokens: (seq, tokens), tokens increasing /
-        # decreasing from the left (a sliding-window minimum).
-        self._lo: deque[tuple[int, int]] = deque()
-        self._hi: deque[tuple[int, int]] = deque()
+        self._tokens_lo = _SlidingMin(size)
+        self._tokens_hi = _SlidingMin(size)  # of -tokens
+        self._per_token = _SlidingMin(size)  # the least ms per token
+        self._fastest = _SlidingMin(size)  # the least ms
         self._sums = [0.0, 0.0, 0.0, 0.0]  # tokens, ms, tokens^2, tokens * ms
 
     def add(self, tokens: int, ms: float) -> None:
@@ -185,12 +194,10 @@ class CostLine:
         if len(self._window) > self.size:
             self._accumulate(*self._window.popleft(), -1)
         seq, self._seq = self._seq, self._seq + 1
-        for queue, keep in ((self._lo, int.__lt__), (self._hi, int.__gt__)):
-            while queue and not keep(queue[-1][1], tokens):
-                queue.pop()
-            queue.append((seq, tokens))
-            if queue[0][0] <= seq - self.size:
-                queue.popleft()
+        self._tokens_lo.add(seq, tokens)
+        self._tokens_hi.add(seq, -tokens)
+        self._per_token.add(seq, ms / tokens)
+        self._fastest.add(seq, ms)
         if self._seq % self.size == 0:  # sums of differences drift: start them afresh
             self._sums = [0.0, 0.0, 0.0, 0.0]
             for t, m in self._window:
@@ -208,10 +215,32 @@ class CostLine:
         batches spanning at least a factor of two in tokens (a line through one size would
         price its fixed cost per token)."""
         n = len(self._window)
-        if n < FIT_MIN_SAMPLES or self._hi[0][1] < 2 * self._lo[0][1]:
+        if n < FIT_MIN_SAMPLES or -self._tokens_hi.least < 2 * self._tokens_lo.least:
             return None
         st, sm, stt, stm = self._sums
         b = (stm - st * sm / n) / (stt - st * st / n)
         if b <= 0:
             return None
-        return max(0.0, (sm - b * st) / n), b
+        b = min(b, self._per_token.least)
+        return min(max(0.0, (sm - b * st) / n), self._fastest.least), b
+
+
+class _SlidingMin:
+    """The least of the latest `size` values added: candidates kept increasing from the left,
+    each added value dropping the older ones it beats."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._queue: deque[tuple[int, float]] = deque()  # (seq, value)
+
+    def add(self, seq: int, value: float) -> None:
+        q = self._queue
+        while q and q[-1][1] >= value:
+            q.pop()
+        q.append((seq, value))
+        if q[0][0] <= seq - self.size:
+            q.popleft()
+
+    @property
+    def least(self) -> float:
+        return self._queue[0][1]

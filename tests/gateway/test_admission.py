@@ -61,8 +61,25 @@ def test_the_cost_line_is_least_squares_over_the_latest_batches_only():
         if len(window) < 8 or max(sizes) < 2 * min(sizes):  # too few, or one size: no line
             assert fit is None
             continue
-        b, a = np.polyfit(sizes, [m for _, m in window], 1)
-        assert fit == pytest.approx((max(0.0, a), b), rel=1e-6, abs=1e-9)
+        times = [m for _, m in window]
+        b, _ = np.polyfit(sizes, times, 1)
+        b = min(b, min(m / t for t, m in window))  # no batch was cheaper per token
+        a = min(max(0.0, np.mean(times) - b * np.mean(sizes)), min(times))
+        assert fit == pytest.approx((a, b), rel=1e-6, abs=1e-9)
+
+
+def test_a_loaded_host_does_not_read_as_cost_per_token():
+    """Big batches form when the instance is slow, and are slow: least squares alone fitted
+    1.6 ms/token to the tiny model (0.02 really) and predicted 1 s for a short queue."""
+    line = CostLine()
+    rng = random.Random(0)
+    for _ in range(128):
+        tokens = rng.choice([16, 32, 48, 64])
+        contention = 1 + (tokens / 16 - 1) * 8  # the bigger, the more it was slowed
+        line.add(tokens, (1.0 + 0.02 * tokens) * contention)
+    a, b = line.fit()
+    assert b <= 1.32 / 16  # the 16-token batches' cost per token, uncontended
+    assert a + b * 640 < 60  # not the ~700 ms of least squares alone
 
 
 def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_with_a_retry_hint():
