@@ -259,9 +259,28 @@ def test_text_report_rows_dashes_flags_percentiles_and_summary(trace_file, capsy
     assert rows["req-5"][5:] == ["-", "4.0", "-", "-", "-", "-", "20.0"]
     queue = next(line.split() for line in lines if line.startswith("queue "))
     assert queue == ["queue", "8.0", "14.8", "17.7", "18.0", "5"]
-    assert "requests: 5, errors: 1 (no prefill instance available: 1), flagged: 3" in out
+    assert "requests: 5, errors: 1 (1 x no prefill instance available), flagged: 3" in out
     assert "TTFT: 20.4% queueing, 61.2% prefill compute, 18.4% other" in out
     assert "mean bandwidth 1.50 GB/s over 3 handoffs, chunks retried: 4" in out
+
+
+def test_errors_that_differ_only_in_their_figures_are_one_kind(tmp_path, capsys):
+    """Hundreds of refusals each saying its own queue read as one line, the commonest first."""
+    queued = "the mesh is overloaded: {} prompt tokens are queued ahead, predicted TTFT {} ms"
+    messages = [queued.format(q, q * 2.5) for q in range(100, 107)]
+    messages += ["deadline exceeded"] * 2 + [f"kind {k}" for k in "abcde"]
+    spans = [
+        span(i, 0x100 + i, None, "text_completion tiny", GATEWAY, i, i + 1, "ERROR", m,
+             **request_attrs(f"req-{i}", "disaggregated", 7, 0))
+        for i, m in enumerate(messages, start=1)
+    ]  # fmt: skip
+    path = tmp_path / "spans.jsonl"
+    path.write_text("\n".join(json.dumps(s) for s in spans) + "\n")
+    _, out, _ = report(path, capsys)
+    assert (
+        "errors: 14 (7 x the mesh is overloaded: N prompt tokens are queued ahead, predicted "
+        "TTFT N ms; 2 x deadline exceeded; 1 x kind a; 1 x kind b; 1 x kind c; 2 more kinds)"
+    ) in out
 
 
 def test_limit_shows_first_rows_and_counts_the_rest(trace_file, capsys):

@@ -4,6 +4,7 @@ KV handoff, the handoff bubble, TPOT; percentiles and a summary over them."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -275,7 +276,7 @@ def percentiles(rows: Sequence[Breakdown]) -> dict[str, dict[str, float | int | 
 class Summary:
     requests: int
     errors: int
-    error_messages: dict[str, int]  # status message -> requests
+    error_messages: dict[str, int]  # status message, its figures as N -> requests, most first
     flagged: int
     ttft_ms: float  # summed over the requests that report a TTFT
     ttft_queue_share: float | None
@@ -285,6 +286,15 @@ class Summary:
     kv_mean_bandwidth_bytes_per_s: float | None
     kv_chunks_retried: int
     requests_retried: int  # prefilled or handed off more than once
+
+
+def _kind(message: str) -> str:
+    """A status message with its figures as N: refusals that differ only in the queue they saw
+    are one kind of error."""
+    return _FIGURE.sub("N", message) if message else "(no message)"
+
+
+_FIGURE = re.compile(r"\d+(?:\.\d+)?")
 
 
 def summarize(req_traces: Sequence[RequestTrace], rows: Sequence[Breakdown]) -> Summary:
@@ -301,7 +311,7 @@ def summarize(req_traces: Sequence[RequestTrace], rows: Sequence[Breakdown]) -> 
     return Summary(
         requests=len(rows),
         errors=len(errors),
-        error_messages=dict(Counter(r.status_message or "(no message)" for r in errors)),
+        error_messages=dict(Counter(_kind(r.status_message) for r in errors).most_common()),
         flagged=sum(r.flagged for r in rows),
         ttft_ms=ttft,
         ttft_queue_share=queue / ttft if ttft else None,

@@ -15,6 +15,8 @@ from services.trace_report.breakdown import (
 )
 from services.trace_report.spans import SpanFile
 
+ERROR_KINDS = 5  # the most frequent kinds of error the summary names
+
 
 def cell(v: object) -> str:
     if v is None:
@@ -72,7 +74,10 @@ def _share(v: float | None) -> str:
 def format_summary(s: Summary, rule: BubbleRule) -> list[str]:
     errors = f"errors: {s.errors}"
     if s.error_messages:
-        errors += " (" + ", ".join(f"{m}: {n}" for m, n in s.error_messages.items()) + ")"
+        kinds = [f"{n} x {m}" for m, n in list(s.error_messages.items())[:ERROR_KINDS]]
+        if len(s.error_messages) > ERROR_KINDS:
+            kinds.append(f"{len(s.error_messages) - ERROR_KINDS} more kinds")
+        errors += " (" + "; ".join(kinds) + ")"
     bandwidth = s.kv_mean_bandwidth_bytes_per_s
     return [
         f"requests: {s.requests}, {errors}, flagged: {s.flagged} ({rule.describe()})",
