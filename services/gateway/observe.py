@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import telemetry
 from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from services.gateway.admission import Verdict
 from services.gateway.request import Request
 
 _GENAI = ["gen_ai_operation_name", "gen_ai_request_model"]
@@ -188,6 +189,22 @@ class RequestObserver:
         self.mode = mode
         self.span.set_attribute("distserve.mode", mode)
 
+    def admitted(self, verdict: Verdict | None) -> None:
+        """Admission let the request in: its prediction, for comparing with what happened."""
+        if verdict is None or verdict.predicted_ttft_ms is None:
+            return
+        self.span.set_attributes(
+            {
+                "distserve.admission.predicted_ttft_ms": round(verdict.predicted_ttft_ms, 1),
+                "distserve.admission.queued_tokens": verdict.queued_tokens,
+                "distserve.admission.waited_ms": round(verdict.waited_ms, 1),
+            }
+        )
+        if verdict.predicted_tpot_ms is not None:
+            self.span.set_attribute(
+                "distserve.admission.predicted_tpot_ms", round(verdict.predicted_tpot_ms, 1)
+            )
+
     def tokens_out(self, n: int) -> None:
         if n <= 0:
             return
@@ -200,6 +217,13 @@ class RequestObserver:
             self.second = now
         self.tokens += n
         self.last = now
+
+    def bubble_steps(self) -> float | None:
+        """The first inter-token gap in steady inter-token gaps (None under three tokens)."""
+        if self.tokens <= 2 or self.second is None or self.last is None:
+            return None
+        steady = (self.last - self.second) / (self.tokens - 2)
+        return (self.second - self.first) / steady if steady > 0 else None
 
     def finish(self, reason: str | None, error: BaseException | None = None) -> None:
         """The request ended: with a finish reason, or an error (None: the client left)."""

@@ -24,35 +24,63 @@ class Load:
 
 
 @dataclass
+class _Call:
+    """A call the gateway sent a worker: the prompt tokens it has not prefilled yet, and whether
+    the worker has answered anything yet."""
+
+    tokens: int
+    waiting: bool = True
+
+
+@dataclass
 class Worker:
     worker_id: str
     role: str  # prefill | decode | colocated
     address: str
     load: Load = field(default_factory=Load)
     last_seen: float = field(default_factory=time.monotonic)
-    # Calls the gateway sent since the last heartbeat that are still open, which the reported
-    # load does not show yet: ticket -> prompt tokens. A call leaves when it ends (its work is
-    # done) or when a heartbeat comes (the load now shows it).
-    _sent: dict[int, int] = field(default_factory=dict, repr=False)
+    # The calls this gateway has open on the worker, by ticket. A heartbeat's load is a snapshot
+    # the worker took a moment ago (its engine only sees a call between two steps), so it can
+    # miss calls just sent and the batch being computed; the gateway's own count of what it
+    # sent misses what other gateways sent. The worker's figures are the larger of the two.
+    _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
     _tickets: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def send(self, prompt_tokens: int = 0) -> int:
-        """A call is going to this worker; the ticket ends it (`settle`)."""
+        """A call is going to this worker with a prompt of this many tokens to prefill (0: the
+        prompt is prefilled elsewhere); the ticket follows it (`answered`, `settle`)."""
         ticket = next(self._tickets)
-        self._sent[ticket] = prompt_tokens
+        self._calls[ticket] = _Call(prompt_tokens)
         return ticket
 
+    def answered(self, ticket: int) -> None:
+        """The worker sent the call's first token: its prompt is prefilled, it waits no more."""
+        call = self._calls.get(ticket)
+        if call is not None:
+            call.tokens, call.waiting = 0, False
+
     def settle(self, ticket: int) -> None:
-        """The call ended (idempotent; a no-op once a heartbeat counted it)."""
-        self._sent.pop(ticket, None)
+        """The call ended (idempotent)."""
+        self._calls.pop(ticket, None)
 
     @property
-    def inflight_requests(self) -> int:
-        return len(self._sent)
+    def queued_tokens(self) -> int:
+        """Prompt tokens queued for prefill there, the batch being computed included."""
+        own = sum(c.tokens for c in self._calls.values())
+        return max(self.load.queued_prompt_tokens, own)
 
     @property
-    def inflight_tokens(self) -> int:
-        return sum(self._sent.values())
+    def waiting_requests(self) -> int:
+        """Requests there that have not streamed a token yet (decode: pulling their KV or
+        waiting for a seat)."""
+        own = sum(c.waiting for c in self._calls.values())
+        return max(self.load.pending_pulls, own)
+
+    @property
+    def open_requests(self) -> int:
+        """Requests there: running, waiting or pulling."""
+        load = self.load
+        return max(load.running_seqs + load.waiting_seqs + load.pending_pulls, len(self._calls))
 
 
 class Registry:
@@ -71,7 +99,6 @@ class Registry:
             return False
         worker.load = load
         worker.last_seen = time.monotonic()
-        worker._sent.clear()  # the load now shows the calls still open
         return True
 
     def deregister(self, worker_id: str, address: str | None = None) -> None:
@@ -96,9 +123,7 @@ class Registry:
         if not workers:
             raise Unavailable("no prefill instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
-        return min(
-            workers, key=lambda w: (w.load.queued_prompt_tokens + w.inflight_tokens, w.worker_id)
-        )
+        return min(workers, key=lambda w: (w.queued_tokens, w.worker_id))
 
     def pick_decode(
         self, role: str = "decode", exclude: set[str] | frozenset[str] = frozenset()
@@ -111,11 +136,7 @@ class Registry:
             raise Unavailable(f"no {role} instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
 
-        def load(w: Worker) -> tuple:
-            busy = w.load.running_seqs + w.load.waiting_seqs + w.load.pending_pulls
-            return (busy + w.inflight_requests, -w.load.free_kv_blocks, w.worker_id)
-
-        return min(workers, key=load)
+        return min(workers, key=lambda w: (w.open_requests, -w.load.free_kv_blocks, w.worker_id))
 
     def mode(self) -> str:
         """How requests are served now: disaggregated when both pools exist, else colocated."""

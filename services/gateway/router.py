@@ -32,7 +32,7 @@ from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, Verdict
 from services.gateway.conditional import LocalPrefill
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
@@ -126,14 +126,16 @@ class Router:
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         reason: FinishReason | None = None
         error: BaseException | None = None
+        verdict = None
         try:
             admitted = (
-                self.admission.admit(len(req.prompt_ids))
+                self.admission.admit(len(req.prompt_ids), req.params.max_tokens)
                 if self.admission is not None
                 else contextlib.nullcontext()
             )
             events = self._migrating(req, seen)
-            async with admitted, contextlib.aclosing(events):
+            async with admitted as verdict, contextlib.aclosing(events):
+                seen.admitted(verdict)
                 async for ids, reason in events:
                     delta = text.add(ids) if ids else ""
                     if reason is not None or text.stopped:
@@ -152,10 +154,23 @@ class Router:
             raise
         finally:
             seen.finish(reason.value if reason is not None else None, error)
+            if self.admission is not None:
+                self._calibrate(self.admission, seen, verdict)
             if self.feed is not None and reason is not None and seen.ttft_s is not None:
                 self.feed.add(
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
+
+    @staticmethod
+    def _calibrate(admission: Admission, seen: RequestObserver, verdict: Verdict | None) -> None:
+        """What admission predicted against what happened (its TTFT, the handoff bubble)."""
+        if verdict is not None and seen.ttft_s is not None:
+            admission.observe_ttft(verdict, seen.ttft_s * 1000)
+        bubble = seen.bubble_steps()
+        if seen.mode == "disaggregated" and bubble:
+            admission.observe_bubble(bubble)
+            if verdict is not None:
+                admission.observe_tpot(verdict, seen.tpot_s * 1000)
 
     async def _migrating(
         self, req: Request, seen: RequestObserver
@@ -289,7 +304,6 @@ class Router:
         the prompt was scheduled: it pulls the layers while they are computed."""
         prefill = self.registry.pick_prefill(exclude=tried)
         tried.add(prefill.worker_id)
-        ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         if early is None:
             # A request of one token ends at prefill's: nothing to pull, no decode to start. A
@@ -298,6 +312,7 @@ class Router:
             least = self.early_handoff_min_tokens
             early = least is not None and len(req.prompt_ids) >= least and req.params.max_tokens > 1
         decode = kv = events = None
+        ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
         try:
             events = stub.Prefill(
                 prefill_pb2.PrefillRequest(
@@ -352,7 +367,6 @@ class Router:
         instance (`first_token` None: a streaming handle; the decode instance asks the source
         for it), another than those in `failed` if there is one."""
         decode = self.registry.pick_decode(exclude=failed)
-        ticket = decode.send()
         call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
@@ -364,7 +378,7 @@ class Router:
             timeout=_timeout(req),
             metadata=telemetry.outgoing(trace),
         )
-        return DecodeCall(call, decode, ticket)
+        return DecodeCall(call, decode, decode.send())
 
     async def _decode(
         self, decode: DecodeCall, kv, trace
@@ -373,7 +387,9 @@ class Router:
         handed_over = False
         try:
             async for r in decode.call:
-                handed_over = True  # the decode instance has the KV (and releases it)
+                if not handed_over:
+                    handed_over = True  # the decode instance has the KV (and releases it)
+                    decode.worker.answered(decode.ticket)
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -396,9 +412,10 @@ class Router:
         rule = self.local_prefill
         if rule is None or not rule.allows(len(req.prompt_ids)):
             return False
-        load = self.registry.pick_decode().load
+        worker = self.registry.pick_decode()
+        load = worker.load
         return (
-            load.queued_prompt_tokens == 0
+            worker.queued_tokens == 0
             and load.waiting_seqs == 0
             and (load.free_kv_blocks * 16 > len(req.prompt_ids) + req.params.max_tokens)
         )
@@ -409,7 +426,6 @@ class Router:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role)
-        ticket = worker.send(len(req.prompt_ids))
         call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
@@ -420,9 +436,12 @@ class Router:
             metadata=telemetry.outgoing(trace),
         )
         streamed = False
+        ticket = worker.send(len(req.prompt_ids))
         try:
             async for r in call:
-                streamed = True
+                if not streamed:
+                    streamed = True
+                    worker.answered(ticket)
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:

@@ -15,9 +15,11 @@ import pytest
 
 from services.common.errors import Overloaded
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.admission import Admission, AdmissionConfig, CostLine
+from services.gateway.admission import Admission, AdmissionConfig, CostLine, Verdict
 from services.gateway.registry import Load, Registry
 from tests.conftest import start_mesh, stop_now
+
+ROOM = {"free_kv_blocks": 100, "total_kv_blocks": 100}
 
 
 def registry(prefill_queued: int = 0, decode_pulls: int = 0, decode_free: int = 100) -> Registry:
@@ -33,8 +35,8 @@ def observe_line(admission: Admission, a: float = 5.0, b: float = 0.1) -> None:
         admission.observe_prefill(a + b * tokens, tokens)
 
 
-async def admit(admission: Admission, prompt_tokens: int = 100) -> None:
-    async with admission.admit(prompt_tokens):
+async def admit(admission: Admission, prompt_tokens: int = 100, max_tokens: int = 0) -> None:
+    async with admission.admit(prompt_tokens, max_tokens):
         pass
 
 
@@ -50,22 +52,26 @@ def test_the_cost_line_is_fitted_once_batches_span_sizes():
 
 def test_the_cost_line_is_least_squares_over_the_latest_batches_only():
     rng = random.Random(0)
-    line, window = CostLine(size=32), []
+    line, window, slope = CostLine(size=32), [], None
     for i in range(400):
         tokens = 64 if 100 <= i < 200 else rng.randint(16, 2048)  # and a stretch of one size
-        ms = 3.0 + 0.05 * tokens + rng.uniform(-1.0, 1.0)
+        slower = 20.0 if 150 <= i < 200 else 0.0  # the host slows down during the stretch
+        ms = 3.0 + slower + 0.05 * tokens + rng.uniform(-1.0, 1.0)
         line.add(tokens, ms)
         window = [*window, (tokens, ms)][-32:]
         fit = line.fit()
-        sizes = [t for t, _ in window]
-        if len(window) < 8 or max(sizes) < 2 * min(sizes):  # too few, or one size: no line
+        sizes, times = [t for t, _ in window], [m for _, m in window]
+        if len(window) < 8:  # too few: no line
             assert fit is None
             continue
-        times = [m for _, m in window]
-        b, _ = np.polyfit(sizes, times, 1)
-        b = min(b, min(m / t for t, m in window))  # no batch was cheaper per token
+        if max(sizes) >= 2 * min(sizes):
+            slope, _ = np.polyfit(sizes, times, 1)
+        # One size: the slope found last, the line through the window's mean.
+        b = min(slope, min(m / t for t, m in window))  # no batch was cheaper per token
         a = min(max(0.0, np.mean(times) - b * np.mean(sizes)), min(times))
         assert fit == pytest.approx((a, b), rel=1e-6, abs=1e-9)
+        if 190 <= i < 200:
+            assert a + b * 64 == pytest.approx(3.0 + 20.0 + 0.05 * 64, abs=1.0)  # it shows
 
 
 def test_a_loaded_host_does_not_read_as_cost_per_token():
@@ -104,6 +110,46 @@ def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_with_a_retry_hint()
     asyncio.run(admit(off))
 
 
+def test_the_ttft_prediction_is_scaled_by_how_far_off_it_has_been():
+    """TTFTs that came out longer than predicted (a loaded host; prompts joining the batch
+    from behind) scale later predictions by the 95th percentile of actual / predicted: a
+    request the bare line would let in is refused; shorter ones scale them down."""
+    admission = Admission(registry(prefill_queued=500), ttft_slo_s=1.0)
+    observe_line(admission, a=0.0, b=1.0)  # 1 ms a token: 500 queued + 100 = 600 ms
+    assert admission.predicted_ttft_ms(100) == (pytest.approx(600.0), 500)
+    verdict = Verdict(600.0, 500, waited_ms=0.0)
+    for ratio in [1.0] * 4 + [2.0] * 12:  # 95th percentile: 2
+        admission.observe_ttft(verdict, 600.0 * ratio)
+    assert admission.ttft_scale == pytest.approx(2.0)
+    with pytest.raises(Overloaded, match="predicted TTFT 1200 ms"):
+        asyncio.run(admit(admission))
+    # What it was admitted on counts, at the scale of the time: waiting included, and requests
+    # with nothing queued ahead (admitted whatever their prediction) left out.
+    scaled = Verdict(1200.0, 500, waited_ms=100.0, scale=2.0)
+    for _ in range(64):
+        admission.observe_ttft(scaled, 350.0)  # half of 100 + 600 ms
+        admission.observe_ttft(Verdict(600.0, 0), 6000.0)
+    assert admission.ttft_scale == pytest.approx(0.5)
+    asyncio.run(admit(admission))
+
+
+def test_tpots_over_what_requests_were_admitted_for_tighten_the_step_limit():
+    """Batches fill up to the seats, so requests decode at about the step limit; the slower
+    ones' excess (the 95th percentile of actual / admitted-for) is taken off the limit, and
+    faster ones never loosen it past the configured one."""
+    admission = Admission(registry(), ttft_slo_s=1.0, tpot_slo_s=0.1)
+    assert admission.step_limit(0) == 100.0
+    verdict = Verdict(predicted_tpot_ms=100.0)
+    for ratio in [0.8] * 10 + [1.25] * 10:
+        admission.observe_tpot(verdict, 100.0 * ratio)
+    assert admission.step_limit(0) == pytest.approx(80.0)
+    for _ in range(64):
+        admission.observe_tpot(Verdict(predicted_tpot_ms=80.0), 40.0)  # half: a light load
+    assert admission.step_limit(0) == 100.0
+    admission.observe_tpot(Verdict(), 500.0)  # admitted with no step limit: no sample
+    assert admission.step_limit(0) == 100.0
+
+
 def test_in_flight_requests_are_bounded():
     admission = Admission(registry(), 1.0, AdmissionConfig(max_inflight=2))
 
@@ -140,6 +186,38 @@ def test_saturated_decode_holds_prompts_until_it_drains_or_the_budget_ends():
         asyncio.run(admit(admission))
 
 
+def test_prompts_let_go_together_when_decode_drains_are_predicted_again():
+    """Prompts held at the decode watermark are predicted again when it clears, each seeing the
+    ones let go before it (queued from the moment they are sent) and the time it waited: those
+    that would now miss the TTFT limit are refused instead of all joining one prefill queue."""
+    reg = registry(decode_pulls=4)
+    admission = Admission(reg, ttft_slo_s=1.0, config=AdmissionConfig(pull_watermark=4))
+    observe_line(admission, a=0.0, b=1.0)  # 1 ms a prompt token: 400 ms a prompt
+    [p] = reg.live("prefill")
+
+    async def one():
+        async with admission.admit(400) as verdict:
+            p.send(400)  # what the router does next, before anything else runs
+            return verdict
+
+    async def scenario():
+        held = [asyncio.create_task(one()) for _ in range(6)]
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in held)  # all wait for the decode pool
+        reg.heartbeat("d", Load(pending_pulls=0, free_kv_blocks=100, total_kv_blocks=100))
+        return await asyncio.gather(*held, return_exceptions=True)
+
+    results = asyncio.run(scenario())
+    verdicts = [r for r in results if not isinstance(r, BaseException)]
+    # 100 ms waited + 400 ms, then + 800 ms; a third would be 100 + 1 200 > 1 000 ms.
+    assert [v.queued_tokens for v in verdicts] == [0, 400]
+    assert all(v.waited_ms >= 100 for v in verdicts)
+    assert [v.predicted_ttft_ms for v in verdicts] == pytest.approx([400, 800], abs=1)
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 4 and all(isinstance(r, Overloaded) for r in refused)
+    assert all("past its watermark" in str(r) for r in refused)
+
+
 def test_decode_steps_slower_than_the_tpot_slo_hold_new_prompts_back():
     """Each sequence a decode instance takes in makes every step slower: while its steps are
     past the TPOT SLO it takes no new prompt; idle, its last step time does not count."""
@@ -155,6 +233,55 @@ def test_decode_steps_slower_than_the_tpot_slo_hold_new_prompts_back():
     reg.heartbeat("d", slow)
     off = Admission(reg, 0.1, AdmissionConfig(tpot_watermark=0), tpot_slo_s=0.1)
     asyncio.run(admit(off))
+
+
+def test_decode_takes_as_many_sequences_as_keep_its_steps_within_the_tpot_slo():
+    """A line through the decode step time the heartbeats report over the batch size gives the
+    seats within the TPOT SLO; prompts on their way to decode (queued or prefilling) take
+    their seats before they get there, so the pool is not overfilled from behind."""
+    reg = registry()
+    admission = Admission(reg, ttft_slo_s=0.05, tpot_slo_s=0.1)  # steps of 100 ms at most
+    [p], [d] = reg.live("prefill"), reg.live("decode")
+
+    def decode_reports(running: int) -> None:
+        step = 20.0 + 10.0 * running  # 10 ms a sequence
+        reg.heartbeat("d", Load(running_seqs=running, decode_step_ms=step, **ROOM))
+        admission.seats(d)
+
+    assert admission.seats(d) is None  # no line yet: no seat rule
+    for running in [2, 4, 6, 8, 3, 5, 7, 9]:
+        decode_reports(running)
+    assert admission.seats(d) == 8  # (100 - 20) / 10
+    decode_reports(5)
+    p.send(100), p.send(100)
+    asyncio.run(admit(admission))  # 5 running + 2 coming: 7 of 8 seats
+    p.send(100)
+    with pytest.raises(Overloaded, match="seats"):
+        asyncio.run(admit(admission))  # 8 of 8: it waited its TTFT budget, then refused
+    asyncio.run(admit(admission, max_tokens=1))  # ends at prefill: no decode seat needed
+    decode_reports(4)
+    asyncio.run(admit(admission))  # one sequence finished: a seat again
+    # The client's TPOT counts the handoff bubble among few gaps when the output is short: a
+    # bubble of 3 steps in a 3-token answer leaves 2 gaps, so steps of 100 * 2 / 4 = 50 ms
+    # at most, 3 seats.
+    for _ in range(5):
+        admission.observe_bubble(3.0)
+    assert admission.step_limit(3) == pytest.approx(50.0)
+    assert admission.step_limit(0) == admission.step_limit(1) == 100.0  # unknown: long
+    assert admission.seats(d, admission.step_limit(3)) == 3
+    with pytest.raises(Overloaded, match="seats"):
+        asyncio.run(admit(admission, max_tokens=3))
+    decode_reports(3)  # 3 running + 3 coming, of 7 seats at steps of 100 * 199 / 201 ms
+    asyncio.run(admit(admission, max_tokens=200))
+    # The host gets busy: 3 sequences now step in 95 ms, not 50. The seats count from there,
+    # at the line's ~10 ms a sequence: 3 + (99 - 95) / 10 = 3, and 6 are taken.
+    reg.heartbeat("d", Load(running_seqs=3, decode_step_ms=95.0, **ROOM))
+    assert admission.seats(d, admission.step_limit(200)) == 3
+    with pytest.raises(Overloaded, match="seats"):
+        asyncio.run(admit(admission, max_tokens=200))
+    off = Admission(reg, 0.05, AdmissionConfig(tpot_watermark=0), tpot_slo_s=0.1)
+    p.send(100), p.send(100)
+    asyncio.run(admit(off))  # no step limit, no seat rule
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
-"""Work the gateway sent a worker between its heartbeats: counted while the call is open, gone
-when it ends or when a heartbeat's load shows it. Finished calls never count, so a client that
+"""Work the gateway sent a worker: counted from the moment it is sent, as queued prompt tokens
+until the worker answers and as an open request until the call ends. A heartbeat's load is a
+snapshot the worker took a moment ago, so it cannot hide calls the gateway knows are open; it
+counts when it shows more (other gateways' calls). Finished calls never count, so a client that
 sends short requests one after another is never held back or refused on an idle mesh."""
 
 from __future__ import annotations
@@ -10,19 +12,25 @@ from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.registry import Load, Registry
 
 
-def test_a_call_counts_until_it_ends_or_a_heartbeat_shows_it():
+def test_a_call_counts_until_it_is_answered_and_ends_whatever_heartbeats_say():
     r = Registry(lease_s=60)
-    r.register("d", "decode", "d:1", Load(total_kv_blocks=100, free_kv_blocks=100))
-    [w] = r.live("decode")
+    r.register("p", "prefill", "p:1", Load())
+    [w] = r.live("prefill")
     first, second = w.send(40), w.send(2)
-    assert (w.inflight_requests, w.inflight_tokens) == (2, 42)
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (42, 2, 2)
+    r.heartbeat("p", Load())  # taken before the calls reached the worker's engine
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (42, 2, 2)
+    r.heartbeat("p", Load(queued_prompt_tokens=500, pending_pulls=3, running_seqs=4))
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (500, 3, 7)
+    r.heartbeat("p", Load())
+    w.answered(first)  # its first token came: prefilled, no longer waiting, still open
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (2, 1, 2)
     w.settle(first)
     w.settle(first)  # idempotent
-    assert (w.inflight_requests, w.inflight_tokens) == (1, 2)
-    r.heartbeat("d", Load(running_seqs=1, total_kv_blocks=100, free_kv_blocks=99))
-    assert w.inflight_requests == 0  # the reported load shows the open call now
-    w.settle(second)  # its end after the heartbeat changes nothing
-    assert w.inflight_requests == 0
+    w.answered(first)  # a no-op once it ended
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (2, 1, 1)
+    w.settle(second)
+    assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (0, 0, 0)
 
 
 def test_finished_requests_between_heartbeats_never_saturate_decode_or_queue_prefill():
