@@ -117,7 +117,7 @@ from services.gateway.admission import AdmissionConfig
 from services.kvtransfer.puller import PullPolicy
 from services.launcher import Mesh, MeshSpec
 from services.loadgen import goodput as g
-from services.loadgen.cli import WORKER_ARGS, BenchSpec, mesh_spec
+from services.loadgen.cli import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
 from services.loadgen.requests import load_requests
 from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
@@ -126,18 +126,6 @@ from services.planner.simulator import Slo
 from services.planner.workload import Requests
 
 MiB = 2**20
-# Admission off: no TTFT rule (which also skips the decode watermarks), no in-flight limit that
-# this load could reach, watermarks that never trigger.
-ADMISSION_OFF = (
-    "--admission-ttft-factor",
-    "0",
-    "--max-inflight",
-    "1000000",
-    "--decode-pull-watermark",
-    "1000000",
-    "--decode-kv-watermark",
-    "1.0",
-)
 # The bound's stated constants (see the module docstring).
 PY_TOKEN_BYTES = 36  # a token id in a Python list: 8 B slot + 28 B int object
 GATEWAY_TOKEN_BYTES = 80  # two Python lists and protobuf copies of each id

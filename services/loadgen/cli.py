@@ -2,10 +2,12 @@
 the colocated baseline (2 colocated instances) on this host, measured with the load generator.
 
 Each mode runs as a mesh of two workers, each pinned to its own core with one torch thread
-(`MeshSpec.pin`), with the same engine options (`WORKER_ARGS`). With `--mode both` the two meshes
-run side by side (the idle one costs next to nothing) so that the SLO can come from both: the
-rule is `services.loadgen.goodput.slo_from_unloaded` (5x the unloaded TTFT, 3x the unloaded
-TPOT of the workload's median request, the smaller of the two modes' for each) unless `--slo`
+(`MeshSpec.pin`), with the same engine options (`WORKER_ARGS`) and the gateway's admission off
+(`ADMISSION_OFF`: goodput is what the mesh serves in time, not what an admission told other
+SLOs lets in). With `--mode both` the two meshes run side by side (the idle one costs next to
+nothing) so that the SLO can come from both: the rule is
+`services.loadgen.goodput.slo_from_unloaded` (5x the unloaded TTFT, 3x the unloaded TPOT of the
+workload's median request, the smaller of the two modes' for each) unless `--slo`
 gives it. Both searches start from the same rate bracket, so they share their first probe, where
 the TTFT and TPOT distributions are compared at equal load (the largest rate both probed).
 
@@ -29,6 +31,19 @@ MODES = ("disaggregated", "colocated")
 # model at 24 KB/token: 16 sequences of 1,000 tokens), 16 decode seats, 2048-token prefill
 # batches (L_m).
 WORKER_ARGS = ("--kv-cache-mb", "384", "--max-num-seqs", "16", "--max-batch-tokens", "2048")
+# The gateway's admission off (goodput is the mesh's capacity, not what its admission, told
+# other SLOs than the bench's, lets in): no TTFT rule (which also skips the decode watermarks
+# and seats), no in-flight limit this load could reach, watermarks that never trigger.
+ADMISSION_OFF = (
+    "--admission-ttft-factor",
+    "0",
+    "--max-inflight",
+    "1000000",
+    "--decode-pull-watermark",
+    "1000000",
+    "--decode-kv-watermark",
+    "1.0",
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,7 @@ def mesh_spec(spec: BenchSpec, mode: str):
         gateway_port=0,
         pin=True,
         worker_args=spec.worker_args,
+        gateway_args=ADMISSION_OFF,
         edge=edge,
         **roles,
     )
