@@ -362,6 +362,16 @@ def test_metrics_endpoints_scrape_and_move_with_requests(traced_mesh):
     assert value(after[g], "distserve_workers", role="prefill") == 1
     assert value(after[g], "distserve_slo_window_requests") >= n
     assert 0 <= value(after[g], "distserve_slo_attainment") <= 1
+    # Admission's inputs: the requests ended, so no decode seat is taken (no call the gateway
+    # sent is still counted); calibrations within their bounds.
+    assert value(after[g], "distserve_admission_decode_seats_taken") == 0
+    assert (
+        value(after[g], "distserve_admission_decode_seats") == -1
+        or value(after[g], "distserve_admission_decode_seats") >= 1
+    )
+    assert 0 < value(after[g], "distserve_admission_step_limit_seconds") <= 0.1  # the TPOT SLO
+    assert value(after[g], "distserve_admission_bubble_steps") >= 1
+    assert 0.25 <= value(after[g], "distserve_admission_ttft_scale") <= 4
     # The buckets the GenAI semantic conventions recommend, exactly.
     assert buckets(after[g], "gen_ai_server_time_to_first_token_seconds") == [
         0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

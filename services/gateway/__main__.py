@@ -186,6 +186,7 @@ async def serve(config: GatewayConfig) -> None:
         on_refuse=lambda reason: metrics.refusals.labels(reason).inc(),
         tpot_slo_s=config.slo.tpot_s,
     )
+    metrics.watch_admission(admission)
     early_min = config.layerwise_min_tokens if config.layerwise_handoff else None
     router = Router(registry, tokenizer, served, metrics, feed, early_min, local, admission)
     limits = Limits.for_model(model, config.max_tokens)

@@ -261,13 +261,22 @@ class Admission:
         """Every sequence a decode instance runs makes each of its steps slower: past the batch
         size where its steps reach `step_ms` (`seats`), the pool takes no new prompt. A prompt
         on its way (queued or prefilling) holds a seat already: it decodes next."""
-        if not self.step_limit_ms:
-            return False
-        seats = [self.seats(w, step_ms) for w in decode]
-        if None in seats:
-            return False  # a line for every instance first
+        seats, taken = self.pool_seats(decode, step_ms)
+        return seats is not None and taken >= seats
+
+    def pool_seats(
+        self, decode: list[Worker] | None = None, step_ms: float | None = None
+    ) -> tuple[int | None, int]:
+        """(seats of the decode pool within `step_ms`, default the step limit for a long
+        answer: None without a step limit or before every instance has a line; seats taken:
+        sequences on decode and prompts on their way there)."""
+        decode = self.registry.live("decode") if decode is None else decode
         coming = sum(w.open_requests for w in self.registry.live("prefill"))
-        return sum(w.open_requests for w in decode) + coming >= sum(seats)
+        taken = sum(w.open_requests for w in decode) + coming
+        if not self.step_limit_ms or not decode:
+            return None, taken
+        seats = [self.seats(w, step_ms or self.step_limit(0)) for w in decode]
+        return (None if None in seats else sum(seats)), taken
 
     def seats(self, w: Worker, step_ms: float | None = None) -> int | None:
         """How many sequences decode instance `w` runs with steps within `step_ms` (default the

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import telemetry
 from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
-from services.gateway.admission import Verdict
+from services.gateway.admission import Admission, Verdict
 from services.gateway.request import Request
 
 _GENAI = ["gen_ai_operation_name", "gen_ai_request_model"]
@@ -129,6 +129,40 @@ class GatewayMetrics:
             "Requests finished in the SLO window.",
             registry=registry,
         ).set_function(lambda: self.window.attainment()[1])
+
+    def watch_admission(self, admission: Admission) -> None:
+        """What admission works from, at each scrape: its calibrations and the decode seats."""
+        gauges = [
+            (
+                "distserve_admission_ttft_scale",
+                "The factor admission's TTFT predictions are scaled by (95th percentile of "
+                "actual / predicted over the latest requests).",
+                lambda: admission.ttft_scale,
+            ),
+            (
+                "distserve_admission_step_limit_seconds",
+                "The decode step time admission fills the decode pool up to, for a long answer "
+                "(the TPOT SLO, calibrated).",
+                lambda: admission.step_limit(0) / 1000,
+            ),
+            (
+                "distserve_admission_bubble_steps",
+                "The handoff bubble (first inter-token gap) in steady decode steps, median.",
+                lambda: admission.bubble,
+            ),
+            (
+                "distserve_admission_decode_seats",
+                "Sequences the decode pool runs within the step limit (-1: not known yet).",
+                lambda: _or(admission.pool_seats()[0], -1),
+            ),
+            (
+                "distserve_admission_decode_seats_taken",
+                "Sequences on decode instances and prompts on their way there.",
+                lambda: admission.pool_seats()[1],
+            ),
+        ]
+        for name, doc, read in gauges:
+            Gauge(name, doc, registry=self.registry).set_function(read)
 
     def watch(self, registry) -> None:
         """Live workers per role, from the worker registry, at each scrape."""
@@ -265,6 +299,10 @@ class RequestObserver:
             attrs["error.type"] = outcome
         self.span.set_attributes(attrs)
         self.span.end()
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _error_type(error: BaseException | None) -> str:

@@ -254,6 +254,7 @@ def test_decode_takes_as_many_sequences_as_keep_its_steps_within_the_tpot_slo():
     assert admission.seats(d) == 8  # (100 - 20) / 10
     decode_reports(5)
     p.send(100), p.send(100)
+    assert admission.pool_seats() == (8, 7)
     asyncio.run(admit(admission))  # 5 running + 2 coming: 7 of 8 seats
     p.send(100)
     with pytest.raises(Overloaded, match="seats"):
