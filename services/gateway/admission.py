@@ -164,6 +164,18 @@ class Admission:
         a, b = self.cost
         return self.ttft_scale * (a + b * (queued + prompt_tokens)), queued
 
+    def observe(
+        self, verdict: Verdict, ttft_s: float | None, bubble_steps: float | None, tpot_s: float
+    ) -> None:
+        """What happened to an admitted request, against what admission predicted: its TTFT
+        (None: no first token), and, disaggregated, its handoff bubble in steady steps (None
+        under three tokens) and its TPOT."""
+        if ttft_s is not None:
+            self.observe_ttft(verdict, ttft_s * 1000)
+        if bubble_steps:
+            self.observe_bubble(bubble_steps)
+            self.observe_tpot(verdict, tpot_s * 1000)
+
     def observe_ttft(self, verdict: Verdict, ttft_ms: float) -> None:
         """An admitted request's TTFT as the gateway served it, against its prediction. The
         line prices the prefill batches as they were computed; it misses what a loaded host
@@ -211,13 +223,13 @@ class Admission:
                     (waited_ms + ms - self.limit_ms) / 1000,
                 )
             if not saturated:
-                tpot = self.step_limit_ms / self.tpot_scale if max_tokens != 1 else 0.0
+                decodes = self.step_limit_ms > 0 and max_tokens != 1
                 return Verdict(
                     None if predicted is None else ms,
                     queued,
                     waited_ms,
                     self.ttft_scale,
-                    tpot or None,
+                    self.step_limit_ms / self.tpot_scale if decodes else None,
                 )
             await asyncio.sleep(WATERMARK_POLL_S)
 

@@ -32,7 +32,7 @@ from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
-from services.gateway.admission import Admission, Verdict
+from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
@@ -154,23 +154,18 @@ class Router:
             raise
         finally:
             seen.finish(reason.value if reason is not None else None, error)
-            if self.admission is not None:
-                self._calibrate(self.admission, seen, verdict)
+            if self.admission is not None and verdict is not None:
+                disaggregated = seen.mode == "disaggregated"
+                self.admission.observe(
+                    verdict,
+                    seen.ttft_s,
+                    seen.bubble_steps() if disaggregated else None,
+                    seen.tpot_s,
+                )
             if self.feed is not None and reason is not None and seen.ttft_s is not None:
                 self.feed.add(
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
-
-    @staticmethod
-    def _calibrate(admission: Admission, seen: RequestObserver, verdict: Verdict | None) -> None:
-        """What admission predicted against what happened (its TTFT, the handoff bubble)."""
-        if verdict is not None and seen.ttft_s is not None:
-            admission.observe_ttft(verdict, seen.ttft_s * 1000)
-        bubble = seen.bubble_steps()
-        if seen.mode == "disaggregated" and bubble:
-            admission.observe_bubble(bubble)
-            if verdict is not None:
-                admission.observe_tpot(verdict, seen.tpot_s * 1000)
 
     async def _migrating(
         self, req: Request, seen: RequestObserver
