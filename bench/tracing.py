@@ -188,6 +188,18 @@ def main() -> None:
         name: 1 - statistics.median(t / o for t, o in zip(rates[name], rates["off"], strict=True))
         for name in ("file", "otlp")
     }
+
+    def mesh_cpu(name: str, r: int) -> float:
+        return sum(v[r] for v in cpu[name].values())
+
+    # The same pairing for the CPU a request takes (all processes of the mesh): steadier than
+    # throughput on a shared host (the scheduler's and the neighbours' noise is not counted).
+    cpu_overhead = {
+        name: statistics.median(
+            mesh_cpu(name, r) / mesh_cpu("off", r) - 1 for r in range(args.rounds)
+        )
+        for name in ("file", "otlp")
+    }
     print()
     print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
     print(
@@ -203,6 +215,10 @@ def main() -> None:
         name: {proc: round(statistics.median(v) * 1000, 3) for proc, v in procs.items()}
         for name, procs in cpu.items()
     }
+    print(
+        "CPU per request, paired by round: "
+        + ", ".join(f"{name} {v:+.1%}" for name, v in cpu_overhead.items())
+    )
     print("CPU ms per request (median over rounds):")
     for name, procs in cpu_ms.items():
         print(f"  {name:8} " + "  ".join(f"{proc} {ms:.2f}" for proc, ms in procs.items()))
@@ -224,6 +240,7 @@ def main() -> None:
         "spans_file": traced_lines,
         "spans_otlp": exported,
         "cpu_ms_per_request": cpu_ms,
+        "cpu_overhead": {k: round(v, 4) for k, v in cpu_overhead.items()},
         "tracing_overhead_fraction": round(max(overhead.values()), 4),
     }
     print(json.dumps(result))

@@ -17,7 +17,9 @@ Configured by the standard environment variables, read once at start by `setup`:
 Context crosses processes as W3C trace context (`traceparent`) in gRPC metadata: callers pass
 `metadata=outgoing(ctx)`, servers read `incoming(context)`. Spans of work already timed by a
 worker (a queue wait, a batch) are recorded after the fact with their real start and end
-(`record`), so the hot paths carry no span objects.
+(`record`), so the hot paths carry no span objects. Such a span under a sampled parent is built
+and handed to the export queue directly (`_Recorder`): the SDK's `start_span` validates, samples
+and wraps every span, about 50 us each here, ~2% of a short request's whole CPU over 6 spans.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, Status, StatusCode
 
 log = logging.getLogger("distserve.telemetry")
 
@@ -41,6 +43,7 @@ _MONO_TO_WALL_NS = time.time_ns() - time.monotonic_ns()
 
 _provider = None  # the SDK's TracerProvider once `setup` turned tracing on
 _tracer: trace.Tracer = trace.NoOpTracer()
+_recorder = None  # the fast path of `record`, when the sampler lets children follow the parent
 
 
 def wall_ns(monotonic_s: float) -> int:
@@ -62,7 +65,7 @@ def setup(service: str, instance: str = "") -> bool:
     `service` names the process in every span (`distserve-<service>`), `instance` tells
     instances of one service apart (`service.instance.id`).
     """
-    global _provider, _tracer
+    global _provider, _tracer, _recorder
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     exporters = _exporters()
@@ -76,18 +79,20 @@ def setup(service: str, instance: str = "") -> bool:
     if instance:
         attributes["service.instance.id"] = instance
     provider = TracerProvider(resource=Resource.create(attributes))
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+    processors = [BatchSpanProcessor(exporter) for exporter in exporters]
+    for processor in processors:
+        provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer("distserve")
+    _recorder = _Recorder.for_provider(provider, processors)
     return True
 
 
 def shutdown() -> None:
     """Export what is left; call before the process exits."""
-    global _provider, _tracer
+    global _provider, _tracer, _recorder
     if _provider is not None:
         _provider.shutdown()
-    _provider, _tracer = None, trace.NoOpTracer()
+    _provider, _tracer, _recorder = None, trace.NoOpTracer(), None
 
 
 def _exporters() -> list:
@@ -172,6 +177,10 @@ def record(
     (for children), or None when not tracing."""
     if _provider is None:
         return None
+    if _recorder is not None:
+        parent_span = trace.get_current_span(parent).get_span_context() if parent else None
+        if parent_span is not None and parent_span.is_valid:
+            return _recorder.record(name, parent_span, start_s, end_s, attributes, error)
     span = _tracer.start_span(
         name, context=parent, attributes=attributes, start_time=wall_ns(start_s)
     )
@@ -179,6 +188,66 @@ def record(
         span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=wall_ns(end_s))
     return trace.set_span_in_context(span)
+
+
+_UNSET = Status(StatusCode.UNSET)
+
+
+class _Recorder:
+    """Spans of finished work under a valid parent, without the SDK's per-span machinery: the
+    span is built as the SDK would build it (the parent's trace and sampling decision, a fresh
+    span id, the resource and scope) and handed to the span processors' `on_end`. Only when
+    the sampler is parent-based (the default, and every `parentbased_*` of
+    OTEL_TRACES_SAMPLER): then a child is sampled exactly when its parent is."""
+
+    def __init__(self, provider, processors: list) -> None:
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.ids = provider.id_generator
+        self.resource = provider.resource
+        self.processors = processors
+        self.scope = InstrumentationScope("distserve")
+
+    @classmethod
+    def for_provider(cls, provider, processors: list) -> _Recorder | None:
+        from opentelemetry.sdk.trace.sampling import ParentBased
+
+        return cls(provider, processors) if isinstance(provider.sampler, ParentBased) else None
+
+    def record(
+        self,
+        name: str,
+        parent: SpanContext,
+        start_s: float,
+        end_s: float,
+        attributes: Mapping | None,
+        error: str | None,
+    ) -> Context:
+        from opentelemetry.sdk.trace import ReadableSpan
+
+        ctx = SpanContext(
+            parent.trace_id,
+            self.ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=parent.trace_flags,
+            trace_state=parent.trace_state,
+        )
+        if parent.trace_flags.sampled:
+            span = ReadableSpan(
+                name,
+                context=ctx,
+                parent=parent,
+                resource=self.resource,
+                # None is not an attribute value (the SDK drops it with a warning)
+                attributes={k: v for k, v in (attributes or {}).items() if v is not None},
+                status=_UNSET if error is None else Status(StatusCode.ERROR, error),
+                start_time=wall_ns(start_s),
+                end_time=wall_ns(end_s),
+                instrumentation_scope=self.scope,
+            )
+            for processor in self.processors:
+                processor.on_end(span)
+        return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
 def fail(span: Span, error: BaseException | str) -> None:

@@ -119,6 +119,48 @@ def test_parent_based_sampling_follows_the_incoming_traceparent(clean_env, tmp_p
     ]
 
 
+def test_recorded_spans_follow_their_parents_sampling_decision(clean_env, tmp_path):
+    # Spans of finished work are built without the SDK's start_span (the fast path): still the
+    # parent's trace, a span id of their own, the parent's sampled flag, errors and attributes.
+    path = tmp_path / "s.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    assert telemetry.setup("prefill")
+    sampled, unsampled, caller = "ab" * 16, "cd" * 16, "00f067aa0ba902b7"
+    t0 = time.monotonic()
+    parent = telemetry.from_headers({"traceparent": f"00-{sampled}-{caller}-01"})
+    queue = telemetry.record("queue", parent, t0, t0 + 0.1, {"n": 3, "unset": None})
+    telemetry.record("inner", queue, t0, t0 + 0.05, error="it broke")
+    parent = telemetry.from_headers({"traceparent": f"00-{unsampled}-{caller}-00"})
+    quiet = telemetry.record("quiet", parent, t0, t0 + 0.1)
+    onward = dict(telemetry.outgoing(quiet))["traceparent"]
+    assert onward.startswith(f"00-{unsampled}-") and onward.endswith("-00")
+    assert onward.split("-")[2] != caller  # a span of its own, though not recorded
+    telemetry.shutdown()
+    spans = {s["name"]: s for s in read(path)}
+    assert sorted(spans) == ["inner", "queue"]
+    queue_span, inner = spans["queue"], spans["inner"]
+    assert (queue_span["trace_id"], queue_span["parent_span_id"]) == (sampled, caller)
+    assert (inner["trace_id"], inner["parent_span_id"]) == (sampled, queue_span["span_id"])
+    assert queue_span["span_id"] not in (caller, inner["span_id"])
+    assert queue_span["attributes"] == {"n": 3} and queue_span["status"] == "UNSET"
+    assert (inner["status"], inner["status_message"]) == ("ERROR", "it broke")
+    assert inner["end_unix_nano"] - inner["start_unix_nano"] == pytest.approx(0.05e9, abs=1e3)
+    assert inner["service"] == "distserve-prefill"
+
+
+def test_a_sampler_that_ignores_the_parent_decides_for_recorded_spans_too(clean_env, tmp_path):
+    path = tmp_path / "s.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    assert telemetry.setup("decode")
+    parent = telemetry.from_headers({"traceparent": f"00-{'ab' * 16}-00f067aa0ba902b7-01"})
+    t0 = time.monotonic()
+    telemetry.record("dropped", parent, t0, t0 + 0.1)
+    telemetry.shutdown()
+    assert not path.exists() or read(path) == []
+
+
 def test_spans_export_over_otlp_http_protobuf(clean_env):
     with OtlpReceiver() as receiver:
         clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
