@@ -30,10 +30,17 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-id", default="")
-    p.add_argument("--chunk-kb", type=int, default=4096, help="largest KV chunk per message")
-    p.add_argument("--pull-window", type=int, default=4, help="KV chunks in flight per pull")
-    p.add_argument("--chunk-timeout-s", type=float, default=10.0, help="one try at one chunk")
-    p.add_argument("--chunk-attempts", type=int, default=4, help="tries per chunk")
+    policy = PullPolicy()
+    p.add_argument(
+        "--chunk-kb", type=int, default=policy.chunk_bytes // 1024, help="largest KV chunk"
+    )
+    p.add_argument(
+        "--pull-window", type=int, default=policy.window, help="KV chunks in flight per pull"
+    )
+    p.add_argument(
+        "--chunk-timeout-s", type=float, default=policy.chunk_timeout_s, help="one try at a chunk"
+    )
+    p.add_argument("--chunk-attempts", type=int, default=policy.attempts, help="tries per chunk")
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_metrics_args(p)
     add_drain_args(p)

@@ -1,10 +1,14 @@
 """The data plane over UCX, server side.
 
-A puller sends a KvChunkRequest frame (handle, token, layer, K or V, a range of the handle's
-blocks, a reply tag); the server answers with a KvChunkStatus frame on tag 2*t and then, on tag
-2*t + 1, the raw bytes of that contiguous region, sent from the KV cache in place (a one-byte
-filler when the request is refused: it completes the receive the puller posted in advance). The
-status carries the xxh3-64 checksum of the data, which the puller verifies.
+A puller sends a KvChunkRequest frame (handle, token, layer, K or V, up to MAX_CHUNKS ranges of
+the handle's blocks, a reply tag t); the server sends each chunk's bytes on tag 2*(t + i) + 1,
+from the KV cache in place and all at once (UCX moves each as the puller posts its receive: the
+puller's window decides how many move at a time), checksums them (xxh3-64) meanwhile, and when
+every chunk is out sends one KvChunkStatus frame on tag 2*t with the checksums, which the puller
+verifies. A refused request gets its status and a one-byte filler on each data tag: the filler
+completes the receive the puller posted in advance. One request of many chunks, not a request,
+a status and the data per chunk: every UCX message costs about a millisecond of fixed time here
+(docs/benchmarks.md, "KV transfer").
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 
 from services.common.errors import DistServeError
 from services.kvtransfer import wire
-from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted, ranges
 from services.kvtransfer.transports import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("distserve.kvtransfer")
@@ -34,6 +38,7 @@ class ChunkServer:
         self.source = source
         self._listener = None
         self.port = 0
+        self.requests_served = 0  # answered with every chunk's data and a status
 
     def start(self, port: int = 0) -> int:
         import ucxx  # only hosts that serve over UCX need it
@@ -61,7 +66,7 @@ class ChunkServer:
                 except Exception:
                     log.warning("dropped a malformed chunk request frame")
                     continue
-                task = asyncio.create_task(self._serve_chunk(ep, req))
+                task = asyncio.create_task(self._serve_request(ep, req))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except Exception as e:  # the puller closed its endpoint or went away
@@ -70,59 +75,93 @@ class ChunkServer:
             for task in tasks:
                 task.cancel()
 
-    async def _serve_chunk(self, ep, req) -> None:
-        status_tag, data_tag = 2 * req.tag, 2 * req.tag + 1
+    async def _serve_request(self, ep, req) -> None:
+        status_tag = 2 * req.tag
+        data_tags = [2 * (req.tag + i) + 1 for i in range(len(ranges(req)))]
         try:
-            chunk = await self.source.open_when_ready(req)
+            chunks = await self.source.open_when_ready(req)
         except DistServeError as e:
-            await _refuse(ep, str(e), status_tag, data_tag)
+            await _refuse(ep, str(e), status_tag, data_tags)
             return
-        with self.source.sending(chunk):
+        sent: set[int] = set()  # data tags whose send completed
+        with self.source.sending(chunks):
+            sends = [
+                asyncio.ensure_future(self._send(ep, chunk, tag, sent))
+                for chunk, tag in zip(chunks, data_tags, strict=True)
+            ]
             answering = False  # the status frame is on its way: the answer is given
             try:
-                data = chunk.data
-                fault = chunk.fault
-                if fault is not None:
-                    if fault.kind == "exit":
-                        os._exit(17)  # a crashed source: no cleanup, no goodbye
-                    if fault.kind == "drop":
-                        return
-                    if fault.kind == "close":
-                        await ep.close()
-                        return
-                    if fault.kind == "delay":
-                        await asyncio.sleep(fault.seconds)
-                    if fault.kind == "corrupt":
-                        data = corrupted(data)
-                # Bounded: a puller that vanished must not pin the lease's blocks forever.
-                await self.source.seal(chunk)
-                status = wire.encode(chunk.status)
+                try:
+                    await asyncio.gather(*sends)
+                except DistServeError as e:  # a layer never computed
+                    for task in sends:
+                        task.cancel()
+                    await asyncio.gather(*sends, return_exceptions=True)
+                    unsent = [tag for tag in data_tags if tag not in sent]
+                    await _refuse(ep, str(e), status_tag, unsent)
+                    return
                 answering = True
+                # Bounded: a puller that vanished must not pin the lease's blocks forever.
+                status = wire.encode(self.source.status(chunks))
                 await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)
-                await asyncio.wait_for(ep.send(data, tag=data_tag), SEND_TIMEOUT_S)
-                self.source.served(chunk)
+                self.requests_served += len(sent) == len(chunks)
             except asyncio.CancelledError:
-                # The lease ended (released, lapsed, drained) before this chunk went out: say
+                # The lease ended (released, lapsed, drained) before the answer went out: say
                 # so now, rather than leave the puller waiting out its chunk timeout (with the
                 # blocks of a cancelled request held on its side meanwhile). Not once the status
-                # is on its way: a cancelled UCX send may still arrive, and a second status and
-                # a filler would then land in the receives of this one (a chunk of wrong bytes,
-                # which the puller's checksum rejects: 18 in a fault-free chaos run).
+                # is on its way: a cancelled UCX send may still arrive, and a second status
+                # would then land in a receive of another request's. Data tags already sent get
+                # no filler; one whose send was cut off gets one, and whichever of the two
+                # arrives first completes the puller's receive (tags are never reused).
                 if not answering:
+                    for task in sends:
+                        task.cancel()
                     error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
-                    await _refuse(ep, error, status_tag, data_tag, REFUSAL_TIMEOUT_S)
+                    unsent = [tag for tag in data_tags if tag not in sent]
+                    await _refuse(ep, error, status_tag, unsent, REFUSAL_TIMEOUT_S)
                 raise
             except Exception as e:
                 log.debug("chunk send failed: %s", e)
+            finally:
+                for task in sends:
+                    task.cancel()
+        for chunk, tag in zip(chunks, data_tags, strict=True):
+            if tag in sent:
+                self.source.served(chunk)
+
+    async def _send(self, ep, chunk, tag: int, sent: set[int]) -> None:
+        """One chunk's bytes once its layer is computed, checksummed while they go out."""
+        fault = chunk.fault
+        if fault is not None and fault.kind == "exit":
+            os._exit(17)  # a crashed source: no cleanup, no goodbye
+        await self.source.ready(chunk)
+        seal = asyncio.ensure_future(self.source.seal(chunk))
+        try:
+            data = chunk.data
+            if fault is not None:
+                if fault.kind == "close":
+                    await ep.close()
+                    return
+                if fault.kind == "drop":
+                    return  # never sent: the puller's receive for it times out
+                if fault.kind == "delay":
+                    await asyncio.sleep(fault.seconds)
+                if fault.kind == "corrupt":
+                    data = corrupted(data)  # the checksum is the original's
+            await asyncio.wait_for(ep.send(data, tag=tag), SEND_TIMEOUT_S)
+            sent.add(tag)
+        finally:
+            await seal
 
 
 async def _refuse(
-    ep, error: str, status_tag: int, data_tag: int, timeout_s: float | None = None
+    ep, error: str, status_tag: int, data_tags: list[int], timeout_s: float | None = None
 ) -> None:
-    """A refusal: its status, then the filler that completes the puller's posted receive."""
+    """A refusal: its status, then a filler that completes each posted data receive."""
     refusal = wire.encode(wire.ChunkStatus(ok=False, error=error))
     try:
         await asyncio.wait_for(ep.send(refusal, tag=status_tag), timeout_s)
-        await asyncio.wait_for(ep.send(_FILLER, tag=data_tag), timeout_s)
+        for tag in data_tags:
+            await asyncio.wait_for(ep.send(_FILLER, tag=tag), timeout_s)
     except Exception as e:
         log.warning("refusal send failed: %s", e)

@@ -6,12 +6,14 @@ source rank holds and the destination wants (a tensor-parallel source serves eac
 the rank that holds it; a tensor-parallel destination pulls, on each of its ranks, only the heads
 that rank owns). A chunk is received straight into the destination region (UCX) when it covers
 every head the destination holds, else into a buffer copied into place once verified; over the
-gRPC fallback (hosts without ucxx) it is copied from the reply. Up to `window` chunks are in
-flight. Each chunk is checked against the checksum the source sends and has its own timeout; a
-late, failed or corrupt chunk alone is fetched again (bounded attempts, exponential backoff with
-jitter, a fresh endpoint after a transport fault). The lease is renewed while the pull runs. A
-pull that gives up raises, and the caller must not use the destination: partial KV is never
-decoded from.
+gRPC fallback (hosts without ucxx) it is copied from the reply. Over UCX one request asks for up
+to 32 consecutive chunks of one layer's K or V (one message each way per chunk, plus the request
+and one status: see chunk_server). Up to `window` chunks are in flight (their receives posted).
+Each chunk is checked against the checksum the source sends (the received bytes are hashed as
+they arrive) and has its own timeout; a late, failed or corrupt chunk alone is fetched again
+(bounded attempts, exponential backoff with jitter, a fresh endpoint after a transport fault).
+The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
+use the destination: partial KV is never decoded from.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
-from services.kvtransfer.transports import GrpcTransport, UcxTransport, ucx_available
+from services.kvtransfer.transports import Fetched, GrpcTransport, UcxTransport, ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -104,7 +106,7 @@ class PullPolicy:
     """How a pull copes with faults."""
 
     chunk_bytes: int = 4 * 2**20  # largest chunk
-    window: int = 4  # chunks in flight per pull
+    window: int = 32  # chunks in flight per pull (their receives posted)
     chunk_timeout_s: float = 10.0  # one attempt at one chunk
     attempts: int = 4  # per chunk, the first included
     backoff_s: float = 0.05  # first retry waits about this long, doubling each time
@@ -124,6 +126,37 @@ class PullReport:
 
 class ChecksumMismatch(Exception):
     """A chunk arrived with bytes that do not match the source's checksum."""
+
+
+@dataclass
+class _Chunk:
+    """One chunk of a pull: one layer's K or V for a block range (`seg`: index into the
+    handle's blocks, first destination block, count) and the heads one source rank holds; the
+    buffer it is received into and what puts it in place once verified (None: in place)."""
+
+    layer: int
+    kv: int
+    seg: tuple[int, int, int]
+    transport: object
+    source: RankSource
+    heads: range
+    buffer: object = None  # set when its request is about to go out
+    land: Callable[[], None] | None = None
+
+
+def _batches(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """The requests for a pull's chunks: runs of up to the transport's max_chunks from one
+    source rank (the same heads), each run in layer order (the source sends each chunk once
+    its layer is computed), the runs in the order of their first layers."""
+    by_source: dict[tuple, list[_Chunk]] = {}
+    for c in sorted(chunks, key=lambda c: c.layer):
+        by_source.setdefault((c.source, c.heads, c.transport), []).append(c)
+    runs = [
+        run[i : i + run[0].transport.max_chunks]
+        for run in by_source.values()
+        for i in range(0, len(run), run[0].transport.max_chunks)
+    ]
+    return sorted(runs, key=lambda run: run[0].layer)
 
 
 class KvPuller:
@@ -208,36 +241,42 @@ class KvPuller:
             (self.transport_for(handle, source), source, heads)
             for source, heads in self._pieces(handle, dst)
         ]
-        jobs = []
+        chunks = []
         for transport, source, heads in pieces:
             piece_block_bytes = handle.block_bytes * len(heads) // handle.num_kv_heads
             per_chunk = max(1, self.policy.chunk_bytes // max(1, piece_block_bytes))
             segs = segments(src_blocks, dst_blocks, per_chunk)
-            jobs += [
-                (layer, kv, seg, transport, source, heads)
+            chunks += [
+                _Chunk(layer, kv, seg, transport, source, heads)
                 for layer in range(handle.num_layers)
                 for kv in (0, 1)
                 for seg in segs
             ]
-        jobs.sort(key=lambda job: job[0])  # layer by layer: early layers are computed first
+        batches = _batches(chunks)  # layer by layer: early layers are computed first
         gate = asyncio.Semaphore(self.policy.window)
+        # Requests in flight per transport: enough to keep the window full (one chunk each
+        # over gRPC), and one ahead over UCX (the next is asked for while one's chunks arrive).
+        requests = {
+            t: asyncio.Semaphore(max(2, -(-self.policy.window // t.max_chunks)))
+            for t, _, _ in pieces
+        }
         names = sorted({transport.name for transport, _, _ in pieces})
-        report = PullReport("+".join(names), len(jobs), streaming=handle.streaming)
+        report = PullReport("+".join(names), len(chunks), streaming=handle.streaming)
 
         stop = asyncio.Event()  # a chunk failed or the pull was cancelled: start no more
 
-        async def one(job) -> int:
-            async with gate:
+        async def one(batch: list[_Chunk]) -> int:
+            async with requests[batch[0].transport]:
                 if stop.is_set():
                     return 0
                 try:
-                    return await self._chunk(handle, dst, report, stop, *job)
+                    return await self._batch(handle, dst, report, stop, gate, batch)
                 except BaseException:
                     stop.set()
                     raise
 
         renewer = asyncio.ensure_future(self._keep_lease(handle, trace))
-        tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+        tasks = [asyncio.ensure_future(one(batch)) for batch in batches]
         try:
             # Chunks in flight are never cancelled when another fails: the source answers each
             # (data, or a refusal once the lease ended), and an abandoned UCX receive is a
@@ -257,79 +296,94 @@ class KvPuller:
         report.nbytes = sum(results)
         return report
 
-    async def _chunk(
+    async def _batch(
         self,
         handle: KvHandle,
         dst: KvDestination,
         report: PullReport,
         stop: asyncio.Event,
-        layer: int,
-        kv: int,
-        seg: tuple[int, int, int],
-        transport,
-        source: RankSource,
-        heads: range,
+        gate: asyncio.Semaphore,
+        batch: list[_Chunk],
     ) -> int:
-        """One chunk, with its own timeout, retried on its own when late, broken or corrupt;
-        not retried once `stop` is set (the pull fails or was cancelled anyway)."""
+        """Chunks from one source rank, in one request where the transport allows; each with
+        its own timeout, and those late, broken or corrupt fetched
+        again on their own; no new attempt once `stop` is set (the pull fails or was cancelled
+        anyway). Returns the bytes moved."""
         policy = self.policy
-        src_index, dst_first, n = seg
-        buffer, land = dst.region(layer, kv, dst_first, n, heads)
+        first = batch[0]
+        transport, source, heads = first.transport, first.source, first.heads
         where = f"{handle.source_instance} rank {source.rank} over {transport.name}"
+        for c in batch:
+            c.buffer, c.land = dst.region(c.layer, c.kv, c.seg[1], c.seg[2], heads)
+        todo = batch
         error: BaseException | None = None
         for attempt in range(policy.attempts):
             if attempt:
                 if stop.is_set():
                     raise Unavailable(f"KV pull from {where} stopped: {error}")
-                self.chunks_retried += 1
-                report.retries += 1
+                self.chunks_retried += len(todo)
+                report.retries += len(todo)
                 # Exponential backoff with jitter, so retries of many chunks spread out.
                 await asyncio.sleep(policy.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
             request = wire.ChunkRequest(
                 handle_id=handle.handle_id,
                 access_token=handle.access_token,
-                layer=layer,
-                kv=kv,
-                first_block=src_index,
-                num_blocks=n,
                 first_head=heads.start,
                 num_heads=len(heads),
+                chunks=[
+                    wire.ChunkRange(
+                        layer=c.layer, kv=c.kv, first_block=c.seg[0], num_blocks=c.seg[2]
+                    )
+                    for c in todo
+                ],
             )
+            verify = policy.verify and isinstance(first.buffer, np.ndarray)
             try:
-                status = await asyncio.wait_for(
-                    transport.fetch(handle, source, request, buffer), policy.chunk_timeout_s
+                fetched = await transport.fetch(
+                    handle,
+                    source,
+                    request,
+                    [c.buffer for c in todo],
+                    gate,
+                    policy.chunk_timeout_s,
+                    wire.checksum if verify else None,
                 )
-            except TimeoutError:
-                error = TimeoutError(f"no answer within {policy.chunk_timeout_s} s")
             except Unavailable as e:  # cannot connect
-                error = e
-            except grpc.aio.AioRpcError as e:
-                error = Exception(f"{e.code().name}: {e.details()}")
-            except Exception as e:  # the connection broke: closed, reset, peer gone
-                error = e
-            else:
+                fetched = Fetched(None, [e] * len(todo), [None] * len(todo))
+            status = fetched.status
+            if status is not None:
                 if not status.ok:
                     raise _refusal(status.error)
-                if status.nbytes != buffer.nbytes:
-                    raise InvalidRequest(
-                        f"chunk of {status.nbytes} bytes for a region of {buffer.nbytes}"
+                expected = sum(c.buffer.nbytes for c in todo)
+                if status.nbytes != expected:
+                    raise InvalidRequest(f"chunks of {status.nbytes} bytes for {expected}")
+            failed = []
+            for i, chunk in enumerate(todo):
+                if fetched.errors[i] is not None or status is None:
+                    error = fetched.errors[i] or Exception("no status came for the chunk")
+                elif verify and status.checksummed and fetched.digests[i] != status.checksums[i]:
+                    self.checksum_failures += 1
+                    error = ChecksumMismatch(
+                        f"layer {chunk.layer} kv {chunk.kv}: checksum mismatch"
                     )
-                verify = policy.verify and status.checksummed and isinstance(buffer, np.ndarray)
-                if not verify or await wire.checksum(buffer) == status.checksum:
-                    if land is not None:
-                        land()
-                    return buffer.nbytes
-                self.checksum_failures += 1
-                error = ChecksumMismatch(f"layer {layer} kv {kv}: checksum mismatch")
+                else:
+                    if chunk.land is not None:
+                        chunk.land()
+                    continue
+                failed.append(chunk)
+            if not failed:
+                return sum(c.buffer.nbytes for c in batch)
             log.warning(
-                "KV chunk layer %d kv %d from %s failed (attempt %d of %d): %s",
-                layer,
-                kv,
+                "%d KV chunk(s) from %s failed (attempt %d of %d), first layer %d kv %d: %s",
+                len(failed),
                 where,
                 attempt + 1,
                 policy.attempts,
+                failed[0].layer,
+                failed[0].kv,
                 error,
             )
+            todo = failed
         raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
 
     async def _keep_lease(self, handle: KvHandle, trace: telemetry.Context | None) -> None:

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from services.common import telemetry
-from services.common.errors import DistServeError, FailedPrecondition
+from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
@@ -55,13 +55,17 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
 
     async def FetchChunk(self, request, context):
         try:
-            chunk = await self.source.open_when_ready(request)
+            if len(request.chunks) > 1:
+                raise InvalidRequest("FetchChunk answers one chunk a call")
+            chunks = await self.source.open_when_ready(request)
+            (chunk,) = chunks
+            await self.source.ready(chunk)
         except DistServeError as e:
             # A refusal is an answer, as on the UCX path: the puller maps it to its error.
             return kvtransfer_pb2.KvChunkReply(
                 status=kvtransfer_pb2.KvChunkStatus(ok=False, error=str(e))
             )
-        with self.source.sending(chunk):
+        with self.source.sending(chunks):
             await self.source.seal(chunk)
             data = chunk.data
             fault = chunk.fault
@@ -78,6 +82,8 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
                 if fault.kind == "corrupt":
                     data = corrupted(data)
             host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
-            reply = kvtransfer_pb2.KvChunkReply(status=chunk.status, data=host.tobytes())
+            reply = kvtransfer_pb2.KvChunkReply(
+                status=self.source.status(chunks), data=host.tobytes()
+            )
             self.source.served(chunk)
             return reply

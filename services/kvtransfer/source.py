@@ -1,9 +1,10 @@
 """The serving side of the data plane, independent of the transport.
 
-`ChunkSource.open` checks a KvChunkRequest (lease, access token, layer, block range), returns the
-region to send with its status (size; `seal` adds the xxh3-64 checksum) and, when fault injection
-is on, the fault that hits it. The UCX server and the gRPC fallback both serve through it and
-bracket each send with `sending`, so that held blocks are never freed under a send in progress.
+`ChunkSource.open` checks a KvChunkRequest (lease, access token, layer, block ranges) and returns
+each chunk's region to send (`seal` adds its xxh3-64 checksum) with, when fault injection is on,
+the fault that hits it; `status` is the answer for them all. The UCX server and the gRPC fallback
+both serve through it and bracket the sends with `sending`, so that held blocks are never freed
+under a send in progress.
 
 A source holds a range of KV heads (all of them on a single-rank instance; its own share on a
 rank of a tensor-parallel one, which serves it on a listener of its own). A request may ask for
@@ -36,14 +37,28 @@ RegionFn = Callable[[int, int, int, int], torch.Tensor]
 ADOPT_WAIT_S = 5.0  # how long a follower rank's source waits for a handle rank 0 has announced
 
 
+MAX_CHUNKS = 32  # per request: the status frame carries a checksum for each
+
+
 @dataclass
 class Chunk:
-    """A chunk about to be sent: its bytes, its status frame and an injected fault, if any."""
+    """A chunk about to be sent: its layer, its bytes once the layer is computed (`ready`), an
+    injected fault, if any, and its checksum once sealed."""
 
     lease: Lease
-    data: object  # numpy uint8 view (host memory) or uint8 tensor (device memory)
-    status: wire.ChunkStatus
+    layer: int
+    region: torch.Tensor  # (blocks, block_size, heads, head_dim) in place
+    heads: range  # the heads asked for
     fault: Fault | None
+    data: object = None  # numpy uint8 view (host memory) or uint8 tensor (device memory)
+    checksum: int | None = None
+
+
+def ranges(req) -> list[tuple[int, int, int, int]]:
+    """(layer, kv, first block index, blocks) of each chunk a request asks for."""
+    return [(c.layer, c.kv, c.first_block, c.num_blocks) for c in req.chunks] or [
+        (req.layer, req.kv, req.first_block, req.num_blocks)
+    ]
 
 
 class ChunkSource:
@@ -70,33 +85,46 @@ class ChunkSource:
         self.chunks_served = 0
         self.bytes_served = 0
 
-    async def open_when_ready(self, req) -> Chunk:
-        """`open`, once the chunk's layer is computed (a streaming handle's layers are
-        published as prefill computes them; the wait ends early if the lease closes)."""
+    async def open_when_ready(self, req) -> list[Chunk]:
+        """`open` (a follower rank first waits up to adopt_wait_s for the handle to appear)."""
         if self.adopt_wait_s:
             await self.leases.wait_for(req.handle_id, self.adopt_wait_s)
-        lease = self.leases.get(req.handle_id, req.access_token)
-        if lease.layers_ready <= req.layer < self.num_layers:
-            try:
-                await asyncio.wait_for(lease.wait_layer(req.layer), SEND_TIMEOUT_S)
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"layer {req.layer} was not computed within {SEND_TIMEOUT_S} s"
-                ) from None
         return self.open(req)
 
-    def open(self, req) -> Chunk:
-        """The chunk a request asks for; DistServeError (NotFound, PermissionDenied,
-        InvalidRequest) when it may not have it."""
+    def open(self, req) -> list[Chunk]:
+        """The chunks a request asks for, to be sent once `ready`; DistServeError (NotFound,
+        PermissionDenied, InvalidRequest) when it may not have them."""
         lease = self.leases.get(req.handle_id, req.access_token)
-        first = self._check(req, lease.blocks)
+        asked = ranges(req)
+        if len(asked) > MAX_CHUNKS:
+            raise InvalidRequest(f"{len(asked)} chunks in one request (at most {MAX_CHUNKS})")
         heads = self._heads(req)
-        region = self.region(req.layer, req.kv, first, req.num_blocks)
-        if heads != self.heads:  # a sub-range: strided in the cache, sent as a copy
-            lo = heads.start - self.heads.start
-            region = region[:, :, lo : lo + len(heads)].contiguous()
+        chunks = []
+        for layer, kv, index, n in asked:
+            if layer >= self.num_layers or kv > 1:
+                raise InvalidRequest(f"no layer {layer} / kv {kv}")
+            region = self.region(layer, kv, self._check(index, n, lease.blocks), n)
+            chunks.append(Chunk(lease, layer, region, heads, self._fault()))
+        return chunks
+
+    async def ready(self, chunk: Chunk) -> None:
+        """Wait until the chunk's layer is computed (a streaming handle's layers are published
+        as prefill computes them; the wait ends early if the lease closes), then take its
+        bytes: in place, or a contiguous copy of a sub-range of the heads."""
+        lease = chunk.lease
+        if lease.layers_ready <= chunk.layer < self.num_layers:
+            try:
+                await asyncio.wait_for(lease.wait_layer(chunk.layer), SEND_TIMEOUT_S)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"layer {chunk.layer} was not computed within {SEND_TIMEOUT_S} s"
+                ) from None
+        region = chunk.region
+        if chunk.heads != self.heads:  # a sub-range: strided in the cache, sent as a copy
+            lo = chunk.heads.start - self.heads.start
+            region = region[:, :, lo : lo + len(chunk.heads)].contiguous()
         data = region.reshape(-1).view(torch.uint8)
-        return self._chunk(lease, data.numpy() if data.device.type == "cpu" else data)
+        chunk.data = data.numpy() if data.device.type == "cpu" else data
 
     def _heads(self, req) -> range:
         if req.num_heads == 0:
@@ -109,30 +137,40 @@ class ChunkSource:
             )
         return heads
 
-    def _chunk(self, lease: Lease, data) -> Chunk:
-        status = wire.ChunkStatus(ok=True, nbytes=data.nbytes)
+    def _fault(self) -> Fault | None:
         fault = self.faults.next_chunk() if self.faults is not None else None
         if fault is not None:
             log.warning("injecting fault %s on chunk %d", fault.kind, fault.at)
-        return Chunk(lease, data, status, fault)
+        return fault
 
     async def seal(self, chunk: Chunk) -> None:
-        """Put the checksum of a chunk in host memory into its status (device memory goes
-        unchecksummed: UCX moves it GPU to GPU). Inside `sending`: it reads the blocks."""
+        """The checksum of a chunk in host memory (device memory goes unchecksummed: UCX moves
+        it GPU to GPU). Inside `sending`: it reads the blocks."""
         if isinstance(chunk.data, np.ndarray):
-            chunk.status.checksum = await wire.checksum(chunk.data)
-            chunk.status.checksummed = True
+            chunk.checksum = await wire.checksum(chunk.data)
+
+    @staticmethod
+    def status(chunks: list[Chunk]) -> wire.ChunkStatus:
+        """The answer for sealed chunks: their size and checksums."""
+        checksummed = all(c.checksum is not None for c in chunks)
+        return wire.ChunkStatus(
+            ok=True,
+            nbytes=sum(c.data.nbytes for c in chunks),
+            checksummed=checksummed,
+            checksums=[c.checksum for c in chunks] if checksummed else [],
+        )
 
     @contextlib.contextmanager
-    def sending(self, chunk: Chunk) -> Iterator[None]:
-        """Marks the chunk's blocks as being read while its send runs (a release cancels the
-        send and waits for it before the blocks are freed)."""
+    def sending(self, chunks: list[Chunk]) -> Iterator[None]:
+        """Marks the chunks' blocks as being read while their sends run (a release cancels
+        the sends and waits for them before the blocks are freed)."""
         task = asyncio.current_task()
-        chunk.lease.begin_send(task)
+        lease = chunks[0].lease
+        lease.begin_send(task)
         try:
             yield
         finally:
-            chunk.lease.end_send(task)
+            lease.end_send(task)
 
     def served(self, chunk: Chunk) -> None:
         self.chunks_served += 1
@@ -140,17 +178,14 @@ class ChunkSource:
         chunk.lease.chunks_sent += 1
         chunk.lease.bytes_sent += chunk.data.nbytes
 
-    def _check(self, req, blocks: list[int]) -> int:
-        """The first block id of the request's range, if the range is valid and contiguous."""
-        if req.layer >= self.num_layers or req.kv > 1:
-            raise InvalidRequest(f"no layer {req.layer} / kv {req.kv}")
-        end = req.first_block + req.num_blocks
-        if req.num_blocks == 0 or end > len(blocks):
-            raise InvalidRequest(
-                f"blocks {req.first_block}..{end} outside the handle's {len(blocks)}"
-            )
-        first = blocks[req.first_block]
-        if blocks[req.first_block : end] != list(range(first, first + req.num_blocks)):
+    @staticmethod
+    def _check(index: int, n: int, blocks: list[int]) -> int:
+        """The first block id of a chunk's range, if the range is valid and contiguous."""
+        end = index + n
+        if n == 0 or end > len(blocks):
+            raise InvalidRequest(f"blocks {index}..{end} outside the handle's {len(blocks)}")
+        first = blocks[index]
+        if blocks[index:end] != list(range(first, first + n)):
             raise InvalidRequest("a chunk must cover consecutive blocks")
         return first
 

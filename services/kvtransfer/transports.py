@@ -1,18 +1,21 @@
-"""How a chunk travels: UCX (zero-copy into the destination) or the gRPC fallback.
+"""How chunks travel: UCX (zero-copy into the destination) or the gRPC fallback.
 
-`fetch(handle, source, request, dst)` asks a source rank for one chunk and fills `dst` with its
-bytes, returning the source's status; it raises when the transport breaks (and forgets the broken
-connection, so the next attempt reconnects). Retries, checksums and timeouts are the puller's.
+`fetch(handle, source, request, buffers, gate, timeout_s, digest)` asks a source rank for the
+request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received under a
+permit of `gate` (the puller's window) and within `timeout_s` of its start; it returns a
+`Fetched`: the source's status, if it came, and per chunk whether its bytes arrived and, with
+`digest`, their checksum as received (computed as each arrives). A broken connection is
+forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -21,6 +24,7 @@ from services.common.errors import Unavailable
 from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer import wire
+from services.kvtransfer.source import MAX_CHUNKS
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -89,6 +93,19 @@ def configure_ucx(args=None) -> None:
         os.environ["UCX_TLS"] = args.ucx_tls
 
 
+Digest = Callable[[np.ndarray], Awaitable[int]]
+
+
+@dataclass
+class Fetched:
+    """What one request brought: the source's status (None when none came) and, per chunk,
+    why its bytes did not arrive (None: they did) and their checksum as received."""
+
+    status: wire.ChunkStatus | None
+    errors: list[BaseException | None]
+    digests: list[int | None]
+
+
 def ucx_available() -> bool:
     try:
         import ucxx  # noqa: F401
@@ -98,10 +115,11 @@ def ucx_available() -> bool:
 
 
 class UcxTransport:
-    """One cached endpoint per peer; request and status frames plus the raw data, received
-    straight into the destination."""
+    """One cached endpoint per peer; a request frame for many chunks, their raw bytes received
+    straight into the destination, then one status frame."""
 
     name = "ucx"
+    max_chunks = MAX_CHUNKS
 
     def __init__(self) -> None:
         self._endpoints: dict[tuple[str, int], object] = {}
@@ -109,7 +127,7 @@ class UcxTransport:
         self._handshakes: dict[tuple[str, int], tuple[asyncio.Task, float]] = {}  # newest, started
         self._unfinished: set[asyncio.Task] = set()  # every handshake until it ends
         self._connected: set[tuple[str, int]] = set()  # peers reached before
-        self._tags = itertools.count(1)
+        self._next_tag = 1
         self.reconnects = 0
         # Receives given up on, with their buffers: UCX may still write into those until it
         # completes the requests (with an error, once the endpoint is aborted), so nothing of
@@ -139,30 +157,71 @@ class UcxTransport:
         finally:
             listener.close()
 
-    async def fetch(self, handle: KvHandle, source: RankSource, request, dst) -> wire.ChunkStatus:
+    async def fetch(
+        self,
+        handle: KvHandle,
+        source: RankSource,
+        request,
+        buffers: list,
+        gate: asyncio.Semaphore,
+        timeout_s: float,
+        digest: Digest | None = None,
+    ) -> Fetched:
         key = (source.ucx_host, source.ucx_port)
-        ep = await self._endpoint(*key)
-        tag = next(self._tags)
+        try:
+            ep = await asyncio.wait_for(self._endpoint(*key), timeout_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"no connection to the KV source at {key[0]}:{key[1]} within {timeout_s} s"
+            ) from None
+        tag, self._next_tag = self._next_tag, self._next_tag + len(buffers)
         request.tag = tag
         status_frame = wire.empty_frame()
-        # Both receives are posted before the request goes out: one round trip per chunk. A
-        # refusal comes with a one-byte filler, which completes the data receive.
+        # Posted before the request goes out (a refusal comes at once); each data receive is
+        # posted once the window has room, and the source's send waits for it.
         status_recv = asyncio.ensure_future(ep.recv(status_frame, tag=2 * tag))
-        data_recv = asyncio.ensure_future(ep.recv(dst, tag=2 * tag + 1))
+        receives: list[asyncio.Future] = []
+        errors: list[BaseException | None] = [None] * len(buffers)
+        digests: list[int | None] = [None] * len(buffers)
+
+        async def one(i: int) -> None:
+            async with gate:
+                recv = asyncio.ensure_future(ep.recv(buffers[i], tag=2 * (tag + i) + 1))
+                receives.append(recv)
+                try:
+                    await asyncio.wait_for(asyncio.shield(recv), timeout_s)
+                except TimeoutError:
+                    errors[i] = TimeoutError(f"no data within {timeout_s} s")
+                    return
+                except Exception as e:  # the connection broke: closed, reset, peer gone
+                    errors[i] = e
+                    return
+            if digest is not None:
+                digests[i] = await digest(buffers[i])
+
+        status = None
+        broken = False
+        frame = wire.encode(request)
         try:
-            await ep.send(wire.encode(request))
-            await status_recv
-            await data_recv
-        except BaseException:
-            # Broken, late (the puller's timeout) or abandoned (the pull failed elsewhere or was
-            # cancelled). Nothing of this attempt may land in the destination afterwards: if the
-            # source's answer comes at once the endpoint is clean and stays (other pulls share
-            # it); if not, it is dropped and aborted.
-            if not await _drained(status_recv, data_recv):
-                self._abandon(status_recv, data_recv, status_frame, dst)
+            await asyncio.wait_for(ep.send(frame), timeout_s)
+            await asyncio.gather(*(one(i) for i in range(len(buffers))))
+            await asyncio.wait_for(asyncio.shield(status_recv), timeout_s)
+            status = wire.decode(status_frame, wire.ChunkStatus)
+        except Exception as e:  # no status: late, or the connection broke
+            broken = not isinstance(e, TimeoutError)
+            errors = [error or e for error in errors]
+        finally:
+            # Nothing of this attempt may land in the destination afterwards: if every receive
+            # completes at once the endpoint is clean and stays (other pulls share it); if not
+            # (a chunk never sent, a late source) or it broke, it is dropped and aborted.
+            posted = (status_recv, *receives)
+            broken = broken or any(
+                e is not None and not isinstance(e, TimeoutError) for e in errors
+            )
+            if not await _drained(*posted) or broken:
+                self._abandon(frame, status_frame, buffers, *posted)
                 self._drop(key, ep)
-            raise
-        return wire.decode(status_frame, wire.ChunkStatus)
+        return Fetched(status, errors, digests)
 
     def _abandon(self, *keep) -> None:
         receives = [k for k in keep if isinstance(k, asyncio.Future)]
@@ -263,9 +322,11 @@ async def _drained(*receives: asyncio.Future) -> bool:
 
 
 class GrpcTransport:
-    """The fallback: KvTransfer.FetchChunk on the source's control address, the bytes copied."""
+    """The fallback: KvTransfer.FetchChunk on the source's control address, one chunk a call,
+    the bytes copied."""
 
     name = "grpc"
+    max_chunks = 1
 
     def __init__(self, channel: Callable[[str], grpc.aio.Channel]) -> None:
         self._channel = channel
@@ -275,12 +336,27 @@ class GrpcTransport:
     def serves(handle: KvHandle) -> bool:
         return bool(handle.control_address)
 
-    async def fetch(self, handle: KvHandle, source: RankSource, request, dst) -> wire.ChunkStatus:
+    async def fetch(
+        self,
+        handle: KvHandle,
+        source: RankSource,
+        request,
+        buffers: list,
+        gate: asyncio.Semaphore,
+        timeout_s: float,
+        digest: Digest | None = None,
+    ) -> Fetched:
+        (dst,) = buffers
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
-        reply = await stub.FetchChunk(request)
+        async with gate:
+            try:
+                reply = await stub.FetchChunk(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as e:
+                return Fetched(None, [Exception(f"{e.code().name}: {e.details()}")], [None])
         if reply.status.ok and len(reply.data) == dst.nbytes:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
-        return reply.status
+        received = await digest(dst) if digest is not None and reply.status.ok else None
+        return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:
         pass

@@ -16,7 +16,7 @@ import xxhash
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2
 
-FRAME_BYTES = 512
+FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many ranges
 # Chunks at least this large are checksummed on a worker thread (xxhash releases the GIL), so
 # that the event loop goes on moving other chunks meanwhile; smaller ones cost less than the hop.
 THREAD_CHECKSUM_BYTES = 256 * 2**10
@@ -46,6 +46,7 @@ def empty_frame() -> np.ndarray:
 
 
 ChunkRequest = kvtransfer_pb2.KvChunkRequest
+ChunkRange = kvtransfer_pb2.KvChunkRange
 ChunkStatus = kvtransfer_pb2.KvChunkStatus
 
 

@@ -8,14 +8,22 @@ from dataclasses import replace
 import pytest
 
 from services.common.errors import NotFound, PermissionDenied
-from services.common.kv_handle import KvHandle
+from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import LeaseTable
-from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy, segments
-from services.kvtransfer.source import ChunkSource
+from services.kvtransfer.puller import (
+    KvDestination,
+    KvPuller,
+    PullPolicy,
+    _batches,
+    _Chunk,
+    segments,
+)
+from services.kvtransfer.source import MAX_CHUNKS, ChunkSource
+from services.kvtransfer.transports import GrpcTransport, UcxTransport
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HEADS = range(2)  # the tiny model's KV heads
@@ -50,6 +58,29 @@ def test_segments_split_where_either_side_breaks_and_at_the_chunk_size():
     assert segments([0, 1, 2, 3, 4], [5, 6, 7, 8, 9], 2) == [(0, 5, 2), (2, 7, 2), (4, 9, 1)]
 
 
+def test_requests_take_up_to_32_chunks_of_one_source_in_layer_order():
+    ucx, grpc_ = UcxTransport(), GrpcTransport(lambda address: None)
+    rank0 = RankSource(rank=0, heads=range(0, 2), ucx_host="h", ucx_port=1)
+    rank1 = RankSource(rank=1, heads=range(2, 4), ucx_host="h", ucx_port=2)
+    chunks = [
+        _Chunk(layer, kv, (i, i, 1), ucx, source, source.heads)
+        for source in (rank0, rank1)
+        for layer in range(5)
+        for kv in (0, 1)
+        for i in range(4)
+    ]  # 40 chunks from each rank
+    batches = _batches(chunks)
+    assert [len(b) for b in batches] == [MAX_CHUNKS, MAX_CHUNKS, 8, 8]
+    for batch in batches:
+        assert len({c.source for c in batch}) == 1
+        assert [c.layer for c in batch] == sorted(c.layer for c in batch)
+    assert [b[0].layer for b in batches] == [0, 0, 4, 4]  # requests in the order of layers
+    assert sorted(id(c) for b in batches for c in b) == sorted(id(c) for c in chunks)
+    # The gRPC fallback answers one chunk a call.
+    one_each = _batches([_Chunk(0, kv, (0, 0, 1), grpc_, rank0, rank0.heads) for kv in (0, 1)])
+    assert [len(b) for b in one_each] == [1, 1]
+
+
 def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
     prompt = list(range(3, 70))
     expected = LLMEngine(tiny_model, EngineConfig(num_blocks=64)).generate([prompt], PARAMS)[0]
@@ -64,7 +95,8 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
         server = ChunkServer(ChunkSource(leases, prefill.runner.cache.region, 2, HEADS))
         port = server.start()
         handle = leases.create("r", handle_for(prefill, "r", port))
-        puller = KvPuller(PullPolicy(chunk_bytes=3 * prefill.runner.cache.block_bytes, window=3))
+        # One block a chunk: 2 layers x K/V x 9 blocks = 36 chunks, in two requests.
+        puller = KvPuller(PullPolicy(chunk_bytes=prefill.runner.cache.block_bytes, window=3))
         try:
             decode.add_prefilled(prompt, first.new_token_ids[0], PARAMS, "r")
             [seq] = decode.admit_pulls()
@@ -86,8 +118,8 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
             )
             assert report.nbytes == handle.total_bytes
             assert (report.transport, report.retries) == ("ucx", 0)
-            assert report.chunks >= 2 * 2 * 3  # layers x K/V x chunks per layer
-            assert server.source.chunks_served >= 2 * 2 * 3  # layers x K/V x chunks per layer
+            assert report.chunks == server.source.chunks_served == 2 * 2 * 9
+            assert server.requests_served == 2  # 32 chunks, then 4
         finally:
             await puller.close()
             server.close()
