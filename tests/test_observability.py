@@ -348,7 +348,22 @@ def test_metrics_endpoints_scrape_and_move_with_requests(traced_mesh):
     n = 3
     for i in range(n):
         generate_timed(mesh.gateway_address, f"Count me {i}", 5, f"{i + 7:032x}")
-    after = {name: scrape(addr) for name, addr in by_name.items()}
+    # The client has its last token a moment before each service has settled the request (the
+    # gateway's bookkeeping, decode freeing blocks): read once all are idle, within a second.
+    idle_now = (
+        ("gateway", "distserve_gateway_requests_in_flight"),
+        ("gateway", "distserve_admission_decode_seats_taken"),
+        ("decode-0", "distserve_kv_blocks_used"),
+        ("decode-0", "distserve_running_seqs"),
+        ("prefill-0", "distserve_kv_handles_held"),
+    )
+    deadline = time.monotonic() + 1.0
+    while True:
+        after = {name: scrape(addr) for name, addr in by_name.items()}
+        settled = all(value(after[svc], gauge) == 0 for svc, gauge in idle_now)
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def moved(service, name, **labels):
         return value(after[service], name, **labels) - value(before[service], name, **labels)

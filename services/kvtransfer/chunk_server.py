@@ -102,7 +102,7 @@ class ChunkServer:
                     return
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
-                status = wire.encode(self.source.status(chunks))
+                status = wire.encode(await self.source.status(chunks))
                 await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)
                 self.requests_served += len(sent) == len(chunks)
             except asyncio.CancelledError:

@@ -7,6 +7,7 @@ import hmac
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from services.common.errors import NotFound, PermissionDenied
@@ -37,6 +38,9 @@ class Lease:
     blocks: list[int] = field(default_factory=list)
     sends: set[asyncio.Task] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # Per layer, the checksums of its blocks (ChunkSource, computed as layers are published).
+    digests: dict[int, asyncio.Future] = field(default_factory=dict)
+    on_publish: Callable[[Lease, int, int], None] | None = None  # (lease, layers before, after)
 
     def __post_init__(self) -> None:
         self.blocks = self.handle.blocks()
@@ -49,7 +53,9 @@ class Lease:
     def publish(self, layers: int) -> None:
         """The first `layers` layers are computed and may be sent."""
         if layers > self.layers_ready:
-            self.layers_ready = layers
+            before, self.layers_ready = self.layers_ready, layers
+            if self.on_publish is not None:
+                self.on_publish(self, before, layers)
             self._wake()
 
     async def wait_layer(self, layer: int) -> None:
@@ -98,6 +104,9 @@ class LeaseTable:
         self.max_s = max_s
         self._leases: dict[str, Lease] = {}
         self._added: asyncio.Event | None = None  # set (and replaced) when a lease is added
+        # Called with (lease, layers before, layers now) whenever layers become readable,
+        # including those readable when the lease is added.
+        self.on_publish: Callable[[Lease, int, int], None] | None = None
         self.expired_total = 0
         self.released_total = 0
 
@@ -127,6 +136,9 @@ class LeaseTable:
 
     def _add(self, lease: Lease) -> None:
         self._leases[lease.handle.handle_id] = lease
+        lease.on_publish = self.on_publish
+        if self.on_publish is not None and lease.layers_ready:
+            self.on_publish(lease, 0, lease.layers_ready)
         if self._added is not None:
             self._added.set()
             self._added = None

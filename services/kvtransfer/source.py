@@ -1,8 +1,12 @@
 """The serving side of the data plane, independent of the transport.
 
 `ChunkSource.open` checks a KvChunkRequest (lease, access token, layer, block ranges) and returns
-each chunk's region to send (`seal` adds its xxh3-64 checksum) with, when fault injection is on,
-the fault that hits it; `status` is the answer for them all. The UCX server and the gRPC fallback
+each chunk's region to send (`seal` adds its checksum) with, when fault injection is on, the
+fault that hits it; `status` is the answer for them all. The checksums of KV in host memory are
+made when it is computed: as a lease's layers are published, each block's xxh3-64 is taken once
+(on a worker thread), and a chunk's checksum is the xxh3-64 of its blocks' (`block_checksums`);
+so no pass over the bytes is left for the moment they are sent. A chunk of a sub-range of the
+heads (a copy) is hashed as it is sent. The UCX server and the gRPC fallback
 both serve through it and bracket the sends with `sending`, so that held blocks are never freed
 under a send in progress.
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.kvtransfer import wire
@@ -47,11 +52,14 @@ class Chunk:
 
     lease: Lease
     layer: int
+    kv: int
+    index: int  # of its first block in the handle's block list
     region: torch.Tensor  # (blocks, block_size, heads, head_dim) in place
     heads: range  # the heads asked for
     fault: Fault | None
     data: object = None  # numpy uint8 view (host memory) or uint8 tensor (device memory)
     checksum: int | None = None
+    block_checksum: bool = False  # `checksum` is over the blocks' checksums
 
 
 def ranges(req) -> list[tuple[int, int, int, int]]:
@@ -84,6 +92,7 @@ class ChunkSource:
         self.faults = faults  # tests and drills only
         self.chunks_served = 0
         self.bytes_served = 0
+        leases.on_publish = self._published
 
     async def open_when_ready(self, req) -> list[Chunk]:
         """`open` (a follower rank first waits up to adopt_wait_s for the handle to appear)."""
@@ -104,8 +113,28 @@ class ChunkSource:
             if layer >= self.num_layers or kv > 1:
                 raise InvalidRequest(f"no layer {layer} / kv {kv}")
             region = self.region(layer, kv, self._check(index, n, lease.blocks), n)
-            chunks.append(Chunk(lease, layer, region, heads, self._fault()))
+            chunks.append(Chunk(lease, layer, kv, index, region, heads, self._fault()))
         return chunks
+
+    def _published(self, lease: Lease, before: int, after: int) -> None:
+        """Layers before..after-1 of a lease are computed: take their blocks' checksums, on a
+        worker thread (xxhash releases the GIL), unless the KV is in device memory."""
+        if not lease.blocks or self.region(0, 0, lease.blocks[0], 1).device.type != "cpu":
+            return
+        loop = asyncio.get_running_loop()
+        for layer in range(before, after):
+            lease.digests[layer] = loop.run_in_executor(None, self._block_digests, lease, layer)
+
+    def _block_digests(self, lease: Lease, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """xxh3-64 of each of the lease's blocks of one layer, K and V, in block list order."""
+        out = []
+        for kv in (0, 1):
+            digests = []
+            for first, n in lease.handle.runs:
+                rows = self.region(layer, kv, first, n).reshape(n, -1).view(torch.uint8).numpy()
+                digests += [xxhash.xxh3_64_intdigest(row) for row in rows]
+            out.append(np.array(digests, dtype=np.uint64))
+        return out[0], out[1]
 
     async def ready(self, chunk: Chunk) -> None:
         """Wait until the chunk's layer is computed (a streaming handle's layers are published
@@ -145,19 +174,34 @@ class ChunkSource:
 
     async def seal(self, chunk: Chunk) -> None:
         """The checksum of a chunk in host memory (device memory goes unchecksummed: UCX moves
-        it GPU to GPU). Inside `sending`: it reads the blocks."""
-        if isinstance(chunk.data, np.ndarray):
+        it GPU to GPU): from its blocks' checksums when the layer's are taken (all the heads
+        the source holds), else of its bytes. Inside `sending`: it may read the blocks."""
+        if not isinstance(chunk.data, np.ndarray):
+            return
+        digests = chunk.lease.digests.get(chunk.layer) if chunk.heads == self.heads else None
+        if digests is not None:
+            n = chunk.region.shape[0]
+            blocks = (await digests)[chunk.kv][chunk.index : chunk.index + n]
+            chunk.checksum = wire.digest_of(blocks)
+            chunk.block_checksum = True
+        else:
             chunk.checksum = await wire.checksum(chunk.data)
 
     @staticmethod
-    def status(chunks: list[Chunk]) -> wire.ChunkStatus:
-        """The answer for sealed chunks: their size and checksums."""
+    async def status(chunks: list[Chunk]) -> wire.ChunkStatus:
+        """The answer for sealed chunks: their size and checksums, all of one kind."""
         checksummed = all(c.checksum is not None for c in chunks)
+        by_blocks = checksummed and all(c.block_checksum for c in chunks)
+        if checksummed and not by_blocks:
+            for c in chunks:
+                if c.block_checksum:  # of its bytes, like the others
+                    c.checksum, c.block_checksum = await wire.checksum(c.data), False
         return wire.ChunkStatus(
             ok=True,
             nbytes=sum(c.data.nbytes for c in chunks),
             checksummed=checksummed,
             checksums=[c.checksum for c in chunks] if checksummed else [],
+            block_checksums=by_blocks,
         )
 
     @contextlib.contextmanager

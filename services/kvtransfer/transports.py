@@ -4,7 +4,7 @@
 request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received under a
 permit of `gate` (the puller's window) and within `timeout_s` of its start; it returns a
 `Fetched`: the source's status, if it came, and per chunk whether its bytes arrived and, with
-`digest`, their checksum as received (computed as each arrives). A broken connection is
+`digest(i)`, chunk i's checksum as received (computed as each arrives). A broken connection is
 forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
 """
 
@@ -93,7 +93,7 @@ def configure_ucx(args=None) -> None:
         os.environ["UCX_TLS"] = args.ucx_tls
 
 
-Digest = Callable[[np.ndarray], Awaitable[int]]
+Digest = Callable[[int], Awaitable[int]]  # chunk i's checksum as received
 
 
 @dataclass
@@ -197,7 +197,7 @@ class UcxTransport:
                     errors[i] = e
                     return
             if digest is not None:
-                digests[i] = await digest(buffers[i])
+                digests[i] = await digest(i)
 
         status = None
         broken = False
@@ -355,7 +355,7 @@ class GrpcTransport:
                 return Fetched(None, [Exception(f"{e.code().name}: {e.details()}")], [None])
         if reply.status.ok and len(reply.data) == dst.nbytes:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
-        received = await digest(dst) if digest is not None and reply.status.ok else None
+        received = await digest(0) if digest is not None and reply.status.ok else None
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:

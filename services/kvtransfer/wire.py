@@ -55,3 +55,21 @@ async def checksum(data: np.ndarray) -> int:
     if data.nbytes < THREAD_CHECKSUM_BYTES:
         return xxhash.xxh3_64_intdigest(data)
     return await asyncio.to_thread(xxhash.xxh3_64_intdigest, data)
+
+
+def digest_of(block_digests: np.ndarray) -> int:
+    """A chunk's checksum from its blocks' xxh3-64s (uint64, in order): their xxh3-64."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(block_digests, dtype="<u8"))
+
+
+async def block_checksum(data: np.ndarray, blocks: int) -> int:
+    """What a source sends as the checksum of a chunk of `blocks` equal blocks when it took
+    its blocks' checksums as they were computed (`block_checksums`)."""
+
+    def digest() -> int:
+        rows = data.reshape(blocks, -1)
+        return digest_of(np.array([xxhash.xxh3_64_intdigest(r) for r in rows], dtype=np.uint64))
+
+    if data.nbytes < THREAD_CHECKSUM_BYTES:
+        return digest()
+    return await asyncio.to_thread(digest)

@@ -6,12 +6,14 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 
 from services.common.errors import NotFound, PermissionDenied
 from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.kvtransfer import wire
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import LeaseTable
 from services.kvtransfer.puller import (
@@ -22,7 +24,7 @@ from services.kvtransfer.puller import (
     _Chunk,
     segments,
 )
-from services.kvtransfer.source import MAX_CHUNKS, ChunkSource
+from services.kvtransfer.source import MAX_CHUNKS, ChunkSource, corrupted
 from services.kvtransfer.transports import GrpcTransport, UcxTransport
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -79,6 +81,51 @@ def test_requests_take_up_to_32_chunks_of_one_source_in_layer_order():
     # The gRPC fallback answers one chunk a call.
     one_each = _batches([_Chunk(0, kv, (0, 0, 1), grpc_, rank0, rank0.heads) for kv in (0, 1)])
     assert [len(b) for b in one_each] == [1, 1]
+
+
+def test_checksums_are_taken_as_layers_are_published_and_match_the_pullers():
+    async def scenario():
+        # (layers, K/V, blocks, block_size, heads, head_dim), the bench's kind of source
+        cache = torch.randn((2, 2, 8, 4, 2, 3))
+        leases = LeaseTable(default_s=30, max_s=60)
+        source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 2, HEADS)
+        template = KvHandle(
+            handle_id="", source_instance="p", control_address="", ucx_host="", ucx_port=0,
+            num_tokens=20, block_size=4, num_layers=2, num_kv_heads=2, head_dim=3,
+            dtype="float32", runs=((2, 3), (6, 2)), block_bytes=4 * 2 * 3 * 4,
+            lease_expiry_unix_ms=0, access_token="", streaming=True,
+        )  # fmt: skip
+        handle = leases.create("r", template)
+        lease = leases.get(handle.handle_id, handle.access_token)
+        assert lease.digests == {}  # nothing computed yet
+        lease.publish(1)
+        assert sorted(lease.digests) == [0]  # taken as each layer is published, not later
+        lease.publish(2)
+        assert sorted(lease.digests) == [0, 1]
+
+        def request(num_heads: int) -> wire.ChunkRequest:
+            return wire.ChunkRequest(
+                handle_id=handle.handle_id,
+                access_token=handle.access_token,
+                num_heads=num_heads,
+                chunks=[wire.ChunkRange(layer=1, kv=1, first_block=1, num_blocks=2)],
+            )
+
+        whole = source.open(request(0))  # blocks 3, 4 of layer 1's V: all heads, in place
+        part = source.open(request(1))  # head 0 only: a copy, hashed as it is sent
+        for chunk in (*whole, *part):
+            await source.ready(chunk)
+            await source.seal(chunk)
+        by_blocks, by_bytes = await source.status(whole), await source.status(part)
+        assert by_blocks.block_checksums and not by_bytes.block_checksums
+        assert by_blocks.checksums == [await wire.block_checksum(whole[0].data, 2)]
+        assert by_bytes.checksums == [await wire.checksum(part[0].data)]
+        # The puller's hash of what it received finds a flipped byte either way.
+        flipped = corrupted(whole[0].data)
+        assert by_blocks.checksums != [await wire.block_checksum(flipped, 2)]
+        assert whole[0].data.tobytes() == cache[1, 1, 3:5].numpy().tobytes()
+
+    asyncio.run(scenario())
 
 
 def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
