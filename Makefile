@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos bench-overload protos clean
+.PHONY: serve test lint bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos bench-overload bench-conditional protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-handoff: $(GEN)
 
 bench-tracing: $(GEN)
 	$(BIN)/python bench/tracing.py
+
+bench-conditional: $(GEN)
+	$(BIN)/python bench/conditional.py
 
 bench-planner: $(GEN)
 	$(BIN)/python bench/planner.py
