@@ -163,7 +163,8 @@ async def pull(transport: str, served: dict, policy: PullPolicy) -> dict[str, di
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
-    from services.kvtransfer.puller import KvDestination, KvPuller
+    from services.kvtransfer.layout import KvDestination
+    from services.kvtransfer.puller import KvPuller
     from services.kvtransfer.transports import shutdown_ucx
 
     kind = "grpc" if transport == "grpc" else "ucx"

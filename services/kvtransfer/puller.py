@@ -6,12 +6,13 @@ source rank holds and the destination wants (a tensor-parallel source serves eac
 the rank that holds it; a tensor-parallel destination pulls, on each of its ranks, only the heads
 that rank owns). A chunk is received straight into the destination region (UCX) when it covers
 every head the destination holds, else into a buffer copied into place once verified; over the
-gRPC fallback (hosts without ucxx) it is copied from the reply. Over UCX one request asks for up
-to 32 consecutive chunks of one layer's K or V (one message each way per chunk, plus the request
-and one status: see chunk_server). Up to `window` chunks are in flight (their receives posted).
-Each chunk is checked against the checksum the source sends (the received bytes are hashed as
-they arrive) and has its own timeout; a late, failed or corrupt chunk alone is fetched again
-(bounded attempts, exponential backoff with jitter, a fresh endpoint after a transport fault).
+gRPC fallback (hosts without ucxx) it is copied from the reply. Over UCX one request asks one
+source rank for up to 32 chunks, in layer order (a message per chunk, plus the request and one
+status: see chunk_server; the plan is layout.py's). Up to `window` chunks are in flight (their
+receives posted). Each chunk is checked against the checksum the source sends (the received
+bytes are hashed as they arrive, block by block) and has its own timeout; a late, failed or
+corrupt chunk alone is fetched again (bounded attempts, exponential backoff with jitter, a fresh
+endpoint after a transport fault).
 The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
 use the destination: partial KV is never decoded from.
 """
@@ -22,7 +23,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +42,7 @@ from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
+from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.transports import Fetched, GrpcTransport, UcxTransport, ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
@@ -51,54 +52,6 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def raw(t: torch.Tensor):
-    """A contiguous tensor's bytes for a transport: a numpy uint8 view on CPU (buffer
-    protocol), a uint8 tensor on CUDA (CUDA array interface). No copy either way."""
-    b = t.reshape(-1).view(torch.uint8)
-    return b.numpy() if b.device.type == "cpu" else b
-
-
-@dataclass(frozen=True)
-class KvDestination:
-    """Where pulled KV lands: `data` is (layers, 2, blocks, block_size, heads, head_dim), an
-    engine's KV cache or a staging tensor, and holds the global KV heads `heads`."""
-
-    data: torch.Tensor
-    heads: range
-
-    def region(
-        self, layer: int, kv: int, first: int, n: int, heads: range
-    ) -> tuple[object, Callable[[], None] | None]:
-        """A buffer to receive blocks first..first+n of one layer's K or V for `heads`, and
-        what puts it in place once verified (None: the buffer is the place itself)."""
-        view = self.data[layer, kv, first : first + n]
-        if heads == self.heads:
-            return raw(view), None
-        lo = heads.start - self.heads.start
-        part = view[:, :, lo : lo + len(heads)]
-        landing = torch.empty(part.shape, dtype=part.dtype, device=part.device)
-        return raw(landing), lambda: part.copy_(landing)
-
-
-def segments(src: list[int], dst: list[int], max_blocks: int) -> list[tuple[int, int, int]]:
-    """(index into the handle's blocks, first destination block id, count) of each range that is
-    consecutive in both block lists, at most max_blocks long."""
-    out = []
-    i = 0
-    while i < len(src):
-        n = 1
-        while (
-            i + n < len(src)
-            and n < max_blocks
-            and src[i + n] == src[i] + n
-            and dst[i + n] == dst[i] + n
-        ):
-            n += 1
-        out.append((i, dst[i], n))
-        i += n
-    return out
 
 
 @dataclass(frozen=True)
@@ -126,37 +79,6 @@ class PullReport:
 
 class ChecksumMismatch(Exception):
     """A chunk arrived with bytes that do not match the source's checksum."""
-
-
-@dataclass
-class _Chunk:
-    """One chunk of a pull: one layer's K or V for a block range (`seg`: index into the
-    handle's blocks, first destination block, count) and the heads one source rank holds; the
-    buffer it is received into and what puts it in place once verified (None: in place)."""
-
-    layer: int
-    kv: int
-    seg: tuple[int, int, int]
-    transport: object
-    source: RankSource
-    heads: range
-    buffer: object = None  # set when its request is about to go out
-    land: Callable[[], None] | None = None
-
-
-def _batches(chunks: list[_Chunk]) -> list[list[_Chunk]]:
-    """The requests for a pull's chunks: runs of up to the transport's max_chunks from one
-    source rank (the same heads), each run in layer order (the source sends each chunk once
-    its layer is computed), the runs in the order of their first layers."""
-    by_source: dict[tuple, list[_Chunk]] = {}
-    for c in sorted(chunks, key=lambda c: c.layer):
-        by_source.setdefault((c.source, c.heads, c.transport), []).append(c)
-    runs = [
-        run[i : i + run[0].transport.max_chunks]
-        for run in by_source.values()
-        for i in range(0, len(run), run[0].transport.max_chunks)
-    ]
-    return sorted(runs, key=lambda run: run[0].layer)
 
 
 class KvPuller:
@@ -247,12 +169,12 @@ class KvPuller:
             per_chunk = max(1, self.policy.chunk_bytes // max(1, piece_block_bytes))
             segs = segments(src_blocks, dst_blocks, per_chunk)
             chunks += [
-                _Chunk(layer, kv, seg, transport, source, heads)
+                PullChunk(layer, kv, seg, transport, source, heads)
                 for layer in range(handle.num_layers)
                 for kv in (0, 1)
                 for seg in segs
             ]
-        batches = _batches(chunks)  # layer by layer: early layers are computed first
+        batches = requests_for(chunks)  # layer by layer: early layers are computed first
         gate = asyncio.Semaphore(self.policy.window)
         # Requests in flight per transport: enough to keep the window full (one chunk each
         # over gRPC), and one ahead over UCX (the next is asked for while one's chunks arrive).
@@ -265,7 +187,7 @@ class KvPuller:
 
         stop = asyncio.Event()  # a chunk failed or the pull was cancelled: start no more
 
-        async def one(batch: list[_Chunk]) -> int:
+        async def one(batch: list[PullChunk]) -> int:
             async with requests[batch[0].transport]:
                 if stop.is_set():
                     return 0
@@ -303,7 +225,7 @@ class KvPuller:
         report: PullReport,
         stop: asyncio.Event,
         gate: asyncio.Semaphore,
-        batch: list[_Chunk],
+        batch: list[PullChunk],
     ) -> int:
         """Chunks from one source rank, in one request where the transport allows; each with
         its own timeout, and those late, broken or corrupt fetched
@@ -342,7 +264,7 @@ class KvPuller:
             # source.py): hash the same way as the bytes arrive; the status says which it was.
             by_blocks = heads == source.heads
 
-            def digest(i: int, by_blocks: bool = by_blocks, todo: list[_Chunk] = todo):
+            def digest(i: int, by_blocks: bool = by_blocks, todo: list[PullChunk] = todo):
                 chunk = todo[i]
                 if by_blocks:
                     return wire.block_checksum(chunk.buffer, chunk.seg[2])

@@ -13,8 +13,9 @@ from services.common.errors import InvalidRequest
 from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
+from services.kvtransfer.layout import KvDestination
 from services.kvtransfer.leases import LeaseTable
-from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy
+from services.kvtransfer.puller import KvPuller, PullPolicy
 from services.kvtransfer.source import ChunkSource
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 8, 4, 4, 8

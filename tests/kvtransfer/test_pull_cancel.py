@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from services.kvtransfer.puller import KvDestination, KvPuller, PullPolicy
+from services.kvtransfer.layout import KvDestination
+from services.kvtransfer.puller import KvPuller, PullPolicy
 from tests.kvtransfer.test_head_split import (
     BLOCK_SIZE,
     BLOCKS,

@@ -15,15 +15,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.kvtransfer import wire
 from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.leases import LeaseTable
-from services.kvtransfer.puller import (
-    KvDestination,
-    KvPuller,
-    PullPolicy,
-    _batches,
-    _Chunk,
-    segments,
-)
+from services.kvtransfer.puller import KvPuller, PullPolicy
 from services.kvtransfer.source import MAX_CHUNKS, ChunkSource, corrupted
 from services.kvtransfer.transports import GrpcTransport, UcxTransport
 
@@ -65,13 +59,13 @@ def test_requests_take_up_to_32_chunks_of_one_source_in_layer_order():
     rank0 = RankSource(rank=0, heads=range(0, 2), ucx_host="h", ucx_port=1)
     rank1 = RankSource(rank=1, heads=range(2, 4), ucx_host="h", ucx_port=2)
     chunks = [
-        _Chunk(layer, kv, (i, i, 1), ucx, source, source.heads)
+        PullChunk(layer, kv, (i, i, 1), ucx, source, source.heads)
         for source in (rank0, rank1)
         for layer in range(5)
         for kv in (0, 1)
         for i in range(4)
     ]  # 40 chunks from each rank
-    batches = _batches(chunks)
+    batches = requests_for(chunks)
     assert [len(b) for b in batches] == [MAX_CHUNKS, MAX_CHUNKS, 8, 8]
     for batch in batches:
         assert len({c.source for c in batch}) == 1
@@ -79,7 +73,9 @@ def test_requests_take_up_to_32_chunks_of_one_source_in_layer_order():
     assert [b[0].layer for b in batches] == [0, 0, 4, 4]  # requests in the order of layers
     assert sorted(id(c) for b in batches for c in b) == sorted(id(c) for c in chunks)
     # The gRPC fallback answers one chunk a call.
-    one_each = _batches([_Chunk(0, kv, (0, 0, 1), grpc_, rank0, rank0.heads) for kv in (0, 1)])
+    one_each = requests_for(
+        [PullChunk(0, kv, (0, 0, 1), grpc_, rank0, rank0.heads) for kv in (0, 1)]
+    )
     assert [len(b) for b in one_each] == [1, 1]
 
 
