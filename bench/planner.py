@@ -107,11 +107,10 @@ def simulator_fidelity() -> dict:
     """Predicted vs measured attainment of 1P1D on this machine (part (1))."""
     import tempfile
 
-    from services.engine.presets import create_model
     from services.loadgen import fidelity
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = create_model("tiny", Path(tmp) / "tiny")
+        model = fidelity.create(Path(tmp) / "model")
         result = fidelity.measure(model, "full", FIDELITY_TARGETS, FIDELITY_REQUESTS)
     return result.to_json()
 

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -42,6 +42,8 @@ import numpy as np
 
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.model_config import ModelConfig
+from services.engine.presets import create_model
+from services.loadgen.cli import ADMISSION_OFF
 from services.loadgen.requests import load_requests
 from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
@@ -57,21 +59,46 @@ from services.planner.workload import LengthDist, Requests, Workload
 WORKLOAD = Workload(
     "fidelity", LengthDist("uniform", low=64, high=768), LengthDist("uniform", low=32, high=160)
 )
+# The model of the comparison: the `tiny` preset's architecture and tokenizer, wider and deeper
+# (about 11M parameters besides the embeddings) so that an engine step outweighs what the mesh
+# does per token beyond it: on the `tiny` preset a decode step is ~0.3 ms and the per-token gRPC
+# streaming through the gateway to the client costs about as much again, on the same two cores.
+MODEL = {
+    "hidden_size": 384,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+}
 BLOCK_SIZE = 16
 # The engine options of every worker in the comparison: the simulator gets the same ones.
 MAX_BATCH_TOKENS = 1024
 MAX_NUM_SEQS = 2
-KV_CACHE_MB = 16
-WORKER_ARGS = (
-    "--kv-cache-mb",
-    str(KV_CACHE_MB),
-    "--max-num-seqs",
-    str(MAX_NUM_SEQS),
-    "--max-batch-tokens",
-    str(MAX_BATCH_TOKENS),
-    "--block-size",
-    str(BLOCK_SIZE),
-)
+KV_TOKENS = 32768  # the KV pool of each worker, in tokens
+# Prompts of at least this many tokens hand their KV off beside their prefill (the gateway's
+# `--layerwise-min-tokens`, set explicitly here; the simulator gets the same rule).
+LAYERWISE_MIN_TOKENS = 256
+
+
+def create(path: Path) -> Path:
+    """The comparison's model (`MODEL`), written to `path`."""
+    return create_model("tiny", path, **MODEL)
+
+
+def worker_args(model_dir: Path) -> tuple[str, ...]:
+    """The workers' engine options: a KV pool of `KV_TOKENS` tokens for this model, the batch
+    limits above."""
+    kv_mb = -(-KV_TOKENS * ModelConfig.from_dir(model_dir).kv_bytes_per_token(4) // 2**20)
+    return (
+        "--kv-cache-mb",
+        str(kv_mb),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-batch-tokens",
+        str(MAX_BATCH_TOKENS),
+        "--block-size",
+        str(BLOCK_SIZE),
+    )
 
 
 # The profiler's QUICK grid, and a fuller one inside the tiny model's 1024-token context (the
@@ -141,12 +168,19 @@ class MeshCalibration:
     decode_step_extra_s: float  # per decode iteration: the worker's loop and its streaming
     decode_seq_extra_s: float  # per sequence in a decode iteration
     ttft_hops_s: float  # unloaded TTFT beyond the prefill batch (client, gateway, gRPC hops)
+    early_prefill_s: float  # prefill time added by serving a prompt's KV beside its prefill
     handoff_s: float  # first-to-second token gap beyond one decode step and the KV transfer
-    bandwidth: float  # KV pull bandwidth measured by the decode instance (bytes / pull seconds)
+    bandwidth: float  # KV pull bandwidth (bytes / seconds of pulls after prefill)
     requests: int  # in the calibration run
+    # per calibration request: prompt, TTFT beyond the prefill, hand-off (for diagnosis)
+    samples: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {
+            k: round(v, 6) if isinstance(v, float) else v
+            for k, v in asdict(self).items()
+            if k != "samples"
+        }
 
 
 def run(address: str, requests: Requests, vocab_size: int, seed: int) -> LoadResult:
@@ -178,9 +212,10 @@ def calibrate(
 ) -> MeshCalibration:
     """Measure the mesh beyond the engine (see the module docstring): its decode iteration at
     batch 1 (requests one at a time) and at a full batch (a burst of 4x the seats, so the
-    instance streams at its full token rate as under load) against the profile's, then
-    `requests` (at a rate where they rarely overlap) for the TTFT beyond prefill and the
-    hand-off."""
+    instance streams at its full token rate as under load) against the profile's; then
+    `requests`, spaced so they do not overlap (`one_at_a_time`): first those whose KV is pulled
+    after their prefill (the pull bandwidth, from the decode instance's counters), then those
+    pulled beside it; from both, the TTFT beyond the prefill and the hand-off."""
     lat = latency.at(1)
     prompt, output = 256, 96
     extra = []
@@ -194,27 +229,72 @@ def calibrate(
         extra.append(float(np.median(gaps)) - lat.decode_ms(batch, ctx) / 1000)
     seq_extra = max(0.0, (extra[1] - extra[0]) / max(1, MAX_NUM_SEQS - 1))
     step_extra = max(0.0, extra[0] - seq_extra)
-    pulled0 = _pull_totals(mesh)
-    result = run(mesh.gateway_address, requests, vocab_size, seed)
-    pulled1 = _pull_totals(mesh)
-    nbytes, seconds = pulled1[0] - pulled0[0], pulled1[1] - pulled0[1]
-    bandwidth = nbytes / seconds if seconds > 0 else 1e9
-    ok = result.ok
-    p = requests.prompt[ok]
-    prefill_s = np.array([lat.prefill_ms(n, n * n) / 1000 for n in p])
-    ttft_hops = float(np.median(result.ttft_s[ok] - prefill_s))
+    late = requests.prompt < LAYERWISE_MIN_TOKENS
+    parts = []
+    bandwidth = 1e9
+    for mask in (late, ~late):
+        part = Requests(
+            requests.arrival_s[mask] - requests.arrival_s[mask][0],
+            requests.prompt[mask],
+            requests.output[mask],
+        )
+        pulled0 = _pull_totals(mesh)
+        result = run(mesh.gateway_address, part, vocab_size, seed)
+        pulled1 = _pull_totals(mesh)
+        if mask is late:
+            nbytes, seconds = pulled1[0] - pulled0[0], pulled1[1] - pulled0[1]
+            bandwidth = nbytes / seconds if seconds > 0 else bandwidth
+        parts.append((part, result))
     kvb = ModelConfig.from_dir(mesh.spec.model).kv_bytes_per_token(4)
-    step = np.array([lat.decode_ms(1, n + 1) / 1000 for n in p]) + step_extra + seq_extra
-    second = np.array([g[0] if len(g) else np.nan for g in result.token_gaps_s])[ok]
-    handoff = float(np.nanmedian(second - step - p * kvb / bandwidth))
+    ttft_extra, handoff = [], []
+    for part, result in parts:
+        ok = result.ok
+        p = part.prompt[ok]
+        prefill_s = np.array([lat.prefill_ms(n, n * n) / 1000 for n in p])
+        ttft_extra.append(result.ttft_s[ok] - prefill_s)
+        step = np.array([lat.decode_ms(1, n + 1) / 1000 for n in p]) + step_extra + seq_extra
+        second = np.array([g[0] if len(g) else np.nan for g in result.token_gaps_s])[ok]
+        handoff.append(second - step - after_prefill(p, prefill_s, kvb, bandwidth))
+    samples = {
+        "prompt": np.concatenate([part.prompt[r.ok] for part, r in parts]),
+        "ttft_extra_s": np.concatenate(ttft_extra),
+        "handoff_s": np.concatenate(handoff),
+    }
+    # TTFT beyond the prefill: hops for every prompt, plus, for those whose KV the prefill
+    # instance serves while it computes, the time that takes it (the two groups' medians)
+    hops = max(0.0, float(np.median(ttft_extra[0])))
     return MeshCalibration(
         decode_step_extra_s=step_extra,
         decode_seq_extra_s=seq_extra,
-        ttft_hops_s=max(0.0, ttft_hops),
-        handoff_s=max(0.0, handoff),
+        ttft_hops_s=hops,
+        early_prefill_s=max(0.0, float(np.median(ttft_extra[1])) - hops),
+        handoff_s=max(0.0, float(np.nanmedian(samples["handoff_s"]))),
         bandwidth=bandwidth,
-        requests=int(ok.sum()),
+        requests=len(samples["prompt"]),
+        samples=samples,
     )
+
+
+def after_prefill(prompt, prefill_s, kv_bytes_per_token: int, bandwidth: float):
+    """Seconds of KV transfer left once the prefill ends: all of it for a prompt pulled after
+    its prefill, what outlasts the prefill for one pulled beside it (the simulator's rule)."""
+    prompt = np.asarray(prompt)
+    transfer = prompt * kv_bytes_per_token / bandwidth
+    beside = np.maximum(0.0, transfer - np.asarray(prefill_s))
+    return np.where(prompt >= LAYERWISE_MIN_TOKENS, beside, transfer)
+
+
+def one_at_a_time(latency: LatencyModel, requests: Requests, margin: float = 1.5) -> Requests:
+    """`requests` spaced so they do not overlap: each arrives `margin` times the previous one's
+    unloaded engine time (its prefill and its decode steps at batch 1, from the profile) after
+    it, so the calibration sees the mesh unloaded whatever the model's speed."""
+    lat = latency.at(1)
+    busy = [
+        lat.prefill_ms(p, p * p) / 1000 + sum(lat.decode_ms(1, p + k) for k in range(1, o)) / 1000
+        for p, o in zip(requests.prompt.tolist(), requests.output.tolist(), strict=True)
+    ]
+    arrival = np.concatenate(([0.0], np.cumsum(np.array(busy[:-1]) * margin)))
+    return Requests(arrival, requests.prompt, requests.output)
 
 
 def _pull_totals(mesh) -> tuple[int, float]:
@@ -262,11 +342,11 @@ def predict(
         max_batch_tokens=params.max_batch_tokens,
         max_num_seqs=params.max_num_seqs,
         bandwidth=cal.bandwidth,
+        early_handoff_min_tokens=LAYERWISE_MIN_TOKENS,
+        handoff_s=cal.handoff_s,
+        early_handoff_prefill_s=cal.early_prefill_s,
     )
-    out = requests.output
-    ttft = sim.ttft + cal.ttft_hops_s
-    tpot = np.where(out > 1, sim.tpot + cal.handoff_s / np.maximum(out - 1, 1), 0.0)
-    return SimResult(ttft, tpot)
+    return SimResult(sim.ttft + cal.ttft_hops_s, sim.tpot)
 
 
 # -- the comparison ----------------------------------------------------------------------------
@@ -283,10 +363,11 @@ def slo_rule(
     share of the hand-off and KV transfer)."""
     lat = mesh_latency(latency, cal).at(1)
     p, o = float(np.median(requests.prompt)), float(np.median(requests.output))
-    ttft = lat.prefill_ms(p, p * p) / 1000 + cal.ttft_hops_s
-    kvb = params.kv_bytes_per_token
+    prefill = lat.prefill_ms(p, p * p) / 1000
+    ttft = prefill + cal.ttft_hops_s + (cal.early_prefill_s if p >= LAYERWISE_MIN_TOKENS else 0.0)
+    after = float(after_prefill(p, prefill, params.kv_bytes_per_token, cal.bandwidth))
     step = lat.decode_ms(1, p + o / 2) / 1000
-    tpot = step + (cal.handoff_s + p * kvb / cal.bandwidth) / max(1.0, o - 1)
+    tpot = step + (cal.handoff_s + after) / max(1.0, o - 1)
     return Slo(TTFT_SLO_FACTOR * ttft, TPOT_SLO_FACTOR * tpot)
 
 
@@ -415,12 +496,20 @@ def measure(
         path.write_text(json.dumps(profile))
         latency = load(path)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    mesh = Mesh(MeshSpec(model_dir, gateway_port=0, worker_args=WORKER_ARGS, pin=True))
+    # Admission off: the simulator models queues, not refusals or prompts held at the gateway.
+    spec = MeshSpec(
+        model_dir,
+        gateway_port=0,
+        worker_args=worker_args(model_dir),
+        gateway_args=(*ADMISSION_OFF, "--layerwise-min-tokens", str(LAYERWISE_MIN_TOKENS)),
+        pin=True,
+    )
+    mesh = Mesh(spec)
     try:
         mesh.start()
         params = EngineParams.of(mesh, model_dir)
         warm_up(mesh.gateway_address, vocab)
-        cal_requests = WORKLOAD.sample(calibration_requests, seed=99).at_rate(6.0)
+        cal_requests = one_at_a_time(latency, WORKLOAD.sample(calibration_requests, seed=99))
         cal = calibrate(mesh, latency, cal_requests, vocab, seed=99)
         base = WORKLOAD.sample(requests, seed=seed)
         slo = slo_rule(latency, cal, base, params)

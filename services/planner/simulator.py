@@ -4,15 +4,20 @@ Disaggregated clusters (prefill and decode instances) and colocated ones (vLLM-s
 doing both) of any size. What it models, and what it leaves out:
 
 * Prefill instances: one FCFS queue each; the router sends a request to the instance with the
-  fewest queued prompt tokens. A batch takes prompts from the head while their tokens fit `L_m`
-  (`max_batch_tokens`; a longer prompt runs alone) and at most `max_batch_size` of them (1 turns
-  batching off). With pipeline degree pp the batch passes pp stages of `prefill / pp + hop`; a new
-  batch enters stage 0 as soon as stage 0 is free. The first token comes out of the last stage.
+  fewest prompt tokens queued or in prefill. A batch takes prompts from the head while their
+  tokens fit `L_m` (`max_batch_tokens`; a longer prompt runs alone) and at most
+  `max_batch_size` of them (1 turns batching off). With pipeline degree pp the batch passes pp
+  stages of `prefill / pp + hop`; a new batch enters stage 0 as soon as stage 0 is free. The
+  first token comes out of the last stage.
 * Decode instances: continuous batching, one token per running request per iteration. A request
   is admitted FCFS when its whole context (prompt + output) fits the free KV capacity and a seat
   is free (no preemption: the engine also reserves a request's growth when admitting it); then its
   KV is transferred (bytes / link bandwidth, transfers into an instance one after another) and it
-  joins at the next iteration boundary. An instance of pipeline degree pp runs pp micro-batches
+  joins at the next iteration boundary, `handoff_s` after its KV is in place. With the mesh's
+  layer-wise handoff (`early_handoff_min_tokens`), a prompt that long waits for its seat and
+  memory from the moment its prefill batch starts, and its transfer runs beside the prefill (it
+  ends no earlier than the prefill), and serving it adds `early_handoff_prefill_s` to the
+  prefill batch. An instance of pipeline degree pp runs pp micro-batches
   ("lanes", each with 1/pp of the capacity and seats), each iterating at the whole-model latency:
   the stages are then all busy, as in a balanced pipeline.
 * Colocated instances (the baseline): vLLM's policy per lane: at each iteration boundary, if the
@@ -98,6 +103,13 @@ class SimCluster:
     intra_node_bandwidth: float = 300e9  # bytes/s
     inter_node_bandwidth: float = 25e9 / 8
     colocated_latency: LatencyModel | None = None
+    # Prompts of at least this many tokens go to a decode instance when their prefill batch
+    # starts (the mesh's layer-wise handoff); None: after prefill, as in DistServe.
+    early_handoff_min_tokens: int | None = None
+    handoff_s: float = 0.0  # from the KV in place to joining the decode batch
+    # prefill time added per prompt whose KV is served beside its prefill (the instance's share
+    # of the work of serving the pull while it computes)
+    early_handoff_prefill_s: float = 0.0
 
     def transfer_bandwidth(self, p: Instance, d: Instance) -> float:
         """KV moves stage by stage: in parallel over each node's links when stage k of both
@@ -143,6 +155,9 @@ def simulate_1p1d(
     max_batch_tokens: int,
     max_num_seqs: int,
     bandwidth: float,
+    early_handoff_min_tokens: int | None = None,
+    handoff_s: float = 0.0,
+    early_handoff_prefill_s: float = 0.0,
 ) -> SimResult:
     """One prefill and one decode instance on one host (tp = pp = 1), KV over `bandwidth` bytes/s:
     the shape of `distserve up --prefill 1 --decode 1`, for checking the simulator against it."""
@@ -155,6 +170,9 @@ def simulate_1p1d(
         latency=latency,
         kv_bytes_per_token=kv_bytes_per_token,
         intra_node_bandwidth=bandwidth,
+        early_handoff_min_tokens=early_handoff_min_tokens,
+        handoff_s=handoff_s,
+        early_handoff_prefill_s=early_handoff_prefill_s,
     )
     return simulate(cluster, requests)
 
@@ -285,6 +303,10 @@ class _Sim:
         self.first = [0.0] * n
         self.finish = [0.0] * n
         self.source = [0] * n  # the prefill instance of each request
+        self.ready = [0.0] * n  # when its prefill ends (known when its batch starts)
+        early = cluster.early_handoff_min_tokens
+        self.early = 2**62 if early is None else early
+        self.handoff = cluster.handoff_s
         self.until = until
         self.remaining = until  # of the first `until` requests, those not finished
         self.events: list[tuple] = []
@@ -306,6 +328,8 @@ class _Sim:
                 self.lanes.append(_Lane(len(self.lanes), inst, model.at(inst.tp), ov))
                 lane_insts.append(inst)
         self.colocated = "colocated" in roles
+        # without decode instances, nothing is handed off
+        self.early_cost = cluster.early_handoff_prefill_s if self.lanes else 0.0
         self.decode_only = not self.prefills and not self.colocated
         # seconds per prompt token of KV, per (prefill instance, decode lane)
         kvb = cluster.kv_bytes_per_token
@@ -380,15 +404,22 @@ class _Sim:
             batch.append(j)
             tokens += prompt[j]
             squares += prompt[j] * prompt[j]
-        p.queued_tokens -= tokens
         a, b, c = p.coeffs
         stage = a + b * tokens + c * squares + p.overhead
+        if self.early_cost:
+            early = sum(1 for i in batch if prompt[i] >= self.early and self.output[i] > 1)
+            stage += early * self.early_cost / p.pp
         free = p.stage_free
         end = t
         for s in range(p.pp):
             end = max(end, free[s]) + stage
             free[s] = end
         p.busy = True
+        ready, lanes = self.ready, self.lanes
+        for i in batch:
+            ready[i] = end
+            if prompt[i] >= self.early and self.output[i] > 1 and lanes:
+                self.route(p, i, t)
         if p.pp > 1:
             heappush(self.events, (free[0], next(self.counter), _STAGE0_FREE, p, None))
             heappush(self.events, (end, next(self.counter), _BATCH_DONE, p, batch))
@@ -399,23 +430,29 @@ class _Sim:
         first, output, finish = self.first, self.output, self.finish
         lanes = self.lanes
         for i in batch:
+            p.queued_tokens -= self.prompt[i]
             first[i] = t
             if output[i] == 1 or not lanes:
                 finish[i] = t
                 if i < self.until:
                     self.remaining -= 1
-                continue
-            lane = min(lanes, key=_load) if len(lanes) > 1 else lanes[0]
-            lane.load += self.prompt[i] + output[i]
-            lane.pending.append(i)
-            self.source[i] = p.index
-            self.admit(lane, t)
+            elif self.prompt[i] < self.early:
+                self.route(p, i, t)
         if p.pp == 1:
             p.busy = False
             if p.queue:
                 self.start_batch(p, t)
 
     # -- decode lanes --------------------------------------------------------------------------
+
+    def route(self, p: _Prefill, i: int, t: float) -> None:
+        """Hand request i, prefilled on p, to the least loaded decode lane."""
+        lanes = self.lanes
+        lane = min(lanes, key=_load) if len(lanes) > 1 else lanes[0]
+        lane.load += self.prompt[i] + self.output[i]
+        lane.pending.append(i)
+        self.source[i] = p.index
+        self.admit(lane, t)
 
     def admit(self, lane: _Lane, t: float) -> None:
         """Give waiting requests memory, FCFS, and start their KV transfers."""
@@ -430,7 +467,9 @@ class _Sim:
             lane.inflight += 1
             start = lane.link_free if lane.link_free > t else t
             lane.link_free = start + prompt[i] * self.transfer[source[i]][lane.index]
-            heappush(self.events, (lane.link_free, next(self.counter), _JOIN, lane, i))
+            ready = self.ready[i]
+            join = (lane.link_free if lane.link_free > ready else ready) + self.handoff
+            heappush(self.events, (join, next(self.counter), _JOIN, lane, i))
 
     def on_join(self, lane: _Lane, i: int, t: float) -> None:
         lane.inflight -= 1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidRequest
-from services.planner.latency import for_model
+from services.planner.latency import Coefficients, LatencyModel, TpLatency, for_model
 from services.planner.model_spec import PRESETS
 from services.planner.simulator import Instance, SimCluster, Slo, simulate, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
@@ -93,6 +93,67 @@ def test_kv_transfer_over_a_slow_link_shows_in_tpot():
     assert slow - fast == pytest.approx(
         1024 * OPT13.kv_bytes_per_token * (1 / 2e9 - 1 / 200e9) / 15, rel=0.05
     )
+
+
+# Prefill 1 ms per prompt token, decode 10 ms per step, no stage overhead: times by hand.
+PLAIN = LatencyModel(
+    "plain",
+    {1: TpLatency(Coefficients(0, 1, 0), Coefficients(10, 0, 0), Coefficients(10, 0, 0))},
+    "test",
+    stage_overhead_ms=0.0,
+)
+
+
+def test_handoff_time_comes_before_the_second_token():
+    cluster = SimCluster((Instance("prefill"), Instance("decode")), PLAIN, handoff_s=0.05)
+    result = simulate(cluster, one_request(100, 11))
+    assert result.ttft[0] == pytest.approx(0.1)
+    assert result.tpot[0] == pytest.approx((0.05 + 10 * 0.01) / 10)
+
+
+def test_early_handoff_holds_a_decode_seat_from_the_prefill_start():
+    """One decode seat; a 300-token prompt (prefill 0.3 s) and a 100-token one (0.1 s) arrive
+    together on two prefill instances. Handed off after prefill, the short one takes the seat at
+    0.1 s; handed off when its prefill starts, the long one holds it from 0 to 0.31 s and the
+    short one waits for it."""
+    requests = Requests(np.zeros(2), np.array([300, 100]), np.array([2, 2]))
+    instances = (Instance("prefill"), Instance("prefill"), Instance("decode", max_num_seqs=1))
+    late = simulate(SimCluster(instances, PLAIN), requests)
+    early = simulate(SimCluster(instances, PLAIN, early_handoff_min_tokens=256), requests)
+    assert late.ttft == pytest.approx([0.3, 0.1]) and early.ttft == pytest.approx([0.3, 0.1])
+    assert late.tpot == pytest.approx([0.01, 0.01])
+    assert early.tpot == pytest.approx([0.01, 0.22])
+
+
+def test_early_handoff_hides_the_transfer_behind_the_prefill():
+    # 1 MB of KV per token at 1 GB/s: 1 ms per prompt token, as long as the prefill
+    requests = one_request(300, 11)
+
+    def tpot(early: int | None) -> float:
+        cluster = SimCluster(
+            (Instance("prefill"), Instance("decode")),
+            PLAIN,
+            kv_bytes_per_token=2**20,
+            intra_node_bandwidth=2**30,
+            early_handoff_min_tokens=early,
+        )
+        return float(simulate(cluster, requests).tpot[0])
+
+    transfer = 300 * 2**20 / 2**30
+    assert tpot(None) == pytest.approx((transfer + 0.1) / 10)
+    assert tpot(256) == pytest.approx((max(0.0, transfer - 0.3) + 0.1) / 10)
+
+
+def test_serving_a_pull_beside_the_prefill_lengthens_the_prefill():
+    requests = Requests(np.array([0.0, 0.0]), np.array([300, 100]), np.array([2, 2]))
+    cluster = SimCluster(
+        (Instance("prefill", max_batch_size=1), Instance("decode")),
+        PLAIN,
+        early_handoff_min_tokens=256,
+        early_handoff_prefill_s=0.02,
+    )
+    # the long prompt's prefill takes 0.02 s more, and the short one queues behind it
+    assert simulate(cluster, requests).ttft == pytest.approx([0.32, 0.42])
 
 
 def test_decode_admits_only_what_fits_its_memory():
