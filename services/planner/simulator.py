@@ -305,7 +305,7 @@ class _Sim:
         self.source = [0] * n  # the prefill instance of each request
         self.ready = [0.0] * n  # when its prefill ends (known when its batch starts)
         early = cluster.early_handoff_min_tokens
-        self.early = 2**62 if early is None else early
+        self.early = 2**62 if early is None else early  # set again below without decode lanes
         self.handoff = cluster.handoff_s
         self.until = until
         self.remaining = until  # of the first `until` requests, those not finished
@@ -328,8 +328,9 @@ class _Sim:
                 self.lanes.append(_Lane(len(self.lanes), inst, model.at(inst.tp), ov))
                 lane_insts.append(inst)
         self.colocated = "colocated" in roles
-        # without decode instances, nothing is handed off
-        self.early_cost = cluster.early_handoff_prefill_s if self.lanes else 0.0
+        self.early_cost = cluster.early_handoff_prefill_s
+        if not self.lanes:  # nothing is handed off
+            self.early, self.early_cost = 2**62, 0.0
         self.decode_only = not self.prefills and not self.colocated
         # seconds per prompt token of KV, per (prefill instance, decode lane)
         kvb = cluster.kv_bytes_per_token
@@ -406,20 +407,19 @@ class _Sim:
             squares += prompt[j] * prompt[j]
         a, b, c = p.coeffs
         stage = a + b * tokens + c * squares + p.overhead
-        if self.early_cost:
-            early = sum(1 for i in batch if prompt[i] >= self.early and self.output[i] > 1)
-            stage += early * self.early_cost / p.pp
+        # handed to a decode instance now, KV pulled beside the prefill (the layer-wise handoff)
+        early = [i for i in batch if prompt[i] >= self.early and self.output[i] > 1]
+        stage += len(early) * self.early_cost / p.pp
         free = p.stage_free
         end = t
         for s in range(p.pp):
             end = max(end, free[s]) + stage
             free[s] = end
         p.busy = True
-        ready, lanes = self.ready, self.lanes
         for i in batch:
-            ready[i] = end
-            if prompt[i] >= self.early and self.output[i] > 1 and lanes:
-                self.route(p, i, t)
+            self.ready[i] = end
+        for i in early:
+            self.route(p, i, t)
         if p.pp > 1:
             heappush(self.events, (free[0], next(self.counter), _STAGE0_FREE, p, None))
             heappush(self.events, (end, next(self.counter), _BATCH_DONE, p, batch))
