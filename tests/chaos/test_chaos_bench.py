@@ -2,7 +2,8 @@
 (tiny model) while workers are killed, drained and restarted, one prefill instance's KV
 transfers fail every 5th chunk, the client cancels a quarter of the requests and malformed HTTP
 bodies arrive. No request is lost or answered with wrong tokens, every request cut off by a
-decode instance's death completes through migration with its exact tokens, no KV block is left
+decode instance's death completes through migration with its exact tokens (or, if the client
+cancels it, with a prefix of them), no KV block is left
 held or lapses its lease, and no malformed body gets a 5xx.
 
 The first fault is always a SIGKILL of a decode instance with streams running, so the run moves
