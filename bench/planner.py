@@ -1,8 +1,10 @@
 """Planner benchmark: simulator fidelity, placement search time and simulator speed, on this CPU.
 
-(1) Simulator fidelity: the tiny model's profile measured here (pinned, one torch thread, the
-    full grid), the mesh's costs beyond the engine measured on a running 1P1D mesh (pinned;
-    services/loadgen/fidelity.py states them), then the same seeded requests (300 per rate)
+(1) Simulator fidelity: the profile of `fidelity.MODEL` (the tiny preset's architecture, ~11M
+    parameters, so that an engine step outweighs the mesh's per-token messaging) measured here
+    (pinned, one torch thread, the full grid), the mesh's costs beyond the engine measured on a
+    running 1P1D mesh (pinned; services/loadgen/fidelity.py and calibration.py state them), then
+    the same seeded requests (300 per rate)
     through `simulate_1p1d` and through the mesh with the load generator, at the 4 rates where
     the simulator predicts 90/70/50/30% attainment; SLOs 5x the unloaded TTFT, 3x the unloaded
     TPOT. Figure: the largest gap between predicted and measured attainment. Target: <= 2 pp.
@@ -14,12 +16,14 @@
     a disaggregated cluster (2 prefill + 2 decode) near its goodput and a colocated one (2
     instances). Target: >= 50,000 requests/s (the disaggregated figure is the headline).
 
-Prints each figure beside its baseline or target, then one JSON line.
-Run: .venv/bin/python bench/planner.py
+Prints each figure beside its baseline or target, then one JSON line. About 10 minutes on 2
+cores, nearly all of it part (1).
+Run: .venv/bin/python bench/planner.py [--requests N] [--targets 0.9,0.7,0.5,0.3] [--grid quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -103,7 +107,7 @@ def simulator_speed(reps: int = 3) -> dict[str, float]:
     return out
 
 
-def simulator_fidelity() -> dict:
+def simulator_fidelity(grid: str, targets: tuple[float, ...], requests: int) -> dict:
     """Predicted vs measured attainment of 1P1D on this machine (part (1))."""
     import tempfile
 
@@ -111,19 +115,29 @@ def simulator_fidelity() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = fidelity.create(Path(tmp) / "model")
-        result = fidelity.measure(model, "full", FIDELITY_TARGETS, FIDELITY_REQUESTS)
+        result = fidelity.measure(model, grid, targets, requests)
     return result.to_json()
 
 
 def main() -> None:
-    fid = simulator_fidelity()
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--requests", type=int, default=FIDELITY_REQUESTS, help="per rate, part (1)")
+    p.add_argument(
+        "--targets",
+        default=",".join(map(str, FIDELITY_TARGETS)),
+        help="predicted attainments whose rates part (1) runs",
+    )
+    p.add_argument("--grid", choices=("quick", "full"), default="full", help="profile grid")
+    a = p.parse_args()
+    targets = tuple(float(t) for t in a.targets.split(","))
+    fid = simulator_fidelity(a.grid, targets, a.requests)
     seconds, plan_json = placement_search()
     speeds = simulator_speed()
     placement = plan_json["placement"]
     print(f"planner benchmark on {cpu_name()} ({os.cpu_count()} CPUs), {platform.platform()}")
     print(
-        f"(1) simulator fidelity, tiny model 1P1D pinned, SLO TTFT {fid['slo_ms'][0]:.1f} ms / "
-        f"TPOT {fid['slo_ms'][1]:.2f} ms, {FIDELITY_REQUESTS} requests per rate:"
+        f"(1) simulator fidelity, fidelity model 1P1D pinned, SLO TTFT {fid['slo_ms'][0]:.1f} "
+        f"ms / TPOT {fid['slo_ms'][1]:.2f} ms, {a.requests} requests per rate:"
     )
     for r in fid["rows"]:
         print(
@@ -154,6 +168,7 @@ def main() -> None:
         "sim_attainment_max_gap_pp": fid["max_gap_pp"],
         "sim_attainment_target_pp": TARGET_FIDELITY_PP,
         "sim_fidelity": fid,
+        "sim_fidelity_requests_per_rate": a.requests,
         "placement_seconds_175b_4x8": round(seconds, 3),
         "placement_baseline_paper_s": PAPER_SEARCH_S,
         "placement_target_s": TARGET_SEARCH_S,

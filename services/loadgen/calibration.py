@@ -4,20 +4,27 @@ The engine profile times prefill and decode steps alone. A worker does more: it 
 message per decode token, serves and pulls KV, and on a small host shares its cores with the
 gateway and the load generator. `calibrate` measures, on a running mesh:
 
-* the decode iteration as requests see it, at batch 1 and at a full batch: what exceeds the
-  profile goes into the decode fixed cost `a` and per-sequence cost `c` (`mesh_latency`);
+* the decode iteration as requests see it, alone and in a full batch, at contexts across the
+  workload's: what exceeds the profile goes into the decode fixed cost `a` and per-sequence
+  cost `c` (`decode_extras`, `mesh_latency`);
 * unloaded requests (`one_at_a_time`): the TTFT beyond the prefill, as latency on every prompt
   (`ttft_hops_s`: client, gateway, gRPC hops) plus, for prompts whose KV is pulled beside their
   prefill, prefill time (`early_prefill_s`: the prefill instance serving the pull);
 * the KV pull bandwidth, from pulls after prefill only (a pull beside a prefill lasts as long as
   the prefill), and the rest of the first-to-second token gap beyond one decode step and the
   transfer left after prefill (`handoff_s`: pull set-up, the join).
+
+On a 2-core host the workers' steps are slower under load than alone (the unpinned gateway and
+load generator take more of both cores as the rate rises, and each worker's own serving work
+grows with it), which the measurements above, all taken on an unloaded mesh, cannot see: a
+saturating burst measures it (`under_load`), as a factor on each phase's step time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import grpc
@@ -30,6 +37,7 @@ from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
 from services.loadgen.targets import GrpcTarget
 from services.planner.latency import Coefficients, LatencyModel, TpLatency
+from services.planner.simulator import SimResult
 from services.planner.workload import Requests
 
 
@@ -44,6 +52,8 @@ class MeshCalibration:
     handoff_s: float  # first-to-second token gap beyond one decode step and the KV transfer
     bandwidth: float  # KV pull bandwidth (bytes / seconds of pulls after prefill)
     requests: int  # in the calibration run
+    prefill_scale: float = 1.0  # prefill step time under load over unloaded (`under_load`)
+    decode_scale: float = 1.0  # decode step time under load over unloaded
 
     def to_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -61,16 +71,40 @@ def warm_up(address: str, vocab_size: int) -> None:
     run(address, reqs, vocab_size, seed=12345)
 
 
-def decode_gap(address: str, vocab_size: int, count: int, prompt: int, output: int) -> float:
-    """The mesh's decode iteration (s) as requests see it: `count` requests sent together (more
-    than the decode seats: a saturated decode instance streaming at its full token rate, as
-    under load), each one's time from its 3rd to its last token over the tokens between (a
-    mean, so tokens that arrive several to a message do not bias it; the hand-off gap is left
-    out), median over the requests."""
-    reqs = Requests(np.zeros(count), np.full(count, prompt), np.full(count, output))
-    result = run(address, reqs, vocab_size, seed=777 + count)
-    per_request = [np.sum(g[1:]) / (len(g) - 1) for g in result.token_gaps_s]
-    return float(np.median(per_request))
+def decode_extras(
+    address: str,
+    latency: LatencyModel,
+    vocab_size: int,
+    seats: int,
+    prompts: tuple[int, ...],
+    output: int = 96,
+    reps: int = 2,
+) -> tuple[float, float]:
+    """What the mesh's decode iteration takes beyond the profile's (seconds): per iteration and
+    per sequence in it. At each of `prompts` (`reps` times): one request alone (batch 1) and a
+    burst of `seats` requests sent together (the batch full once the last has joined). Per
+    request, the mean gap over the middle half of its tokens (several tokens to a message do not
+    bias a mean; the hand-off gap and a burst's joins stay out) less the profile's step at that
+    batch and context; the per-batch medians give the two costs. Several contexts and repeats,
+    because at the knee of the attainment curve a millisecond of decode step moves the decode
+    queue a lot, and one context measured once moved these by that much between runs."""
+    lat = latency.at(1)
+    residuals: dict[int, list[float]] = {1: [], seats: []}
+    for r in range(reps):
+        for prompt in prompts:
+            for batch in (1, seats):
+                reqs = Requests(np.zeros(batch), np.full(batch, prompt), np.full(batch, output))
+                result = run(address, reqs, vocab_size, seed=777 + 1009 * r + 31 * prompt + batch)
+                for ok, g in zip(result.ok, result.token_gaps_s, strict=True):
+                    lo, hi = len(g) // 4, 3 * len(g) // 4
+                    if not ok or hi - lo < 4:
+                        continue
+                    ctx = prompt + 1 + (lo + hi) // 2
+                    step = lat.decode_ms(batch, batch * ctx) / 1000
+                    residuals[batch].append(float(np.mean(g[lo:hi])) - step)
+    one, full = (float(np.median(residuals[b])) for b in (1, seats))
+    per_seq = max(0.0, (full - one) / max(1, seats - 1))
+    return max(0.0, one - per_seq), per_seq
 
 
 def calibrate(
@@ -83,25 +117,16 @@ def calibrate(
     seats: int,
     layerwise_min: int,
 ) -> MeshCalibration:
-    """Measure the mesh beyond the engine: its decode iteration at batch 1 (requests one at a
-    time) and at a full batch (a burst of 4x the decode `seats`, so the
-    instance streams at its full token rate as under load) against the profile's; then
-    `requests`, spaced so they do not overlap (`one_at_a_time`): first those whose KV is pulled
-    after their prefill (the pull bandwidth, from the decode instance's counters), then those
-    pulled beside it; from both, the TTFT beyond the prefill and the hand-off."""
+    """Measure the mesh beyond the engine: its decode iteration alone and in a full batch at
+    the low, middle and high prompt length of `requests` (`decode_extras`); then `requests`,
+    spaced so they do not overlap (`one_at_a_time`): first those whose KV is pulled after their
+    prefill (the pull bandwidth, from the decode instance's counters), then those pulled beside
+    it; from both, the TTFT beyond the prefill and the hand-off."""
     lat = latency.at(1)
-    prompt, output = 256, 96
-    extra = []
-    for batch, count in ((1, 1), (seats, 4 * seats)):
-        gaps = [decode_gap(mesh.gateway_address, vocab_size, count, prompt, output)]
-        if count == 1:
-            gaps += [
-                decode_gap(mesh.gateway_address, vocab_size, 1, prompt, output) for _ in range(3)
-            ]
-        ctx = batch * (prompt + output // 2)
-        extra.append(float(np.median(gaps)) - lat.decode_ms(batch, ctx) / 1000)
-    seq_extra = max(0.0, (extra[1] - extra[0]) / max(1, seats - 1))
-    step_extra = max(0.0, extra[0] - seq_extra)
+    lengths = np.percentile(requests.prompt, (10, 50, 90)).astype(int)
+    step_extra, seq_extra = decode_extras(
+        mesh.gateway_address, latency, vocab_size, seats, tuple(int(n) for n in lengths)
+    )
     late = requests.prompt < layerwise_min
     parts = []
     bandwidth = 1e9
@@ -182,18 +207,55 @@ def _pull_totals(mesh) -> tuple[int, float]:
 
 def mesh_latency(latency: LatencyModel, cal: MeshCalibration) -> LatencyModel:
     """The engine profile with the decode worker's own costs per iteration (`a`) and per
-    sequence in it (`c`) added, as measured on the mesh."""
+    sequence in it (`c`) added, as measured on the mesh, and each phase's steps scaled by how
+    much slower they run under load."""
     lat = latency.at(1)
     a, c = cal.decode_step_extra_s * 1000, cal.decode_seq_extra_s * 1000
     tp = TpLatency(
-        prefill=lat.prefill,
-        decode_small=_plus(lat.decode_small, a, c),
-        decode_large=_plus(lat.decode_large, a, c),
+        prefill=_scaled(lat.prefill, cal.prefill_scale),
+        decode_small=_scaled(_plus(lat.decode_small, a, c), cal.decode_scale),
+        decode_large=_scaled(_plus(lat.decode_large, a, c), cal.decode_scale),
         threshold=lat.threshold,
     )
-    source = f"{latency.source} + mesh decode costs measured on the mesh"
+    source = f"{latency.source} + mesh costs measured on the mesh"
     return replace(latency, by_tp={1: tp}, source=source)
+
+
+def under_load(
+    cal: MeshCalibration,
+    latency: LatencyModel,
+    burst: Requests,
+    measured: LoadResult,
+    predict: Callable[[MeshCalibration], SimResult],
+    seats: int,
+) -> MeshCalibration:
+    """`cal` with each phase's slow-down under load, from a `burst` (every request sent at once,
+    many more than the decode seats: the prefill queue full and the decode batch full for most
+    of it) run through the mesh (`measured`) and through the simulator (`predict(cal)`).
+    Prefill: the time until the last first token (less the hops) over the predicted one.
+    Decode: the median over requests of the mean gap over the middle half of its tokens (the
+    batch full then) over the model's step at a full batch and that context."""
+    ok = measured.ok
+    hops = cal.ttft_hops_s
+    predicted = predict(cal)
+    prefill = (np.max(measured.ttft_s[ok]) - hops) / (np.max(predicted.ttft[ok]) - hops)
+    lat = mesh_latency(latency, cal).at(1)
+    ratios = []
+    for good, prompt, g in zip(ok, burst.prompt, measured.token_gaps_s, strict=True):
+        lo, hi = len(g) // 4, 3 * len(g) // 4
+        if good and hi - lo >= 4:
+            ctx = int(prompt) + 1 + (lo + hi) // 2
+            ratios.append(float(np.mean(g[lo:hi])) / (lat.decode_ms(seats, seats * ctx) / 1000))
+    return replace(
+        cal,
+        prefill_scale=cal.prefill_scale * float(prefill),
+        decode_scale=cal.decode_scale * float(np.median(ratios)),
+    )
 
 
 def _plus(k: Coefficients, a: float, c: float) -> Coefficients:
     return Coefficients(k.a + a, k.b, k.c + c)
+
+
+def _scaled(k: Coefficients, f: float) -> Coefficients:
+    return Coefficients(k.a * f, k.b * f, k.c * f)

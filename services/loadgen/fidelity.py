@@ -5,7 +5,9 @@ as a `--pin` worker runs) times the engine's steps alone; a worker of the mesh d
 core, and on a 2-core machine the unpinned gateway and load generator share the same cores. So
 the comparison runs on a model whose engine steps outweigh that (`MODEL`), with the gateway's
 admission off (the simulator models queues, not refusals), and adds what the mesh costs beyond
-the engine, measured on the mesh itself (`services.loadgen.calibration`).
+the engine, measured on the mesh itself (`services.loadgen.calibration`): unloaded, then how
+much slower each phase runs in a saturating burst (`BURST` requests at once). The SLOs come
+from the unloaded figures.
 
 Then `simulate_1p1d` runs with the workers' real engine parameters (L_m, max_num_seqs, KV
 capacity in tokens from the running decode instance) and the gateway's layer-wise handoff rule
@@ -35,9 +37,11 @@ from services.loadgen.calibration import (
     mesh_latency,
     one_at_a_time,
     run,
+    under_load,
     warm_up,
 )
 from services.loadgen.cli import ADMISSION_OFF
+from services.loadgen.results import LoadResult
 from services.planner.latency import LatencyModel
 from services.planner.profiler import QUICK, ProfileGrid, _compositions
 from services.planner.simulator import SimResult, Slo, simulate_1p1d
@@ -173,6 +177,8 @@ def predict(
 
 # -- the comparison ----------------------------------------------------------------------------
 
+# Requests of the burst that measures how much slower each phase runs under load.
+BURST = 24
 TTFT_SLO_FACTOR = 5.0
 TPOT_SLO_FACTOR = 3.0
 
@@ -221,17 +227,40 @@ def choose_rates(
 
 @dataclass(frozen=True)
 class FidelityRow:
-    """One rate: attainment the simulator predicted and the mesh measured."""
+    """One rate: attainment the simulator predicted and the mesh measured, and, to see which
+    side of the SLO a gap comes from, each SLO alone and the p50 / p90 of TTFT and TPOT (ms)."""
 
     rate: float
     predicted: float
     measured: float
     errors: int  # requests that failed on the mesh
     send_lag_max_ms: float
+    detail: dict
 
     @property
     def gap_pp(self) -> float:
         return abs(self.predicted - self.measured) * 100
+
+
+def _detail(sim: SimResult, mesh: LoadResult, slo: Slo) -> dict:
+    """Per SLO: the fraction meeting it and the p50 / p90, predicted and measured."""
+    ok = mesh.ok
+    out = {}
+    for name, bound, pred, meas in (
+        ("ttft", slo.ttft_s, sim.ttft, mesh.ttft_s),
+        ("tpot", slo.tpot_s, sim.tpot, mesh.tpot_s),
+    ):
+        met = ok & (np.nan_to_num(meas, nan=np.inf) <= bound)  # a failure misses both
+        out[name] = {
+            "met_predicted": round(float(np.mean(pred <= bound)), 4),
+            "met_measured": round(float(np.mean(met)), 4),
+            **{
+                f"p{q}_ms_{side}": round(float(np.percentile(v, q)) * 1000, 2)
+                for side, v in (("predicted", pred), ("measured", meas[ok]))
+                for q in (50, 90)
+            },
+        }
+    return out
 
 
 def compare(
@@ -249,15 +278,16 @@ def compare(
     rows = []
     for rate in rates:
         requests = base.at_rate(rate)
-        predicted = predict(latency, cal, requests, params).attainment(slo)
+        sim = predict(latency, cal, requests, params)
         result = run(mesh.gateway_address, requests, vocab_size, seed)
         rows.append(
             FidelityRow(
                 rate=rate,
-                predicted=predicted,
+                predicted=sim.attainment(slo),
                 measured=result.attainment(slo),
                 errors=int((~result.ok).sum()),
                 send_lag_max_ms=float(np.nanmax(result.send_lag_s)) * 1000,
+                detail=_detail(sim, result, slo),
             )
         )
     return rows
@@ -293,6 +323,7 @@ class Fidelity:
                     "gap_pp": round(r.gap_pp, 2),
                     "errors": r.errors,
                     "send_lag_max_ms": round(r.send_lag_max_ms, 2),
+                    **r.detail,
                 }
                 for r in self.rows
             ],
@@ -343,8 +374,14 @@ def measure(
             seats=MAX_NUM_SEQS,
             layerwise_min=LAYERWISE_MIN_TOKENS,
         )
+        sampled = WORKLOAD.sample(BURST, seed=55)
+        burst = Requests(np.zeros(BURST), sampled.prompt, sampled.output)
+        loaded = run(mesh.gateway_address, burst, vocab, seed=55)
         base = WORKLOAD.sample(requests, seed=seed)
-        slo = slo_rule(latency, cal, base, params)
+        slo = slo_rule(latency, cal, base, params)  # multiples of the unloaded mesh
+        cal = under_load(
+            cal, latency, burst, loaded, lambda c: predict(latency, c, burst, params), MAX_NUM_SEQS
+        )
         rates = choose_rates(latency, cal, base, params, slo, targets)
         rows = compare(mesh, latency, cal, base, params, slo, rates, vocab, seed=seed)
     finally:
