@@ -255,7 +255,7 @@ def _detail(sim: SimResult, mesh: LoadResult, slo: Slo) -> dict:
             "met_predicted": round(float(np.mean(pred <= bound)), 4),
             "met_measured": round(float(np.mean(met)), 4),
             **{
-                f"p{q}_ms_{side}": round(float(np.percentile(v, q)) * 1000, 2)
+                f"p{q}_ms_{side}": round(float(np.percentile(v, q)) * 1000, 2) if len(v) else None
                 for side, v in (("predicted", pred), ("measured", meas[ok]))
                 for q in (50, 90)
             },
