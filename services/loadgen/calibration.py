@@ -71,6 +71,18 @@ def warm_up(address: str, vocab_size: int) -> None:
     run(address, reqs, vocab_size, seed=12345)
 
 
+def steady_gaps(result: LoadResult, prompts) -> list[tuple[float, int]]:
+    """Per successful request with enough tokens: its mean token gap over the middle half of its
+    tokens (several tokens to a message do not bias a mean; the hand-off gap and a burst's joins
+    stay out) and its context at the middle of that stretch."""
+    out = []
+    for ok, prompt, g in zip(result.ok, prompts, result.token_gaps_s, strict=True):
+        lo, hi = len(g) // 4, 3 * len(g) // 4
+        if ok and hi - lo >= 4:
+            out.append((float(np.mean(g[lo:hi])), int(prompt) + 1 + (lo + hi) // 2))
+    return out
+
+
 def decode_extras(
     address: str,
     latency: LatencyModel,
@@ -83,9 +95,8 @@ def decode_extras(
     """What the mesh's decode iteration takes beyond the profile's (seconds): per iteration and
     per sequence in it. At each of `prompts` (`reps` times): one request alone (batch 1) and a
     burst of `seats` requests sent together (the batch full once the last has joined). Per
-    request, the mean gap over the middle half of its tokens (several tokens to a message do not
-    bias a mean; the hand-off gap and a burst's joins stay out) less the profile's step at that
-    batch and context; the per-batch medians give the two costs. Several contexts and repeats,
+    request, its steady gap (`steady_gaps`) less the profile's step at that batch and context;
+    the per-batch medians give the two costs. Several contexts and repeats,
     because at the knee of the attainment curve a millisecond of decode step moves the decode
     queue a lot, and one context measured once moved these by that much between runs."""
     lat = latency.at(1)
@@ -95,13 +106,8 @@ def decode_extras(
             for batch in (1, seats):
                 reqs = Requests(np.zeros(batch), np.full(batch, prompt), np.full(batch, output))
                 result = run(address, reqs, vocab_size, seed=777 + 1009 * r + 31 * prompt + batch)
-                for ok, g in zip(result.ok, result.token_gaps_s, strict=True):
-                    lo, hi = len(g) // 4, 3 * len(g) // 4
-                    if not ok or hi - lo < 4:
-                        continue
-                    ctx = prompt + 1 + (lo + hi) // 2
-                    step = lat.decode_ms(batch, batch * ctx) / 1000
-                    residuals[batch].append(float(np.mean(g[lo:hi])) - step)
+                for gap, ctx in steady_gaps(result, reqs.prompt):
+                    residuals[batch].append(gap - lat.decode_ms(batch, batch * ctx) / 1000)
     one, full = (float(np.median(residuals[b])) for b in (1, seats))
     per_seq = max(0.0, (full - one) / max(1, seats - 1))
     return max(0.0, one - per_seq), per_seq
@@ -233,19 +239,17 @@ def under_load(
     many more than the decode seats: the prefill queue full and the decode batch full for most
     of it) run through the mesh (`measured`) and through the simulator (`predict(cal)`).
     Prefill: the time until the last first token (less the hops) over the predicted one.
-    Decode: the median over requests of the mean gap over the middle half of its tokens (the
-    batch full then) over the model's step at a full batch and that context."""
+    Decode: the median over requests of the steady gap (`steady_gaps`: the batch full then) over
+    the model's step at a full batch and that context."""
     ok = measured.ok
     hops = cal.ttft_hops_s
     predicted = predict(cal)
     prefill = (np.max(measured.ttft_s[ok]) - hops) / (np.max(predicted.ttft[ok]) - hops)
     lat = mesh_latency(latency, cal).at(1)
-    ratios = []
-    for good, prompt, g in zip(ok, burst.prompt, measured.token_gaps_s, strict=True):
-        lo, hi = len(g) // 4, 3 * len(g) // 4
-        if good and hi - lo >= 4:
-            ctx = int(prompt) + 1 + (lo + hi) // 2
-            ratios.append(float(np.mean(g[lo:hi])) / (lat.decode_ms(seats, seats * ctx) / 1000))
+    ratios = [
+        gap / (lat.decode_ms(seats, seats * ctx) / 1000)
+        for gap, ctx in steady_gaps(measured, burst.prompt)
+    ]
     return replace(
         cal,
         prefill_scale=cal.prefill_scale * float(prefill),

@@ -3,6 +3,8 @@ ran, and `mesh_latency` applies it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -52,7 +54,7 @@ def test_under_load_recovers_each_phase_slow_down():
     rng = np.random.default_rng(0)
     n = 24
     burst = Requests(np.zeros(n), rng.integers(64, 768, n), rng.integers(32, 160, n))
-    slow = MeshCalibration(**{**CAL.__dict__, "prefill_scale": 1.5, "decode_scale": 1.2})
+    slow = replace(CAL, prefill_scale=1.5, decode_scale=1.2)
     truth = predict(slow, burst)
     step = mesh_latency(LATENCY, slow).at(1)
     gaps = tuple(
