@@ -29,6 +29,7 @@ class EngineConfig:
     device: str = "auto"
     attention: str = "auto"  # auto | torch | flash
     seed: int = 0  # seeds requests that give no seed of their own
+    tune_gemm: bool = True  # on CPU, time decode's small GEMM forms at start (engine/gemm.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -51,6 +52,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs,
             device=args.device,
             dtype=args.dtype,
+            tune_gemm=args.tune_gemm,
         )
 
 
@@ -62,6 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest decode batch")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--no-tune-gemm",
+        dest="tune_gemm",
+        action="store_false",
+        help="on CPU, skip timing the small-batch GEMM forms at start (about 2 s for a 100M "
+        "model; decode at batch 2-4 can then be up to 2x slower)",
+    )
     p.add_argument("--cpu", type=int, help="pin this process to one CPU core")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(

@@ -20,6 +20,7 @@ from services.common.errors import InvalidRequest, ModelLoadError
 from services.common.model_config import ModelConfig
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
+from services.engine import gemm
 from services.engine.attention import make_backend
 from services.engine.block_pool import BlockPool, BlockTable
 from services.engine.config import EngineConfig
@@ -82,6 +83,9 @@ class LLMEngine:
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
         model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
+        self.gemm_forms: dict[tuple[int, int], list[int]] = {}  # tuned forms, for the log
+        if config.tune_gemm and self.device.type == "cpu":
+            self.gemm_forms = gemm.tune(model, min(gemm.MAX_ROWS, config.max_num_seqs))
         num_blocks = config.num_blocks or max(
             1,
             config.kv_cache_bytes

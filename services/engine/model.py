@@ -15,6 +15,7 @@ from torch import nn
 
 from services.common.model_config import ModelConfig
 from services.engine.attention import AttentionContext
+from services.engine.gemm import Linear
 from services.engine.rope import apply_rope, cos_sin, inverse_frequencies
 
 
@@ -42,10 +43,8 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.biases.qkv
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.biases.o)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.biases.qkv)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.biases.o)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
@@ -65,10 +64,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.biases.mlp
-        )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.biases.mlp)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.biases.mlp)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.biases.mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -105,7 +102,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer(

@@ -28,6 +28,7 @@ from torch import nn
 
 from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.model_config import ModelConfig
+from services.engine.gemm import Linear, rows_linear
 
 TIMEOUT = timedelta(minutes=10)  # longest a rank waits for the others (start-up, collectives)
 
@@ -198,8 +199,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
 
+    flip_rows: frozenset[int] = frozenset()  # see services.engine.gemm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # (T, out)
+        y = self.tp.all_reduce(rows_linear(x, self.weight, self.flip_rows))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -230,8 +233,10 @@ class VocabParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
         self.tp = tp
 
+    flip_rows: frozenset[int] = frozenset()  # see services.engine.gemm
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))  # (N, tp * rows)
+        logits = self.tp.all_gather(rows_linear(hidden, self.weight, self.flip_rows))
         return logits[:, : self.vocab_size]  # drop the padding rows
 
 
@@ -246,13 +251,11 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
         attn.num_heads, attn.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
         attn.q_size = attn.num_heads * attn.head_dim
         attn.kv_size = attn.num_kv_heads * attn.head_dim
-        attn.qkv_proj = nn.Linear(
-            cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=cfg.biases.qkv
-        )
+        attn.qkv_proj = Linear(cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=cfg.biases.qkv)
         attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.biases.o, tp)
         mlp = layer.mlp
         mlp.intermediate = cfg.intermediate_size // n
-        mlp.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * mlp.intermediate, bias=cfg.biases.mlp)
+        mlp.gate_up_proj = Linear(cfg.hidden_size, 2 * mlp.intermediate, bias=cfg.biases.mlp)
         mlp.down_proj = RowParallelLinear(mlp.intermediate, cfg.hidden_size, cfg.biases.mlp, tp)
     model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
     model.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)

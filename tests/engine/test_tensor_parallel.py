@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.sampling import SamplingParams
+from services.engine import gemm
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import TensorParallel, kv_heads_of, spawn_ranks
@@ -206,7 +206,7 @@ def test_tp1_runs_the_plain_model_without_collectives(tiny_model):
     model = engine.runner.model
     parallel = {"RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLMHead"}
     assert not {type(m).__name__ for m in model.modules()} & parallel
-    assert type(model.model.layers[0].self_attn.o_proj) is nn.Linear
+    assert type(model.model.layers[0].self_attn.o_proj) is gemm.Linear
     assert engine.kv_heads == range(engine.model_config.num_kv_heads)
     x = torch.ones(3)
     assert not dist.is_initialized()  # a collective would raise here

@@ -1,0 +1,101 @@
+"""Decode's small GEMMs on CPU: for each weight shape and row count, the faster of two forms.
+
+A decode step multiplies one row per running sequence by every weight matrix, and on a CPU it
+is bound by reading the weights from memory. The BLAS does not always read them once: on the
+host of docs/benchmarks.md (MKL, AVX-512), `x @ W^T` (`F.linear`) with 2 or 3 rows takes about
+as long as 2 or 3 single-row products for some shapes (the `small` model's decode step: 37 ms
+for one sequence, 67 for two, 87 for three, 56 for four), while the same product as
+`(W @ x^T)^T` reads them once for a few rows. Which form wins depends on the shape, the row count,
+the BLAS and the CPU, so the engine measures instead of guessing: `tune` times both forms for
+each weight shape of the model and each row count up to `MAX_ROWS`, and a layer uses the
+transposed form for the row counts where it was clearly faster (`MARGIN`). Larger batches (and
+every prefill) use `F.linear`. The two forms compute the same sums in a different order: results
+agree to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("distserve.engine")
+
+MAX_ROWS = 8  # row counts tuned: 1..MAX_ROWS
+MARGIN = 0.9  # the transposed form must take under 90% of F.linear's time to be used
+# A shape whose product over all its layers takes less than this with F.linear keeps F.linear:
+# its weights sit in cache, the choice gains next to nothing, and timings that short are noise.
+MIN_SECONDS = 1e-4
+REPS = 2  # timings per form and row count (the fastest kept: other work only adds time)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, flip_rows: frozenset[int]) -> torch.Tensor:
+    """x (T, in) @ weight (out, in)^T, in the form tuned for T rows."""
+    if x.shape[0] in flip_rows:
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear over packed tokens (T, in) that takes the tuned form for T rows."""
+
+    flip_rows: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rows_linear(x, self.weight, self.flip_rows)
+        return y if self.bias is None else y + self.bias
+
+
+def tune(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple[int, int], list[int]]:
+    """Time both forms for every weight shape of `model`'s tunable layers (those with a
+    `flip_rows` attribute) and row counts 1..max_rows, and set each layer's `flip_rows`.
+    Returns, per weight shape (out, in), the row counts that take the transposed form.
+
+    Each timing runs the product over every weight of that shape in turn, and the shapes one after
+    another, so a model larger than the caches streams its weights from memory as a decode step
+    does."""
+    groups: dict[tuple, list[nn.Module]] = defaultdict(list)
+    for module in model.modules():
+        if hasattr(module, "flip_rows") and module.weight.device.type == "cpu":
+            groups[(*module.weight.shape, module.weight.dtype)].append(module)
+    if not groups:
+        return {}
+    forms = (
+        lambda x, w: F.linear(x, w),
+        lambda x, w: torch.mm(w, x.t()).t().contiguous(),
+    )
+    best: dict[tuple, list[float]] = defaultdict(lambda: [float("inf")] * 2)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            inputs = {key: torch.randn(rows, key[1], dtype=key[2]) for key in groups}
+            for rep in range(REPS + (rows == 1)):  # one more round first, to warm up
+                for f, form in enumerate(forms):
+                    for key, modules in groups.items():
+                        x = inputs[key]
+                        t = time.perf_counter()
+                        for m in modules:
+                            form(x, m.weight)
+                        elapsed = time.perf_counter() - t
+                        if rows > 1 or rep:
+                            best[(key, rows)][f] = min(best[(key, rows)][f], elapsed)
+    chosen = {}
+    for key, modules in groups.items():
+        flip = frozenset(
+            r
+            for r in range(1, max_rows + 1)
+            if best[(key, r)][0] >= MIN_SECONDS and best[(key, r)][1] < MARGIN * best[(key, r)][0]
+        )
+        for m in modules:
+            m.flip_rows = flip
+        chosen[(int(key[0]), int(key[1]))] = sorted(flip)
+    log.info(
+        "small-batch GEMM forms tuned in %.1f s: transposed for %s",
+        time.perf_counter() - start,
+        ", ".join(f"{o}x{i} rows {r}" for (o, i), r in chosen.items() if r) or "no shape",
+    )
+    return chosen
