@@ -39,6 +39,7 @@ def main() -> int:
     configure_process(argparse.Namespace(cpu=cpu, threads=1))
 
     from services.engine.engine import LLMEngine
+    from services.engine.gemm import plan_text
     from services.engine.presets import PRESETS, default_model
     from services.planner.profiler import _kv_bytes, _Runner
 
@@ -71,7 +72,7 @@ def main() -> int:
     print(f"model {model.name}, context {args.context}, one pinned core ({platform.processor()})")
     print(
         f"tuned in {tune_s} s: transposed form for "
-        + "; ".join(f"{o}x{i} rows {r}" for (o, i), r in forms.items() if r)
+        + "; ".join(f"{o}x{i} rows {plan_text(r)}" for (o, i), r in forms.items() if r)
     )
     print(f"{'batch':>5} {'F.linear ms':>12} {'tuned ms':>9} {'speedup':>8}")
     for b in batches:

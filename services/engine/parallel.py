@@ -198,11 +198,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
-
-    flip_rows: frozenset[int] = frozenset()  # see services.engine.gemm
+        self.gemm_plan: dict[int, int] = {}  # see services.engine.gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(rows_linear(x, self.weight, self.flip_rows))  # (T, out)
+        y = self.tp.all_reduce(rows_linear(x, self.weight, self.gemm_plan))  # (T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -232,11 +231,10 @@ class VocabParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
         self.tp = tp
-
-    flip_rows: frozenset[int] = frozenset()  # see services.engine.gemm
+        self.gemm_plan: dict[int, int] = {}  # see services.engine.gemm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(rows_linear(hidden, self.weight, self.flip_rows))
+        logits = self.tp.all_gather(rows_linear(hidden, self.weight, self.gemm_plan))
         return logits[:, : self.vocab_size]  # drop the padding rows
 
 

@@ -21,7 +21,7 @@ def test_transposed_form_computes_the_same_product():
     w, b = torch.randn(96, 64), torch.randn(96)
     layer = gemm.Linear(64, 96)
     layer.weight.data, layer.bias.data = w, b
-    layer.flip_rows = frozenset({2, 3})
+    layer.gemm_plan = {1: 2, 2: 2, 3: 3, 4: 6}  # 1 and 4 padded with zero rows
     for rows in range(1, 7):
         x = torch.randn(rows, 64)
         y = layer(x)
@@ -41,19 +41,40 @@ def test_tune_takes_the_transposed_form_where_linear_is_slower(monkeypatch):
     model = _model()
     monkeypatch.setattr(gemm.F, "linear", _slow(F.linear))
     chosen = gemm.tune(model, max_rows=4)
-    assert chosen == {(96, 64): [1, 2, 3, 4], (32, 96): [1, 2, 3, 4]}
-    assert all(m.flip_rows == frozenset({1, 2, 3, 4}) for m in model)
+    assert set(chosen) == {(96, 64), (32, 96)}
+    for plan in chosen.values():  # every count transposed, some maybe padded to a faster one
+        assert set(plan) == {1, 2, 3, 4} and all(r <= n <= 4 for r, n in plan.items())
+    assert all(m.gemm_plan == chosen[tuple(m.weight.shape)] for m in model)
 
 
 def test_tune_keeps_linear_where_the_transposed_form_is_slower(monkeypatch):
     model = _model()
     monkeypatch.setattr(gemm, "MIN_SECONDS", 0.0)
     monkeypatch.setattr(gemm.torch, "mm", _slow(torch.mm))
-    assert gemm.tune(model, max_rows=4) == {(96, 64): [], (32, 96): []}
-    assert all(m.flip_rows == frozenset() for m in model)
+    assert gemm.tune(model, max_rows=4) == {(96, 64): {}, (32, 96): {}}
+    assert all(m.gemm_plan == {} for m in model)
+
+
+def test_tune_pads_to_a_row_count_that_is_faster(monkeypatch):
+    """Where the transposed form with 2 rows beats it with 1, one row is computed as two."""
+    model = _model()
+    monkeypatch.setattr(gemm.F, "linear", _slow(F.linear))
+    mm = torch.mm
+
+    def one_row_slow(a, b):
+        if b.shape[1] == 1:
+            time.sleep(2e-3)
+        return mm(a, b)
+
+    monkeypatch.setattr(gemm.torch, "mm", one_row_slow)
+    chosen = gemm.tune(model, max_rows=3)
+    assert all(plan[1] in (2, 3) for plan in chosen.values())
+    layer = model[0]
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_tune_leaves_shapes_too_small_to_time():
     """Weights that sit in cache take microseconds either way: no choice from such noise."""
     model = _model()
-    assert gemm.tune(model, max_rows=4) == {(96, 64): [], (32, 96): []}
+    assert gemm.tune(model, max_rows=4) == {(96, 64): {}, (32, 96): {}}
