@@ -9,6 +9,11 @@ goodput is found by bisection over the rate, 24 seeded requests per probe, at mo
 Sized for about 20-25 minutes on 2 cores. The gateway and the load generator are not pinned:
 they share the two cores with the workers, in both modes alike.
 
+24 requests per probe is a first look, not the steady state: a probe that short ends before a
+queue that grows without bound has hurt 10% of its requests, and it overstated colocated chat's
+goodput 3x against 80-request probes (docs/benchmarks.md). For the figures, run one workload at a
+time with more requests (`--workloads chat --requests 80`: about 23 minutes for chat).
+
 Writes bench-goodput/WORKLOAD/{goodput.json,attainment.png,latency_cdf.png}; prints each
 workload's table and, last, one JSON line with every workload's goodput, per core, and ratio.
 
