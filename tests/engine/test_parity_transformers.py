@@ -41,6 +41,20 @@ def hf_model(path):
     ).eval()
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: exactly n tokens."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=1,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def teacher_forced_logits(engine: LLMEngine, ids: list[int], prefill_len: int) -> torch.Tensor:
     """Logits after ids[:k] for k = prefill_len .. len(ids): one prefill, then decode steps fed
     the given ids instead of sampled ones. (len(ids) - prefill_len + 1, vocab)"""
@@ -89,16 +103,7 @@ def test_greedy_batch_of_8_equals_transformers_generate(model_factory):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params)  # all 8 run together
     for prompt, res in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                pad_token_id=1,
-            )[0, len(prompt) :].tolist()
-        assert res.token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        assert res.token_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} diverged"
 
 
 def test_transposed_gemm_forms_match_transformers(model_factory):
@@ -122,13 +127,4 @@ def test_transposed_gemm_forms_match_transformers(model_factory):
     prompts = [torch.randint(2, 900, (n,), generator=gen).tolist() for n in (3, 9, 30, 64)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for prompt, res in zip(prompts, engine.generate(prompts, params), strict=True):
-        with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=16,
-                min_new_tokens=16,
-                do_sample=False,
-                pad_token_id=1,
-            )[0, len(prompt) :].tolist()
-        assert res.token_ids == want, f"prompt of {len(prompt)} tokens diverged"
+        assert res.token_ids == hf_greedy(hf, prompt, 16), f"prompt of {len(prompt)} diverged"
