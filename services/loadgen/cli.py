@@ -1,7 +1,8 @@
-"""`distserve bench goodput`: goodput of the disaggregated mesh (1 prefill + 1 decode) against
-the colocated baseline (2 colocated instances) on this host, measured with the load generator.
+"""`distserve bench goodput`: goodput of the disaggregated mesh (1 prefill + 1 decode, or
+`--prefill N --decode M`) against the colocated baseline (2 colocated instances, or `--colocated
+K`) on this host, measured with the load generator; goodput per core divides by the workers.
 
-Each mode runs as a mesh of two workers, each pinned to its own core with one torch thread
+Each mode runs as a mesh of its workers, each pinned to a core with one torch thread
 (`MeshSpec.pin`), with the same engine options (`WORKER_ARGS`) and the gateway's admission off
 (`ADMISSION_OFF`: goodput is what the mesh serves in time, not what an admission told other
 SLOs lets in). With `--mode both` the two meshes run side by side (the idle one costs next to
@@ -62,6 +63,9 @@ class BenchSpec:
     seed: int = 0
     protocol: str = "grpc"  # or "http"
     edge: bool = False  # through Envoy
+    prefill: int = 1  # workers of the disaggregated mesh ...
+    decode: int = 1
+    colocated: int = 2  # ... and of the colocated one
     out: Path = Path("bench-goodput")
     progress: bool = True
     worker_args: tuple[str, ...] = WORKER_ARGS
@@ -94,6 +98,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, help="model folder (default: the embedded small model)")
     p.add_argument("--out", type=Path, default=Path("bench-goodput"), help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=1,
+        help="prefill workers of the disaggregated mesh (default 1; each pinned to a core, "
+        "round-robin over this host's cores: give it as many as there are workers)",
+    )
+    p.add_argument("--decode", type=int, default=1, help="its decode workers (default 1)")
+    p.add_argument(
+        "--colocated", type=int, default=2, help="workers of the colocated mesh (default 2)"
+    )
     p.set_defaults(func=goodput_command)
 
 
@@ -110,6 +125,9 @@ def goodput_command(args: argparse.Namespace) -> int:
             print(f"distserve: error: --rates {args.rates!r}: expected LO,HI", file=sys.stderr)
             return 2
         rates = (lo, hi)
+    if min(args.prefill, args.decode, args.colocated) < 1:
+        print("distserve: error: --prefill, --decode and --colocated must be >= 1", file=sys.stderr)
+        return 2
     spec = BenchSpec(
         model=args.model,
         workload=args.workload,
@@ -123,6 +141,9 @@ def goodput_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         protocol=args.protocol,
         edge=args.edge,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
         out=args.out,
         progress=not args.no_progress,
     )
@@ -137,12 +158,15 @@ def goodput_command(args: argparse.Namespace) -> int:
 
 
 def mesh_spec(spec: BenchSpec, mode: str):
-    """The mesh of one mode: two workers, pinned, one core each."""
+    """The mesh of one mode: its workers (`spec.prefill` + `spec.decode`, or `spec.colocated`),
+    pinned, one core each."""
     from services.edge.config import EdgeConfig
     from services.launcher import MeshSpec
 
-    roles = {"prefill": 1, "decode": 1} if mode == "disaggregated" else {"colocated": 2}
-    roles = {"prefill": 0, "decode": 0, **roles}
+    if mode == "disaggregated":
+        roles = {"prefill": spec.prefill, "decode": spec.decode}
+    else:
+        roles = {"prefill": 0, "decode": 0, "colocated": spec.colocated}
     edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="") if spec.edge else None
     return MeshSpec(
         model=spec.model,

@@ -11,7 +11,7 @@ import pytest
 from services.common.model_config import ModelConfig
 from services.loadgen import GrpcTarget
 from services.loadgen import goodput as g
-from services.loadgen.cli import main
+from services.loadgen.cli import BenchSpec, main, mesh_spec
 from services.planner.simulator import Slo
 from services.planner.workload import LengthDist, Workload
 
@@ -94,6 +94,19 @@ def test_bench_goodput_writes_json_and_plots_and_honours_an_explicit_slo(tiny_mo
         assert len(at["ttft_ms"]) == len(at["tpot_ms"]) == 6 and None not in at["ttft_ms"]
     for png in ("attainment.png", "latency_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mesh_shapes_come_from_the_options(tiny_model, capsys):
+    """--prefill/--decode/--colocated size the two meshes (a 2P1D comparison on 3+ cores)."""
+    spec = BenchSpec(model=tiny_model, prefill=2, decode=1, colocated=3)
+    d, c = mesh_spec(spec, "disaggregated"), mesh_spec(spec, "colocated")
+    assert (d.prefill, d.decode, d.colocated) == (2, 1, 0)
+    assert (c.prefill, c.decode, c.colocated) == (0, 0, 3)
+    assert d.pin and c.pin
+    default = BenchSpec(model=tiny_model)
+    assert (mesh_spec(default, "disaggregated").prefill, default.colocated) == (1, 2)
+    assert main(["bench", "goodput", "--model", str(tiny_model), "--decode", "0"]) == 2
+    assert "--decode" in capsys.readouterr().err
 
 
 def test_workload_names_arrivals_and_text_traces(tiny_model, tmp_path):
