@@ -83,7 +83,7 @@ class LLMEngine:
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
         model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
-        self.gemm_forms: dict[tuple[int, int], list[int]] = {}  # tuned forms, for the log
+        self.gemm_forms: dict[tuple[int, int], dict[int, int]] = {}  # gemm.tune's plans
         if config.tune_gemm and self.device.type == "cpu":
             self.gemm_forms = gemm.tune(model, min(gemm.MAX_ROWS, config.max_num_seqs))
         num_blocks = config.num_blocks or max(

@@ -74,9 +74,9 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple[int, int], di
             groups[(*module.weight.shape, module.weight.dtype)].append(module)
     if not groups:
         return {}
-    forms = (
-        lambda x, w: F.linear(x, w),
-        lambda x, w: torch.mm(w, x.t()).t().contiguous(),
+    forms = (  # exactly what rows_linear runs: F.linear, and the transposed form unpadded
+        lambda x, w: rows_linear(x, w, {}),
+        lambda x, w: rows_linear(x, w, {x.shape[0]: x.shape[0]}),
     )
     best: dict[tuple, list[float]] = defaultdict(lambda: [float("inf")] * 2)
     start = time.perf_counter()
@@ -120,5 +120,5 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple[int, int], di
 
 
 def plan_text(plan: dict[int, int]) -> str:
-    """ "1->2, 2, 3": row counts, with the count each is padded to where it is."""
+    """The plan's row counts, each with the count it is padded to where it is: `1->2, 2, 3`."""
     return ", ".join(f"{r}->{p}" if p != r else str(r) for r, p in plan.items())

@@ -102,8 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--prefill",
         type=int,
         default=1,
-        help="prefill workers of the disaggregated mesh (default 1; each pinned to a core, "
-        "round-robin over this host's cores: give it as many as there are workers)",
+        help="prefill workers of the disaggregated mesh (default 1; every worker is pinned to "
+        "one core, round-robin over this host's cores)",
     )
     p.add_argument("--decode", type=int, default=1, help="its decode workers (default 1)")
     p.add_argument(
