@@ -15,7 +15,10 @@ order (seeded), so that all see the same machine and none always goes first; the
 the median over rounds of (traced / off in the same round): paired, so a round the whole machine
 was slow in counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
 where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
-/proc), median over rounds.
+/proc), median over rounds; and how requests shared decode steps: decode steps per request and
+the mean decode batch (the decode worker's `distserve_engine_step_*` metrics), median over rounds,
+since a traced mesh could lose throughput by batching worse rather than by its spans' work (on 2
+cores the same load has run between 1,200 and 6,000 decode steps a round, either way).
 Traced meshes export every 100 ms and each round ends with a 0.3 s pause, so that a mesh's
 exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
 mesh's. Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -53,6 +57,22 @@ EXPORT_DELAY_S = 0.1
 # Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
 # cores are shared by everything) would end a round early.
 GATEWAY_ARGS = ("--admission-ttft-factor", "0")
+
+
+def decode_steps(mesh: Mesh) -> tuple[float, float]:
+    """(decode steps, sequences over those steps) the mesh's decode worker has run so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = next(p for p in mesh.workers if p.name.startswith("decode"))
+    body = urllib.request.urlopen(f"http://{proc.ready['metrics_address']}/metrics").read()
+    found = {"distserve_engine_step_seconds_count": 0.0, "distserve_engine_step_batch_size_sum": 0}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name in found and sample.labels.get("kind") == "decode":
+                found[sample.name] = sample.value
+    return found["distserve_engine_step_seconds_count"], found[
+        "distserve_engine_step_batch_size_sum"
+    ]
 
 
 def cpu_seconds(mesh: Mesh) -> dict[str, float]:
@@ -150,6 +170,7 @@ def main() -> None:
         try:
             rates: dict[str, list[float]] = {name: [] for name in meshes}
             cpu: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
+            steps: dict[str, list[tuple[float, float]]] = {name: [] for name in meshes}
             ttft: dict[str, float] = {}
 
             def load(address: str) -> float:
@@ -161,9 +182,11 @@ def main() -> None:
             for r in range(args.rounds):
                 for name in order.sample(list(meshes), len(meshes)):
                     mesh = meshes[name]
-                    before = cpu_seconds(mesh)
+                    before, steps_before = cpu_seconds(mesh), decode_steps(mesh)
                     rates[name].append(load(mesh.gateway_address))
                     time.sleep(3 * EXPORT_DELAY_S)  # its last spans go out
+                    n, seqs = (a - b for a, b in zip(decode_steps(mesh), steps_before, strict=True))
+                    steps[name].append((n / len(prompts), seqs / n if n else 0.0))
                     for proc, seconds in cpu_seconds(mesh).items():
                         per_request = (seconds - before[proc]) / len(prompts)
                         cpu[name].setdefault(proc, []).append(per_request)
@@ -222,6 +245,20 @@ def main() -> None:
     print("CPU ms per request (median over rounds):")
     for name, procs in cpu_ms.items():
         print(f"  {name:8} " + "  ".join(f"{proc} {ms:.2f}" for proc, ms in procs.items()))
+    # Whether tracing changes how requests share decode steps (a knock-on, not a cost of its own).
+    step_use = {
+        name: {
+            "per_request": round(statistics.median(x for x, _ in v), 2),
+            "mean_batch": round(statistics.median(y for _, y in v), 2),
+        }
+        for name, v in steps.items()
+    }
+    print(
+        "decode steps per request, mean decode batch (medians over rounds): "
+        + ", ".join(
+            f"{n} {v['per_request']:.1f}, {v['mean_batch']:.1f}" for n, v in step_use.items()
+        )
+    )
     print("target: throughput cost <= 3%")
     result = {
         "bench": "tracing",
@@ -241,6 +278,10 @@ def main() -> None:
         "spans_otlp": exported,
         "cpu_ms_per_request": cpu_ms,
         "cpu_overhead": {k: round(v, 4) for k, v in cpu_overhead.items()},
+        "decode_steps": step_use,
+        "decode_steps_by_round": {
+            n: [round(x * len(prompts)) for x, _ in v] for n, v in steps.items()
+        },
         "tracing_overhead_fraction": round(max(overhead.values()), 4),
     }
     print(json.dumps(result))

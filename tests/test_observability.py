@@ -405,6 +405,15 @@ def test_metrics_endpoints_scrape_and_move_with_requests(traced_mesh):
     assert moved(d, "distserve_kv_transfer_seconds_count") == n
     assert moved(d, "distserve_kv_transfer_bytes_total") > 0
     assert moved(d, "distserve_decode_queue_seconds_count") == n
+    # Every engine step, by kind: each prompt prefilled alone (the requests ran one after
+    # another), then one decode step of one sequence per further token.
+    steps = "distserve_engine_step_seconds_count"
+    assert moved(p, steps, kind="prefill") == n
+    assert moved(p, "distserve_engine_step_tokens_total", kind="prefill") >= 2 * n
+    assert moved(d, steps, kind="decode") == 4 * n
+    assert moved(d, "distserve_engine_step_batch_size_sum", kind="decode") == 4 * n
+    assert moved(d, "distserve_engine_step_tokens_total", kind="decode") == 4 * n
+    assert value(after[p], steps, kind="decode") == value(after[d], steps, kind="prefill") == 0
     assert value(after[d], "distserve_kv_blocks_total") > 0
     assert value(after[d], "distserve_kv_blocks_used") == 0  # all finished, all freed
     assert value(after[p], "distserve_kv_handles_held") == 0

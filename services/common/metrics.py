@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,10 @@ DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 # Our own phases (queue waits, batches, KV transfers): from sub-millisecond up.
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                  10.0, 30.0)  # fmt: skip
+
+
+# Sequences in one engine step.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def add_metrics_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +79,40 @@ class PrefillPhases:
             info.started + info.seconds,
             {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
         )
+
+
+class EngineSteps:
+    """The engine's steps by kind (prefill, decode): how many, how long, how many sequences and
+    tokens. Decode steps per generated token show how well requests share steps (a decode step
+    serves its whole batch), which latency figures alone do not."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.seconds = Histogram(
+            "distserve_engine_step_seconds",
+            "Time of one engine step (its batch's forward pass and sampling).",
+            ["kind"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.batch = Histogram(
+            "distserve_engine_step_batch_size",
+            "Sequences in one engine step.",
+            ["kind"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "distserve_engine_step_tokens",
+            "Tokens engine steps computed: prompt tokens (prefill), one per sequence (decode).",
+            ["kind"],
+            registry=registry,
+        )
+
+    def observe(self, info) -> None:
+        """`info`: the engine's StepInfo of one step."""
+        self.seconds.labels(info.kind).observe(info.seconds)
+        self.batch.labels(info.kind).observe(info.batch_size)
+        self.tokens.labels(info.kind).inc(info.batch_tokens)
 
 
 # WorkerStats counters: field -> (metric name without _total, help)

@@ -20,7 +20,7 @@ from services.common import telemetry
 from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
-from services.common.metrics import PrefillPhases, phase_histogram
+from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
@@ -70,7 +70,12 @@ class DecodeWorker:
             kv="pull",
             kv_options={"policy": asdict(config.pull), "transport": config.kv_transport},
         )
-        self.loop = EngineLoop(self.engine, on_admitted=self._admitted, group=self.group)
+        self.loop = EngineLoop(
+            self.engine,
+            on_admitted=self._admitted,
+            on_step=EngineSteps(registry).observe,
+            group=self.group,
+        )
         mc = self.engine.model_config
         self.heads = kv_heads_of(0, config.tensor_parallel_size, mc.num_kv_heads)  # rank 0's
         self.puller = KvPuller(config.pull, config.kv_transport)

@@ -74,6 +74,7 @@ class EngineLoop:
         on_admitted: Callable[[list[Sequence]], None] | None = None,
         on_scheduled: Callable[[list[tuple[str, tuple]]], None] | None = None,
         on_layer: Callable[[list[str], int], None] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
         group: RankGroup | None = None,
     ) -> None:
         """on_admitted(seqs): pulled requests got their blocks (decode). For a prefill
@@ -81,6 +82,7 @@ class EngineLoop:
         published as it is computed): on_scheduled([(request id, block runs)]) when a batch has
         its blocks, before it runs; on_layer(request ids, i) once its layer i is computed. A
         batch with none of them runs without the calls (each would wake the event loop).
+        on_step(info): after each step that produced output, on the event loop (metrics).
         `group`: the other ranks of a tensor-parallel engine (None: tp == 1)."""
         self.engine = engine
         self.group = group
@@ -88,6 +90,7 @@ class EngineLoop:
         self._on_admitted = on_admitted
         self._on_scheduled = on_scheduled
         self._on_layer = on_layer
+        self._on_step = on_step
         self.layerwise: set[str] = set()  # add a request id before submitting the request
         self._batch: list[str] = []  # the running batch's layer-wise requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -246,6 +249,8 @@ class EngineLoop:
     # -- on the event loop -----------------------------------------------------------------------
 
     def _dispatch(self, outputs: list[StepOutput], info: StepInfo) -> None:
+        if self._on_step is not None:
+            self._on_step(info)
         for out in outputs:
             q = self._queues.get(out.request_id)
             if q is not None:

@@ -14,7 +14,7 @@ from services.common import telemetry
 from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import FailedPrecondition, Unavailable, UnsupportedModel
 from services.common.kv_handle import KvHandle, RankSource
-from services.common.metrics import PrefillPhases, phase_histogram
+from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
 from services.engine.loop import EngineFailed, EngineLoop
@@ -64,6 +64,7 @@ class PrefillWorker:
             hold=True,
             on_scheduled=self._scheduled,
             on_layer=self._layer_done,
+            on_step=EngineSteps(registry).observe,
             group=self.group,
         )
         # Layer-wise handoff: requests waiting for their early handle (request id -> (future,
