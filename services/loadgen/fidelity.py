@@ -227,19 +227,30 @@ def choose_rates(
 
 @dataclass(frozen=True)
 class FidelityRow:
-    """One rate: attainment the simulator predicted and the mesh measured, and, to see which
-    side of the SLO a gap comes from, each SLO alone and the p50 / p90 of TTFT and TPOT (ms)."""
+    """One rate: attainment the simulator predicted and the mesh measured in each of its runs
+    (the same requests each time), and, per run, to see which side of the SLO a gap comes from,
+    each SLO alone and the p50 / p90 of TTFT and TPOT (ms)."""
 
     rate: float
     predicted: float
-    measured: float
-    errors: int  # requests that failed on the mesh
+    measured_runs: tuple[float, ...]
+    errors: int  # requests that failed on the mesh, all runs
     send_lag_max_ms: float
-    detail: dict
+    details: tuple[dict, ...]
+
+    @property
+    def measured(self) -> float:
+        return float(np.mean(self.measured_runs))
 
     @property
     def gap_pp(self) -> float:
+        """Between the prediction and the mean of the mesh's runs."""
         return abs(self.predicted - self.measured) * 100
+
+    @property
+    def spread_pp(self) -> float:
+        """Between the mesh's own runs of the same requests: how far it repeats itself."""
+        return (max(self.measured_runs) - min(self.measured_runs)) * 100
 
 
 def _detail(sim: SimResult, mesh: LoadResult, slo: Slo) -> dict:
@@ -273,21 +284,24 @@ def compare(
     rates: list[float],
     vocab_size: int,
     seed: int,
+    repeats: int = 1,
 ) -> list[FidelityRow]:
-    """The same seeded requests at each rate through the simulator and through the mesh."""
+    """The same seeded requests at each rate through the simulator and, `repeats` times, through
+    the mesh: near the knee of the attainment curve the mesh's own runs of the same arrivals
+    can differ by more than any gap worth measuring, and only repeats show it."""
     rows = []
     for rate in rates:
         requests = base.at_rate(rate)
         sim = predict(latency, cal, requests, params)
-        result = run(mesh.gateway_address, requests, vocab_size, seed)
+        results = [run(mesh.gateway_address, requests, vocab_size, seed) for _ in range(repeats)]
         rows.append(
             FidelityRow(
                 rate=rate,
                 predicted=sim.attainment(slo),
-                measured=result.attainment(slo),
-                errors=int((~result.ok).sum()),
-                send_lag_max_ms=float(np.nanmax(result.send_lag_s)) * 1000,
-                detail=_detail(sim, result, slo),
+                measured_runs=tuple(r.attainment(slo) for r in results),
+                errors=sum(int((~r.ok).sum()) for r in results),
+                send_lag_max_ms=max(float(np.nanmax(r.send_lag_s)) for r in results) * 1000,
+                details=tuple(_detail(sim, r, slo) for r in results),
             )
         )
     return rows
@@ -306,6 +320,10 @@ class Fidelity:
     def max_gap_pp(self) -> float:
         return max(r.gap_pp for r in self.rows)
 
+    @property
+    def max_spread_pp(self) -> float:
+        return max(r.spread_pp for r in self.rows)
+
     def to_json(self) -> dict:
         return {
             "slo_ms": [round(self.slo.ttft_s * 1000, 3), round(self.slo.tpot_s * 1000, 3)],
@@ -320,14 +338,17 @@ class Fidelity:
                     "rate_rps": r.rate,
                     "predicted": round(r.predicted, 4),
                     "measured": round(r.measured, 4),
+                    "measured_runs": [round(m, 4) for m in r.measured_runs],
                     "gap_pp": round(r.gap_pp, 2),
+                    "spread_pp": round(r.spread_pp, 2),
                     "errors": r.errors,
                     "send_lag_max_ms": round(r.send_lag_max_ms, 2),
-                    **r.detail,
+                    "runs": list(r.details),
                 }
                 for r in self.rows
             ],
             "max_gap_pp": round(self.max_gap_pp, 2),
+            "max_spread_pp": round(self.max_spread_pp, 2),
         }
 
 
@@ -338,10 +359,12 @@ def measure(
     requests: int,
     calibration_requests: int = 60,
     seed: int = 7,
+    repeats: int = 1,
 ) -> Fidelity:
     """The whole comparison on `model_dir`: profile it pinned (`grid`), start a pinned 1P1D
     mesh, calibrate it, derive the SLOs, pick the rates at which the simulator predicts each
-    target attainment, and run the same `requests` seeded requests at each rate through both."""
+    target attainment, and run the same `requests` seeded requests at each rate through both
+    (through the mesh `repeats` times)."""
     from services.launcher import Mesh, MeshSpec
     from services.planner.latency import load
 
@@ -383,7 +406,9 @@ def measure(
             cal, latency, burst, loaded, lambda c: predict(latency, c, burst, params), MAX_NUM_SEQS
         )
         rates = choose_rates(latency, cal, base, params, slo, targets)
-        rows = compare(mesh, latency, cal, base, params, slo, rates, vocab, seed=seed)
+        rows = compare(
+            mesh, latency, cal, base, params, slo, rates, vocab, seed=seed, repeats=repeats
+        )
     finally:
         mesh.stop()
     return Fidelity(slo, cal, params, rows)
