@@ -18,7 +18,7 @@ where the cost lands: CPU time per request of each process (gateway, prefill, de
 /proc), median over rounds; and how requests shared decode steps: decode steps per request and
 the mean decode batch (the decode worker's `distserve_engine_step_*` metrics), median over rounds,
 since a traced mesh could lose throughput by batching worse rather than by its spans' work (on 2
-cores the same load has run between 1,200 and 6,000 decode steps a round, either way).
+cores the same load has run between ~900 and ~6,000 decode steps a round, either way).
 Traced meshes export every 100 ms and each round ends with a 0.3 s pause, so that a mesh's
 exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
 mesh's. Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
@@ -65,7 +65,10 @@ def decode_steps(mesh: Mesh) -> tuple[float, float]:
 
     proc = next(p for p in mesh.workers if p.name.startswith("decode"))
     body = urllib.request.urlopen(f"http://{proc.ready['metrics_address']}/metrics").read()
-    found = {"distserve_engine_step_seconds_count": 0.0, "distserve_engine_step_batch_size_sum": 0}
+    found = {
+        "distserve_engine_step_seconds_count": 0.0,
+        "distserve_engine_step_batch_size_sum": 0.0,
+    }
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
             if sample.name in found and sample.labels.get("kind") == "decode":
