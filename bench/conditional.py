@@ -37,14 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.model_config import ModelConfig
 from services.engine.presets import default_model
@@ -107,13 +105,8 @@ def workload(n: int, rate: float, threshold: int, vocab: int, seed: int) -> list
 
 def routes(mesh: Mesh) -> dict[str, float]:
     gateway = next(p for p in mesh.processes if p.name == "gateway")
-    address = gateway.ready["metrics_address"]
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return {
-        s.labels["route"]: s.value
-        for family in text_string_to_metric_families(body)
-        for s in family.samples
-        if s.name == "distserve_routes_total"
+        s.labels["route"]: s.value for s in gateway.metrics() if s.name == "distserve_routes_total"
     }
 
 

@@ -23,11 +23,9 @@ import platform
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,13 +66,10 @@ async def request(address: str, prompt: list[int]) -> tuple[float, float]:
 
 def decode_metrics(mesh: Mesh) -> dict[str, float]:
     [decode] = [p for p in mesh.workers if p.name.startswith("decode")]
-    url = f"http://{decode.ready['metrics_address']}/metrics"
-    body = urllib.request.urlopen(url, timeout=5).read().decode()
     names = ("distserve_kv_overlap_fraction", "distserve_kv_transfer_seconds")
     return {
         s.name: s.value
-        for f in text_string_to_metric_families(body)
-        for s in f.samples
+        for s in decode.metrics()
         if s.name.startswith(names) and s.name.endswith(("_sum", "_count"))
     }
 

@@ -100,7 +100,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -109,7 +108,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.model_config import ModelConfig
 from services.engine.presets import default_model
@@ -307,14 +305,9 @@ def allowance(role: str, model: ModelConfig, engine: dict[str, int], max_infligh
 def gateway_refusals(mesh: Mesh) -> dict[str, float]:
     """`distserve_admission_refusals_total` by reason, from the gateway's /metrics."""
     gateway = next(p for p in mesh.processes if p.name == "gateway")
-    address = gateway.ready.get("metrics_address")
-    if not address:
-        return {}
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return {
         s.labels["reason"]: s.value
-        for f in text_string_to_metric_families(body)
-        for s in f.samples
+        for s in gateway.metrics()
         if s.name == "distserve_admission_refusals_total"
     }
 

@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -61,21 +60,10 @@ GATEWAY_ARGS = ("--admission-ttft-factor", "0")
 
 def decode_steps(mesh: Mesh) -> tuple[float, float]:
     """(decode steps, sequences over those steps) the mesh's decode worker has run so far."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     proc = next(p for p in mesh.workers if p.name.startswith("decode"))
-    body = urllib.request.urlopen(f"http://{proc.ready['metrics_address']}/metrics").read()
-    found = {
-        "distserve_engine_step_seconds_count": 0.0,
-        "distserve_engine_step_batch_size_sum": 0.0,
-    }
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if sample.name in found and sample.labels.get("kind") == "decode":
-                found[sample.name] = sample.value
-    return found["distserve_engine_step_seconds_count"], found[
-        "distserve_engine_step_batch_size_sum"
-    ]
+    found = {s.name: s.value for s in proc.metrics() if s.labels.get("kind") == "decode"}
+    steps = found.get("distserve_engine_step_seconds_count", 0.0)
+    return steps, found.get("distserve_engine_step_batch_size_sum", 0.0)
 
 
 def cpu_seconds(mesh: Mesh) -> dict[str, float]:

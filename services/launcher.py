@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,18 @@ class Process:
     popen: subprocess.Popen
     ready: dict | None = None
     ready_event: threading.Event = field(default_factory=threading.Event)
+
+    def metrics(self, timeout_s: float = 5.0) -> list:
+        """Every sample its /metrics serves now (prometheus_client `Sample`s: name, labels,
+        value); empty for a process that serves none."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        address = (self.ready or {}).get("metrics_address")
+        if not address:
+            return []
+        url = f"http://{address}/metrics"
+        body = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+        return [s for family in text_string_to_metric_families(body) for s in family.samples]
 
 
 class Mesh:

@@ -200,12 +200,10 @@ def test_a_lapsed_lease_frees_kv_nobody_pulled(mesh_factory):
     assert s.load.held_kv_handles == 0 and s.blocks_reclaimed > 0
     assert s.load.free_kv_blocks == s.load.total_kv_blocks
     # ... and the prefill instance's Prometheus endpoint says the same.
-    from tests.test_observability import scrape, value
-
     [prefill] = [w for w in mesh.workers if w.name.startswith("prefill")]
-    metrics = scrape(prefill.ready["metrics_address"])
-    assert value(metrics, "distserve_kv_leases_expired_total") == 1
-    assert value(metrics, "distserve_kv_blocks_reclaimed_total") == s.blocks_reclaimed
+    metrics = {m.name: m.value for m in prefill.metrics()}
+    assert metrics["distserve_kv_leases_expired_total"] == 1
+    assert metrics["distserve_kv_blocks_reclaimed_total"] == s.blocks_reclaimed
 
 
 def test_a_silent_worker_is_dropped_and_a_new_one_gets_traffic(mesh_factory, tiny_model):

@@ -23,7 +23,6 @@ saturating burst measures it (`under_load`), as a factor on each phase's step ti
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
@@ -203,11 +202,7 @@ def _pull_totals(mesh) -> tuple[int, float]:
     proc = next(p for p in mesh.workers if p.name.startswith("decode"))
     with grpc.insecure_channel(proc.ready["address"]) as channel:
         stats = decode_pb2_grpc.DecodeStub(channel).Stats(common_pb2.StatsRequest(), timeout=5)
-    text = urllib.request.urlopen(f"http://{proc.ready['metrics_address']}/metrics").read()
-    seconds = 0.0
-    for line in text.decode().splitlines():
-        if line.startswith("distserve_kv_transfer_seconds_sum"):
-            seconds = float(line.split()[-1])
+    seconds = sum(s.value for s in proc.metrics() if s.name == "distserve_kv_transfer_seconds_sum")
     return stats.pull_bytes_total, seconds
 
 
