@@ -4,7 +4,7 @@
 each chunk's region to send (`seal` adds its checksum) with, when fault injection is on, the
 fault that hits it; `status` is the answer for them all. The checksums of KV in host memory are
 made when it is computed: as a lease's layers are published, each block's xxh3-64 is taken once
-(on a worker thread), and a chunk's checksum is the xxh3-64 of its blocks' (`block_checksums`);
+(on a checksum thread), and a chunk's checksum is the xxh3-64 of its blocks' (`block_checksums`);
 so no pass over the bytes is left for the moment they are sent. A chunk of a sub-range of the
 heads (a copy) is hashed as it is sent. The UCX server and the gRPC fallback
 both serve through it and bracket the sends with `sending`, so that held blocks are never freed
@@ -118,12 +118,11 @@ class ChunkSource:
 
     def _published(self, lease: Lease, before: int, after: int) -> None:
         """Layers before..after-1 of a lease are computed: take their blocks' checksums, on a
-        worker thread (xxhash releases the GIL), unless the KV is in device memory."""
+        checksum thread (xxhash releases the GIL), unless the KV is in device memory."""
         if not lease.blocks or self.region(0, 0, lease.blocks[0], 1).device.type != "cpu":
             return
-        loop = asyncio.get_running_loop()
         for layer in range(before, after):
-            lease.digests[layer] = loop.run_in_executor(None, self._block_digests, lease, layer)
+            lease.digests[layer] = wire.on_checksum_thread(self._block_digests, lease, layer)
 
     def _block_digests(self, lease: Lease, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """xxh3-64 of each of the lease's blocks of one layer, K and V, in block list order."""

@@ -1,11 +1,18 @@
-"""The UCX settings workers start with: shared memory on, an explicit environment kept."""
+"""The UCX settings workers start with: shared memory on, KV between processes of one host
+read in a single copy, an explicit environment kept."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+
+import pytest
 
 from services.kvtransfer.transports import UCX_DEFAULTS, configure_ucx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_workers_turn_on_shared_memory_and_keep_what_the_environment_says(monkeypatch):
@@ -19,3 +26,79 @@ def test_workers_turn_on_shared_memory_and_keep_what_the_environment_says(monkey
     assert os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] == "1"
     assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"
     assert os.environ["UCX_TLS"] == "tcp,sm,self"
+
+
+# Two processes of one host with the workers' UCX settings: one listens, the other connects,
+# sends a message large enough for rendezvous and prints its endpoint's lanes and protocols
+# (ucp_ep_print_info: UCX's own account of what it chose).
+_PEER = r"""
+import asyncio, ctypes, os, sys
+from services.kvtransfer.transports import configure_ucx, shutdown_ucx
+configure_ucx()
+import libucx, numpy as np, ucxx
+
+async def listen():
+    got = asyncio.Event()
+    async def serve(ep):
+        await ep.recv(np.empty(1 << 20, dtype=np.uint8))
+        got.set()
+    listener = ucxx.create_listener(serve, 0)
+    print(listener.port, flush=True)
+    await asyncio.wait_for(got.wait(), 60)
+    await asyncio.sleep(0.1)
+
+async def connect(port):
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    await ep.send(np.ones(1 << 20, dtype=np.uint8))
+    ucp = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
+    libc = ctypes.CDLL(None)
+    libc.open_memstream.restype = ctypes.c_void_p
+    text, size = ctypes.c_char_p(), ctypes.c_size_t()
+    stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(text), ctypes.byref(size)))
+    ucp.ucp_ep_print_info(ctypes.c_void_p(ep.ucp_endpoint), stream)
+    libc.fclose(stream)
+    print(text.value.decode(), flush=True)
+    await ep.close()
+
+asyncio.run(listen() if sys.argv[1] == "listen" else connect(int(sys.argv[2])))
+shutdown_ucx()
+"""
+
+
+def _ptrace_restricted() -> bool:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() != "0"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(_ptrace_restricted(), reason="ptrace is restricted here: UCX cannot use CMA")
+def test_kv_between_processes_of_one_host_is_read_in_a_single_copy():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    listener = subprocess.Popen(
+        [sys.executable, "-c", _PEER, "listen"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        port = listener.stdout.readline().strip()
+        assert port.isdigit(), "the listening process did not start"
+        out = subprocess.run(
+            [sys.executable, "-c", _PEER, "connect", port],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        listener.wait(timeout=60)
+    finally:
+        listener.kill()
+    info = out.stdout
+    # The bandwidth lane is CMA, and large tagged messages are read by the receiver straight
+    # from the sender's memory (not copied in and out of a shared-memory bounce buffer).
+    lanes = [line for line in info.splitlines() if "lane[" in line]
+    assert any("cma/memory" in line and "rma_bw" in line for line in lanes), info
+    tag_table = info.split("tagged message by ucp_tag_send* from host memory", 1)[1]
+    large = next(line for line in tag_table.splitlines() if "..inf" in line)
+    assert "rendezvous zero-copy read from remote" in large and "cma/memory" in large, info
