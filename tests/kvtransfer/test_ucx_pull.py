@@ -13,7 +13,7 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.kvtransfer import wire
+from services.kvtransfer import transports, wire
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.leases import LeaseTable
@@ -173,3 +173,38 @@ def test_pull_over_ucx_then_decode_equals_one_engine(tiny_model):
         return tokens
 
     assert asyncio.run(scenario()) == expected.token_ids
+
+
+def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monkeypatch):
+    """However late the event loop gets to look (a drain wait of 0 s stands for a loop busy
+    longer than DRAIN_S), completed receives are judged completed: the endpoint every other
+    pull shares is not dropped and no pull reconnects."""
+    monkeypatch.setattr(transports, "DRAIN_S", 0.0)
+
+    async def scenario():
+        cache = torch.randn((2, 2, 8, 4, 2, 3))  # (layers, K/V, blocks, block_size, heads, dim)
+        leases = LeaseTable(default_s=30, max_s=60)
+        source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 2, HEADS)
+        server = ChunkServer(source)
+        port = server.start()
+        template = KvHandle(
+            handle_id="", source_instance="p", control_address="127.0.0.1:9",
+            ucx_host="127.0.0.1", ucx_port=port, num_tokens=16, block_size=4, num_layers=2,
+            num_kv_heads=2, head_dim=3, dtype="float32", runs=((2, 4),), block_bytes=4 * 2 * 3 * 4,
+            lease_expiry_unix_ms=0, access_token="",
+        )  # fmt: skip
+        handle = leases.create("r", template)
+        dst = torch.zeros_like(cache)
+        puller = KvPuller(PullPolicy(chunk_bytes=template.block_bytes))  # a chunk a block
+        try:
+            for _ in range(3):
+                report = await puller.pull(handle, [0, 1, 2, 3], KvDestination(dst, HEADS))
+                assert report.retries == 0
+            assert puller.reconnects == 0
+            assert len(puller._ucx._endpoints) == 1
+        finally:
+            await puller.close()
+            server.close()
+        assert torch.equal(dst[:, :, 0:4], cache[:, :, 2:6])
+
+    asyncio.run(scenario())
