@@ -324,15 +324,18 @@ class KvPuller:
         raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
 
     async def _keep_lease(self, handle: KvHandle, trace: telemetry.Context | None) -> None:
-        """Renew the handle's lease while the pull runs, well before it lapses."""
-        stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
-        access = kvtransfer_pb2.KvAccess(
-            handle_id=handle.handle_id, access_token=handle.access_token
-        )
+        """Renew the handle's lease while the pull runs, well before it lapses (most pulls end
+        before the first renewal: nothing is set up until then)."""
         expiry_ms = handle.lease_expiry_unix_ms
+        stub = access = None
         while True:
             remaining = expiry_ms / 1000 - time.time()
             await asyncio.sleep(max(0.05, remaining / 3))
+            if stub is None:
+                stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
+                access = kvtransfer_pb2.KvAccess(
+                    handle_id=handle.handle_id, access_token=handle.access_token
+                )
             try:
                 renewed = await stub.RenewLease(
                     kvtransfer_pb2.RenewLeaseRequest(access=access),
