@@ -27,14 +27,17 @@ THREAD_CHECKSUM_BYTES = 256 * 2**10
 # UCX's progress thread, which does the copying: a pull of 64 MiB over shared memory went from
 # 4.2-4.3 GB/s to 4.6-4.7 with one thread, the puller's CPU from 19.5 to 17.9 ms a pull
 # (docs/benchmarks.md). xxh3 hashes ~30 GB/s a thread, faster than any copy on the same cores.
-_CHECKSUM_THREADS = ThreadPoolExecutor(
-    max(1, len(os.sched_getaffinity(0)) // 4), thread_name_prefix="kv-checksum"
-)
+# Sized at first use, after a `--pin` worker has pinned itself.
+_checksum_threads: ThreadPoolExecutor | None = None
 
 
 def on_checksum_thread(fn, *args) -> asyncio.Future:
     """fn(*args) on a checksum thread, as a future of the running loop's."""
-    return asyncio.get_running_loop().run_in_executor(_CHECKSUM_THREADS, fn, *args)
+    global _checksum_threads
+    if _checksum_threads is None:
+        cores = len(os.sched_getaffinity(0))
+        _checksum_threads = ThreadPoolExecutor(max(1, cores // 4), "kv-checksum")
+    return asyncio.get_running_loop().run_in_executor(_checksum_threads, fn, *args)
 
 
 def encode(message) -> np.ndarray:
