@@ -202,14 +202,15 @@ class UcxTransport:
             async with gate:
                 recv = asyncio.ensure_future(ep.recv(buffers[i], tag=2 * (tag + i) + 1))
                 receives.append(recv)
-                try:
-                    await asyncio.wait_for(asyncio.shield(recv), timeout_s)
-                except TimeoutError:
-                    errors[i] = TimeoutError(f"no data within {timeout_s} s")
-                    return
-                except Exception as e:  # the connection broke: closed, reset, peer gone
-                    errors[i] = e
-                    return
+                # Waited for, never cancelled (see _abandoned): `wait` leaves it running.
+                await asyncio.wait((recv,), timeout=timeout_s)
+            if not recv.done():
+                errors[i] = TimeoutError(f"no data within {timeout_s} s")
+                return
+            error = ConnectionError("receive cancelled") if recv.cancelled() else recv.exception()
+            if error is not None:  # the connection broke: closed, reset, peer gone
+                errors[i] = error
+                return
             if digest is not None:
                 digests[i] = await digest(i)
 
