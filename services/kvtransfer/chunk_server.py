@@ -135,23 +135,33 @@ class ChunkServer:
         if fault is not None and fault.kind == "exit":
             os._exit(17)  # a crashed source: no cleanup, no goodbye
         await self.source.ready(chunk)
-        seal = asyncio.ensure_future(self.source.seal(chunk))
+        if fault is not None:
+            await self._send_faulty(ep, chunk, tag, sent)
+            return
+        # Posted first, sealed meanwhile (in place: its blocks' checksums are taken already).
+        send = asyncio.ensure_future(ep.send(chunk.data, tag=tag))
         try:
-            data = chunk.data
-            if fault is not None:
-                if fault.kind == "close":
-                    await ep.close()
-                    return
-                if fault.kind == "drop":
-                    return  # never sent: the puller's receive for it times out
-                if fault.kind == "delay":
-                    await asyncio.sleep(fault.seconds)
-                if fault.kind == "corrupt":
-                    data = corrupted(data)  # the checksum is the original's
-            await asyncio.wait_for(ep.send(data, tag=tag), SEND_TIMEOUT_S)
-            sent.add(tag)
+            await self.source.seal(chunk)
+            await asyncio.wait_for(send, SEND_TIMEOUT_S)
         finally:
-            await seal
+            send.cancel()  # cut off (no-op once it completed)
+        sent.add(tag)
+
+    async def _send_faulty(self, ep, chunk, tag: int, sent: set[int]) -> None:
+        """A chunk hit by an injected fault (tests and drills only)."""
+        await self.source.seal(chunk)
+        fault, data = chunk.fault, chunk.data
+        if fault.kind == "close":
+            await ep.close()
+            return
+        if fault.kind == "drop":
+            return  # never sent: the puller's receive for it times out
+        if fault.kind == "delay":
+            await asyncio.sleep(fault.seconds)
+        if fault.kind == "corrupt":
+            data = corrupted(data)  # the checksum is the original's
+        await asyncio.wait_for(ep.send(data, tag=tag), SEND_TIMEOUT_S)
+        sent.add(tag)
 
 
 async def _refuse(
