@@ -102,3 +102,29 @@ def test_kv_between_processes_of_one_host_is_read_in_a_single_copy():
     tag_table = info.split("tagged message by ucp_tag_send* from host memory", 1)[1]
     large = next(line for line in tag_table.splitlines() if "..inf" in line)
     assert "rendezvous zero-copy read from remote" in large and "cma/memory" in large, info
+
+
+# UCX settings that UCX reads through the transports inheriting them, not under their own name.
+_INHERITED = {"UCX_MM_ERROR_HANDLING": ("UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING")}
+
+
+def test_ucx_reads_every_setting_the_workers_make(monkeypatch):
+    # Workers silence UCX's warning about variables it does not know (UCX_WARN_UNUSED_ENV_VARS),
+    # so a misspelt or renamed setting would be dropped without a word: ask UCX itself.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+    monkeypatch.setattr(os, "environ", env)
+    configure_ucx()
+    import libucx
+
+    root = os.path.dirname(libucx.__file__)
+    shown = subprocess.run(
+        [os.path.join(root, "bin", "ucx_info"), "-c"],
+        capture_output=True,
+        text=True,
+        env={**env, "LD_LIBRARY_PATH": os.path.join(root, "lib")},
+        timeout=60,
+    ).stdout.splitlines()
+    for name, value in UCX_DEFAULTS.items():
+        if name.startswith("UCX_"):
+            for read_as in _INHERITED.get(name, (name,)):
+                assert f"{read_as}={value}" in shown, f"UCX does not read {name}={value}"
