@@ -99,7 +99,9 @@ UCX_DEFAULTS = {
     # that finds the lock taken spins out its time slice while the holder waits for the core.
     # ucxx alone, both processes pinned, 12 MiB in 2 messages: 8.1 -> 2.4 ms a round, the
     # event loop's thread 7.1 -> 0.4 ms of CPU; in 24: 11.3 -> 5.6 ms. A 24-chunk pull pinned:
-    # 10.9 / 8.2 / 12.7 / 7.9 -> 9.0 / 8.0 / 7.8 / 7.7 ms alternated; unpinned, no change.
+    # 10.9 / 8.2 / 12.7 / 7.9 -> 9.0 / 8.0 / 7.8 / 7.7 ms alternated; unpinned, no change. The
+    # real pinned mesh's 512-token handoff, two meshes alternated: 14.2 / 17.0 / 13.0 -> 13.1 /
+    # 14.5 / 11.1 ms (docs/benchmarks.md).
     "UCX_USE_MT_MUTEX": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
