@@ -29,13 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.gen.distserve.v1 import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from bench.kvtransfer import prefill_and_pull
+from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
 
@@ -45,30 +40,6 @@ def parse_env(text: str) -> dict[str, str]:
     if any("=" not in kv for kv in pairs):
         raise SystemExit(f"--a-env/--b-env take NAME=VALUE pairs, comma-separated: {text!r}")
     return dict(kv.split("=", 1) for kv in pairs)
-
-
-async def handoff(stubs, prompt: list[int], request_id: str) -> float:
-    """Prefill one prompt, then decode it with its KV handle: the pull's time in ms."""
-    prefill, decode = stubs
-    sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
-    request = prefill_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-    )
-    async for event in prefill.Prefill(request, timeout=600):
-        done = event.done
-    pull_ms = None
-    async for reply in decode.Decode(
-        decode_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            first_token_id=done.first_token_id,
-            kv=done.kv,
-        ),
-        timeout=600,
-    ):
-        pull_ms = reply.pull_ms if pull_ms is None else pull_ms
-    return pull_ms
 
 
 async def alternate(addresses: dict, pulls: int, tokens: int) -> dict[str, list[float]]:
@@ -83,7 +54,7 @@ async def alternate(addresses: dict, pulls: int, tokens: int) -> dict[str, list[
         for i in range(pulls + 1):  # the first of each is a warm-up (connections, first pull)
             prompt = rng.integers(2, 900, tokens).tolist()
             for arm in list(stubs) if i % 2 == 0 else list(stubs)[::-1]:
-                ms = await handoff(stubs[arm], prompt, f"{arm}-{i}")
+                _, ms, _ = await prefill_and_pull(*stubs[arm], prompt, f"{arm}-{i}")
                 if i:
                     out[arm].append(ms)
     finally:

@@ -241,16 +241,36 @@ def bandwidth(
 # -- the handoff on the small model ----------------------------------------------------------------
 
 
+async def prefill_and_pull(prefill, decode, prompt: list[int], request_id: str) -> tuple:
+    """Prefill one prompt, then decode it with its KV handle (direct Prefill and Decode calls:
+    the pull starts when prefill has returned): prefill compute ms, pull ms, KV bytes."""
+    from services.common.gen.distserve.v1 import common_pb2, decode_pb2, prefill_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
+    async for event in prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        ),
+        timeout=600,
+    ):
+        reply = event.done
+    request = decode_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        first_token_id=reply.first_token_id,
+        kv=reply.kv,
+    )
+    pull_ms = None
+    async for r in decode.Decode(request, timeout=600):
+        pull_ms = pull_ms if pull_ms is not None else r.pull_ms
+    return reply.compute_ms, pull_ms, reply.kv.layer_bytes * reply.kv.num_layers
+
+
 async def handoff(address_prefill: str, address_decode: str, lengths: list[int]) -> dict:
     import grpc
 
-    from services.common.gen.distserve.v1 import (
-        common_pb2,
-        decode_pb2,
-        decode_pb2_grpc,
-        prefill_pb2,
-        prefill_pb2_grpc,
-    )
+    from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
     out = {}
     async with (
@@ -264,25 +284,7 @@ async def handoff(address_prefill: str, address_decode: str, lengths: list[int])
             rows = []
             for i in range(3):
                 prompt = rng.integers(2, 900, n).tolist()
-                sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
-                async for event in prefill.Prefill(
-                    prefill_pb2.PrefillRequest(
-                        request_id=f"h{n}-{i}", prompt_token_ids=prompt, sampling=sampling
-                    ),
-                    timeout=600,
-                ):
-                    reply = event.done
-                request = decode_pb2.DecodeRequest(
-                    request_id=f"h{n}-{i}",
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    first_token_id=reply.first_token_id,
-                    kv=reply.kv,
-                )
-                pull_ms = None
-                async for r in decode.Decode(request, timeout=600):
-                    pull_ms = pull_ms if pull_ms is not None else r.pull_ms
-                rows.append((reply.compute_ms, pull_ms, reply.kv.layer_bytes * reply.kv.num_layers))
+                rows.append(await prefill_and_pull(prefill, decode, prompt, f"h{n}-{i}"))
             compute = statistics.median(r[0] for r in rows)
             pulled = statistics.median(r[1] for r in rows)
             out[n] = {"prefill_ms": compute, "pull_ms": pulled, "kv_bytes": rows[0][2]}
