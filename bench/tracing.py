@@ -19,9 +19,11 @@ where the cost lands: CPU time per request of each process (gateway, prefill, de
 the mean decode batch (the decode worker's `distserve_engine_step_*` metrics), median over rounds,
 since a traced mesh could lose throughput by batching worse rather than by its spans' work (on 2
 cores the same load has run between ~900 and ~6,000 decode steps a round, either way).
-Traced meshes export every 100 ms and each round ends with a 0.3 s pause, so that a mesh's
-exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
-mesh's. Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
+Traced meshes export every 100 ms (`--export-delay-s`) and each round ends with a pause of three
+of those, so that a mesh's exports (and, for OTLP, the receiver's decoding) fall in its own
+round, never in the next mesh's. `--concurrency 1` holds the batching fixed (every request
+decodes alone). Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of
+file and otlp).
 Run: `python bench/tracing.py`.
 """
 
@@ -139,6 +141,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=50)
+    ap.add_argument(
+        "--export-delay-s",
+        type=float,
+        default=EXPORT_DELAY_S,
+        help="the traced meshes' OTEL_BSP_SCHEDULE_DELAY, in seconds",
+    )
     args = ap.parse_args()
     model = default_model("tiny")
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +159,7 @@ def main() -> None:
     with Receiver() as receiver:
         # Spans leave within 100 ms (the SDK's default is every 5 s), so that a round's exports
         # run in that round and the pause after it, not in the next mesh's round.
-        export = {"OTEL_BSP_SCHEDULE_DELAY": str(int(EXPORT_DELAY_S * 1000))}
+        export = {"OTEL_BSP_SCHEDULE_DELAY": str(int(args.export_delay_s * 1000))}
         envs = {
             "off": {},
             "file": {**export, "DISTSERVE_TRACE_FILE": str(spans_file)},
@@ -175,7 +183,7 @@ def main() -> None:
                     mesh = meshes[name]
                     before, steps_before = cpu_seconds(mesh), decode_steps(mesh)
                     rates[name].append(load(mesh.gateway_address))
-                    time.sleep(3 * EXPORT_DELAY_S)  # its last spans go out
+                    time.sleep(3 * args.export_delay_s)  # its last spans go out
                     n, seqs = (a - b for a, b in zip(decode_steps(mesh), steps_before, strict=True))
                     steps[name].append((n / len(prompts), seqs / n if n else 0.0))
                     for proc, seconds in cpu_seconds(mesh).items():
@@ -259,6 +267,7 @@ def main() -> None:
         "requests_per_round": args.requests,
         "new_tokens": args.new_tokens,
         "concurrency": args.concurrency,
+        "export_delay_s": args.export_delay_s,
         "tok_per_s_off": round(median["off"], 1),
         "tok_per_s_file": round(median["file"], 1),
         "tok_per_s_otlp": round(median["otlp"], 1),
