@@ -1,13 +1,17 @@
-"""What ucxx's progress modes cost a message: round trips and idle CPU, two processes.
+"""What UCX progress modes cost a message: round trips and idle CPU, two processes.
 
 The mesh runs UCX in ucxx's `thread` mode with Python futures (services.kvtransfer.transports.
 UCX_DEFAULTS): a UCX progress thread, a notifier thread that hands completions to the event loop,
 and the loop. A message's arrival therefore crosses three threads on the receiving side. This
 bench measures what that costs against ucxx's `blocking` mode (the event loop progresses UCX
 itself when the worker's file descriptor is readable; ucxx then waits for each request by
-yielding to the loop in a loop), in one run, between two processes on one host (shared memory):
-  * ping-pong round trips of 1 KiB (a request or status frame) and 1 MiB (a small chunk): p10,
-    p50, p90 and p99 over `--round-trips` after a warm-up;
+yielding to the loop in a loop) and against `evloop`, a prototype of the step that would take
+both's strengths (`LoopProgress` below: the loop progresses UCX when the descriptor is readable
+and completes each request's future itself; no extra thread, nothing spinning), in one run,
+between two processes on one host (shared memory):
+  * round trips of 1 KiB (a request or status frame) and 1 MiB (a small chunk), each an 8-byte
+    header and the payload one way and the payload back: p10, p50, p90 and p99 over
+    `--round-trips` after a warm-up;
   * the CPU each process spends idle for `--idle-s` seconds with one receive posted (a chunk
     server always has one), and its progress thread's wake-ups per second.
 Prints a table and one JSON line. Run: `python bench/ucx_modes.py` (about a minute).
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODES = {
     "thread": {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"},
     "blocking": {"UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
+    "evloop": {},  # LoopProgress: ucxx's low-level API, not its async layer
 }
 SIZES = {"1KiB": 1024, "1MiB": 2**20}
 TCK = os.sysconf("SC_CLK_TCK")
@@ -50,10 +55,117 @@ def wakeups(pid: int) -> int:
     return total
 
 
-async def echo_server() -> None:
+class LoopProgress:
+    """The prototype measured as `evloop`: UCX progressed on the asyncio loop when the worker's
+    file descriptor is readable, and each request's future completed from there (ucxx's
+    low-level API; no progress or notifier thread, no yielding loop: an idle process sleeps).
+    One connection per process, tags fixed per direction (a real transport needs a tag
+    namespace per connection: UCX matches tags across a worker's endpoints)."""
+
+    def __init__(self) -> None:
+        import ucxx._lib.libucxx as ucx_api
+
+        self.api = ucx_api
+        self.context = ucx_api.UCXContext({})
+        self.worker = ucx_api.UCXWorker(
+            self.context, enable_delayed_submission=False, enable_python_future=False
+        )
+        self.worker.init_blocking_progress_mode()
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict = {}  # request -> its future
+        self.scheduled = False
+        self.loop.add_reader(self.worker.epoll_file_descriptor, self.kick)
+
+    def kick(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        self.scheduled = False
+        while self.worker.progress():
+            pass
+        for request in [r for r in self.pending if r.completed]:
+            self._settle(request, self.pending.pop(request))
+        if not self.worker.arm():  # events arrived meanwhile: progress again
+            self.kick()
+
+    @staticmethod
+    def _settle(request, future) -> None:
+        if future.done():
+            return
+        try:
+            request.check_error()
+            future.set_result(None)
+        except Exception as e:
+            future.set_exception(e)
+
+    def track(self, request) -> asyncio.Future:
+        future = self.loop.create_future()
+        if request.completed:
+            self._settle(request, future)
+        else:
+            self.pending[request] = future
+            self.kick()
+        return future
+
+    def listen(self, handle) -> int:
+        def accepted(ep) -> None:
+            self.loop.create_task(handle(LoopEndpoint(self, ep, send_tag=2, recv_tag=1)))
+
+        self.listener = self.api.UCXListener.create(
+            worker=self.worker, port=0, cb_func=accepted, cb_args=(), deliver_endpoint=True
+        )
+        self.kick()
+        return self.listener.port
+
+    def connect(self, host: str, port: int) -> LoopEndpoint:
+        ep = self.api.UCXEndpoint.create(self.worker, host, port, True)
+        self.kick()
+        return LoopEndpoint(self, ep, send_tag=1, recv_tag=2)
+
+
+class LoopEndpoint:
+    def __init__(self, progress: LoopProgress, ep, send_tag: int, recv_tag: int) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self._array, self._mask = Array, TagMaskFull
+        self.progress, self.ep = progress, ep
+        self.send_tag, self.recv_tag = Tag(send_tag), Tag(recv_tag)
+
+    async def send(self, buffer) -> None:
+        await self.progress.track(self.ep.tag_send(self._array(buffer), self.send_tag))
+
+    async def recv(self, buffer) -> None:
+        request = self.ep.tag_recv(self._array(buffer), self.recv_tag, self._mask)
+        await self.progress.track(request)
+
+    async def close(self) -> None:
+        self.ep.close()
+
+
+def listen(mode: str, handle) -> int:
+    if mode == "evloop":
+        return LoopProgress().listen(handle)
+    import ucxx
+
+    global _listener  # kept alive while the server runs
+    _listener = ucxx.create_listener(handle, 0)
+    return _listener.port
+
+
+async def connect(mode: str, port: int):
+    if mode == "evloop":
+        return LoopProgress().connect("127.0.0.1", port)
+    import ucxx
+
+    return await ucxx.create_endpoint("127.0.0.1", port)
+
+
+async def echo_server(mode: str) -> None:
     """Echoes every message back; prints its port."""
     import numpy as np
-    import ucxx
 
     async def handle(ep) -> None:
         buf = np.empty(max(SIZES.values()), dtype=np.uint8)
@@ -67,8 +179,7 @@ async def echo_server() -> None:
         except Exception:
             pass  # the client closed its endpoint
 
-    listener = ucxx.create_listener(handle, 0)
-    print(listener.port, flush=True)
+    print(listen(mode, handle), flush=True)
     await asyncio.Event().wait()
 
 
@@ -80,11 +191,10 @@ async def _recv_header(ep):
     return header
 
 
-async def client(port: int, server_pid: int, round_trips: int, idle_s: float) -> dict:
+async def client(mode: str, port: int, server_pid: int, round_trips: int, idle_s: float) -> dict:
     import numpy as np
-    import ucxx
 
-    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    ep = await connect(mode, port)
     out: dict = {"rtt_us": {}}
     for name, size in SIZES.items():
         data = np.zeros(size, dtype=np.uint8)
@@ -121,12 +231,12 @@ def run_mode(mode: str, round_trips: int, idle_s: float) -> dict:
 
     env = {**os.environ, **UCX_DEFAULTS, **MODES[mode], "UCX_TLS": "tcp,sm,cma,self"}
     me = [sys.executable, os.path.abspath(__file__)]
-    server = subprocess.Popen([*me, "--serve"], stdout=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen([*me, "--serve", mode], stdout=subprocess.PIPE, text=True, env=env)
     try:
         port = server.stdout.readline().strip()
         limits = ("--round-trips", str(round_trips), "--idle-s", str(idle_s))
         result = subprocess.run(
-            [*me, "--client", port, "--server-pid", str(server.pid), *limits],
+            [*me, "--client", port, "--mode", mode, "--server-pid", str(server.pid), *limits],
             capture_output=True,
             text=True,
             env=env,
@@ -143,21 +253,25 @@ def run_mode(mode: str, round_trips: int, idle_s: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--client", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--round-trips", type=int, default=1000)
     ap.add_argument("--idle-s", type=float, default=5.0)
     args = ap.parse_args()
     if args.serve:
-        asyncio.run(echo_server())
+        asyncio.run(echo_server(args.serve))
         return
     if args.client:
-        result = asyncio.run(client(args.client, args.server_pid, args.round_trips, args.idle_s))
+        result = asyncio.run(
+            client(args.mode, args.client, args.server_pid, args.round_trips, args.idle_s)
+        )
         print(json.dumps(result))
-        import ucxx
+        if args.mode != "evloop":
+            import ucxx
 
-        ucxx.stop_notifier_thread()
+            ucxx.stop_notifier_thread()
         return
 
     results = {mode: run_mode(mode, args.round_trips, args.idle_s) for mode in MODES}
@@ -175,7 +289,7 @@ def main() -> None:
             f"{mode:10} idle, one receive posted: CPU {cpu['server']} / {cpu['client']} ms a "
             f"second (server / client), {wake['server']} / {wake['client']} wake-ups a second"
         )
-    thread, blocking = results["thread"], results["blocking"]
+    p50 = {mode: r["rtt_us"]["1KiB"]["p50"] for mode, r in results.items()}
     print(
         json.dumps(
             {
@@ -183,9 +297,8 @@ def main() -> None:
                 "cpu_count": os.cpu_count(),
                 "round_trips": args.round_trips,
                 **{f"{mode}_{k}": v for mode, r in results.items() for k, v in r.items()},
-                "rtt_p50_thread_over_blocking_1KiB": round(
-                    thread["rtt_us"]["1KiB"]["p50"] / blocking["rtt_us"]["1KiB"]["p50"], 1
-                ),
+                "rtt_p50_thread_over_blocking_1KiB": round(p50["thread"] / p50["blocking"], 1),
+                "rtt_p50_thread_over_evloop_1KiB": round(p50["thread"] / p50["evloop"], 1),
             }
         )
     )
