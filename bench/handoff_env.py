@@ -10,7 +10,7 @@ when prefill has returned), alternating between the meshes, so both see the same
 shared host: sequential runs of one setting, then the other, swing by more than the settings
 differ (docs/benchmarks.md). Reported: each pull's time (admission to KV resident, from the
 decode instance) after a warm-up, and the medians. Prints a table and one JSON line.
-Run: `python bench/handoff_env.py --b-env UCX_USE_MT_MUTEX=n` (about 2 minutes here).
+Run: `python bench/handoff_env.py --b-env UCX_CMA_MEMORY_INVALIDATE=n` (about 2 minutes here).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ In one run:
     fallback, beside memcpy measured in the same run; medians of 3 pulls after a warm-up. UCX
     runs with the workers' settings (services.kvtransfer.transports.UCX_DEFAULTS); the two
     processes are left to the scheduler, or with `--pin` pinned to a core each, as a mesh's
-    `--pin` workers are (on 2 cores pinning costs the transport: UCX's progress thread then
-    shares one core with the process's event loop; 5.7 GB/s pinned against 8.5 unpinned at
-    64 MiB alone, 2.8 against 3.3 for a pull, in two runs of 2026-12-01);
-  * over each UCX transport, the transport alone: one ucxx message of the whole size between
+    `--pin` workers are (on 2 cores pinning costs the transport: each process's copying,
+    hashing and event loop then share one core);
+  * over each UCX transport, the transport alone: one UCX message of the whole size between
     the same two processes (no chunks, no checksums), so the pull's own cost shows;
   * the handoff on the `small` model (1 prefill + 1 decode, pinned, direct Prefill and Decode
     calls): prefill compute time and pull time (prefill finished -> KV resident on decode) for
@@ -125,26 +124,27 @@ async def serve(sizes: list[int]) -> None:
 
 
 def raw_server(data: np.ndarray):
-    """The transport alone, for comparison: a plain ucxx listener that answers an 8-byte size
-    with one message of that many bytes (no chunks, no checksums, no protocol)."""
-    import ucxx
+    """The transport alone, for comparison: a plain UCX listener (the mesh's, on the event
+    loop) that answers an 8-byte size with one message of that many bytes (no chunks, no
+    checksums, no protocol)."""
+    from services.kvtransfer import ucx_loop
 
     async def serve_endpoint(ep) -> None:
         ask = np.empty(1, dtype=np.int64)
         try:
             while True:
                 await ep.recv(ask)
-                await ep.send(data[: int(ask[0])])
+                await ep.send(data[: int(ask[0])], 1)
         except Exception:
             pass  # the puller closed its endpoint
 
-    return ucxx.create_listener(serve_endpoint, 0)
+    return ucx_loop.worker().listen(serve_endpoint)
 
 
 async def raw_pull(port: int, sizes: list[int]) -> dict[int, float]:
-    import ucxx
+    from services.kvtransfer import ucx_loop
 
-    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    ep = await ucx_loop.worker().connect("127.0.0.1", port)
     rates = {}
     for size in sizes:
         dst = np.empty(size, dtype=np.uint8)
@@ -152,7 +152,7 @@ async def raw_pull(port: int, sizes: list[int]) -> dict[int, float]:
         for _ in range(4):  # the first is a warm-up
             t = time.perf_counter()
             await ep.send(np.array([size], dtype=np.int64))
-            await ep.recv(dst)
+            await ep.recv(dst, 1)
             times.append(time.perf_counter() - t)
         rates[size] = size / statistics.median(times[1:]) / 1e9
     await ep.close()
@@ -343,7 +343,7 @@ def main() -> None:
     cpu = os.popen("grep -m1 'model name' /proc/cpuinfo").read().split(":")[-1].strip()
     print(f"\nKV transfer benchmark: {cpu}, {os.cpu_count()} cpus; memcpy {memcpy:.2f} GB/s")
     print(f"pulls ({args.chunk_mib} MiB chunks, window {args.window}, checksummed), and raw: one")
-    print("ucxx message of the whole size, the transport alone")
+    print("UCX message of the whole size, the transport alone")
     columns = [(t, rates[t]) for t in TRANSPORTS] + [(f"{t}_raw", r) for t, r in raw.items()]
     print(f"{'size':>10}" + "".join(f"{name:>12}" for name, _ in columns) + "   GB/s")
     for s in sizes:

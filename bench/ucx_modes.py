@@ -1,14 +1,13 @@
 """What UCX progress modes cost a message: round trips and idle CPU, two processes.
 
-The mesh runs UCX in ucxx's `thread` mode with Python futures (services.kvtransfer.transports.
-UCX_DEFAULTS): a UCX progress thread, a notifier thread that hands completions to the event loop,
-and the loop. A message's arrival therefore crosses three threads on the receiving side. This
-bench measures what that costs against ucxx's `blocking` mode (the event loop progresses UCX
-itself when the worker's file descriptor is readable; ucxx then waits for each request by
-yielding to the loop in a loop) and against `evloop`, a prototype of the step that would take
-both's strengths (`LoopProgress` below: the loop progresses UCX when the descriptor is readable
-and completes each request's future itself; no extra thread, nothing spinning), in one run,
-between two processes on one host (shared memory):
+ucxx's async layer has a `thread` mode (with Python futures: a UCX progress thread, a notifier
+thread that hands completions to the event loop, and the loop; a message's arrival crosses three
+threads) and a `blocking` mode (the event loop progresses UCX itself when the worker's file
+descriptor is readable; ucxx then waits for each request by yielding to the loop in a loop).
+This bench measures both against `evloop`, the mesh's own
+(services/kvtransfer/ucx_loop.py: the loop progresses UCX when the descriptor is readable and
+completes each request's future itself; no extra thread, nothing spinning), in one run, between
+two processes on one host (shared memory):
   * round trips of 1 KiB (a request or status frame) and 1 MiB (a small chunk), each an 8-byte
     header and the payload one way and the payload back: p10, p50, p90 and p99 over
     `--round-trips` after a warm-up;
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODES = {
     "thread": {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"},
     "blocking": {"UCXPY_PROGRESS_MODE": "blocking", "UCXPY_ENABLE_PYTHON_FUTURE": "0"},
-    "evloop": {},  # LoopProgress: ucxx's low-level API, not its async layer
+    "evloop": {},  # the mesh's: services/kvtransfer/ucx_loop.py, on ucxx's low-level API
 }
 SIZES = {"1KiB": 1024, "1MiB": 2**20}
 TCK = os.sysconf("SC_CLK_TCK")
@@ -55,109 +54,24 @@ def wakeups(pid: int) -> int:
     return total
 
 
-class LoopProgress:
-    """The prototype measured as `evloop`: UCX progressed on the asyncio loop when the worker's
-    file descriptor is readable, and each request's future completed from there (ucxx's
-    low-level API; no progress or notifier thread, no yielding loop: an idle process sleeps).
-    One connection per process, tags fixed per direction (a real transport needs a tag
-    namespace per connection: UCX matches tags across a worker's endpoints)."""
-
-    def __init__(self) -> None:
-        import ucxx._lib.libucxx as ucx_api
-
-        self.api = ucx_api
-        self.context = ucx_api.UCXContext({})
-        self.worker = ucx_api.UCXWorker(
-            self.context, enable_delayed_submission=False, enable_python_future=False
-        )
-        self.worker.init_blocking_progress_mode()
-        self.loop = asyncio.get_running_loop()
-        self.pending: dict = {}  # request -> its future
-        self.scheduled = False
-        self.loop.add_reader(self.worker.epoll_file_descriptor, self.kick)
-
-    def kick(self) -> None:
-        if not self.scheduled:
-            self.scheduled = True
-            self.loop.call_soon(self._progress)
-
-    def _progress(self) -> None:
-        self.scheduled = False
-        while self.worker.progress():
-            pass
-        for request in [r for r in self.pending if r.completed]:
-            self._settle(request, self.pending.pop(request))
-        if not self.worker.arm():  # events arrived meanwhile: progress again
-            self.kick()
-
-    @staticmethod
-    def _settle(request, future) -> None:
-        if future.done():
-            return
-        try:
-            request.check_error()
-            future.set_result(None)
-        except Exception as e:
-            future.set_exception(e)
-
-    def track(self, request) -> asyncio.Future:
-        future = self.loop.create_future()
-        if request.completed:
-            self._settle(request, future)
-        else:
-            self.pending[request] = future
-            self.kick()
-        return future
-
-    def listen(self, handle) -> int:
-        def accepted(ep) -> None:
-            self.loop.create_task(handle(LoopEndpoint(self, ep, send_tag=2, recv_tag=1)))
-
-        self.listener = self.api.UCXListener.create(
-            worker=self.worker, port=0, cb_func=accepted, cb_args=(), deliver_endpoint=True
-        )
-        self.kick()
-        return self.listener.port
-
-    def connect(self, host: str, port: int) -> LoopEndpoint:
-        ep = self.api.UCXEndpoint.create(self.worker, host, port, True)
-        self.kick()
-        return LoopEndpoint(self, ep, send_tag=1, recv_tag=2)
-
-
-class LoopEndpoint:
-    def __init__(self, progress: LoopProgress, ep, send_tag: int, recv_tag: int) -> None:
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag, TagMaskFull
-
-        self._array, self._mask = Array, TagMaskFull
-        self.progress, self.ep = progress, ep
-        self.send_tag, self.recv_tag = Tag(send_tag), Tag(recv_tag)
-
-    async def send(self, buffer) -> None:
-        await self.progress.track(self.ep.tag_send(self._array(buffer), self.send_tag))
-
-    async def recv(self, buffer) -> None:
-        request = self.ep.tag_recv(self._array(buffer), self.recv_tag, self._mask)
-        await self.progress.track(request)
-
-    async def close(self) -> None:
-        self.ep.close()
-
-
 def listen(mode: str, handle) -> int:
-    if mode == "evloop":
-        return LoopProgress().listen(handle)
-    import ucxx
-
     global _listener  # kept alive while the server runs
-    _listener = ucxx.create_listener(handle, 0)
+    if mode == "evloop":
+        from services.kvtransfer import ucx_loop
+
+        _listener = ucx_loop.worker().listen(handle)
+    else:
+        import ucxx
+
+        _listener = ucxx.create_listener(handle, 0)
     return _listener.port
 
 
 async def connect(mode: str, port: int):
     if mode == "evloop":
-        return LoopProgress().connect("127.0.0.1", port)
+        from services.kvtransfer import ucx_loop
+
+        return await ucx_loop.worker().connect("127.0.0.1", port)
     import ucxx
 
     return await ucxx.create_endpoint("127.0.0.1", port)

@@ -7,8 +7,8 @@ puller's window decides how many move at a time), checksums them (xxh3-64) meanw
 every chunk is out sends one KvChunkStatus frame on tag 2*t with the checksums, which the puller
 verifies. A refused request gets its status and a one-byte filler on each data tag: the filler
 completes the receive the puller posted in advance. One request of many chunks, not a request,
-a status and the data per chunk: every UCX message costs about a millisecond of fixed time here
-(docs/benchmarks.md, "KV transfer").
+a status and the data per chunk: every UCX message has a fixed cost (~0.13 ms one way on 2
+cores, `bench/ucx_modes.py`). Tags are the connection's own (services/kvtransfer/ucx_loop.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import os
 import numpy as np
 
 from services.common.errors import DistServeError
-from services.kvtransfer import wire
+from services.kvtransfer import ucx_loop, wire
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted, ranges
-from services.kvtransfer.transports import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -41,12 +40,8 @@ class ChunkServer:
         self.requests_served = 0  # answered with every chunk's data and a status
 
     def start(self, port: int = 0) -> int:
-        import ucxx  # only hosts that serve over UCX need it
-
-        # The handshake of each connection runs to its end (see transports.HANDSHAKE_TIMEOUT_S).
-        self._listener = ucxx.create_listener(
-            self._serve_endpoint, port=port, connect_timeout=HANDSHAKE_TIMEOUT_S
-        )
+        """Listen on `port` (0: any free one), from the running event loop; returns the port."""
+        self._listener = ucx_loop.worker().listen(self._serve_endpoint, port)
         self.port = self._listener.port
         return self.port
 
@@ -74,6 +69,7 @@ class ChunkServer:
         finally:
             for task in tasks:
                 task.cancel()
+            ep.abort()
 
     async def _serve_request(self, ep, req) -> None:
         status_tag = 2 * req.tag
@@ -103,7 +99,7 @@ class ChunkServer:
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
                 status = wire.encode(await self.source.status(chunks))
-                await asyncio.wait_for(ep.send(status, tag=status_tag), SEND_TIMEOUT_S)
+                await asyncio.wait_for(ep.send(status, status_tag), SEND_TIMEOUT_S)
                 self.requests_served += len(sent) == len(chunks)
             except asyncio.CancelledError:
                 # The lease ended (released, lapsed, drained) before the answer went out: say
@@ -139,12 +135,12 @@ class ChunkServer:
             await self._send_faulty(ep, chunk, tag, sent)
             return
         # Posted first, sealed meanwhile (in place: its blocks' checksums are taken already).
-        send = asyncio.ensure_future(ep.send(chunk.data, tag=tag))
+        send = ep.send(chunk.data, tag)
         try:
             await self.source.seal(chunk)
             await asyncio.wait_for(send, SEND_TIMEOUT_S)
         finally:
-            send.cancel()  # cut off (no-op once it completed)
+            send.cancel()  # no longer waited for (UCX's send goes on until the puller's end)
         sent.add(tag)
 
     async def _send_faulty(self, ep, chunk, tag: int, sent: set[int]) -> None:
@@ -160,7 +156,7 @@ class ChunkServer:
             await asyncio.sleep(fault.seconds)
         if fault.kind == "corrupt":
             data = corrupted(data)  # the checksum is the original's
-        await asyncio.wait_for(ep.send(data, tag=tag), SEND_TIMEOUT_S)
+        await asyncio.wait_for(ep.send(data, tag), SEND_TIMEOUT_S)
         sent.add(tag)
 
 
@@ -170,8 +166,8 @@ async def _refuse(
     """A refusal: its status, then a filler that completes each posted data receive."""
     refusal = wire.encode(wire.ChunkStatus(ok=False, error=error))
     try:
-        await asyncio.wait_for(ep.send(refusal, tag=status_tag), timeout_s)
+        await asyncio.wait_for(ep.send(refusal, status_tag), timeout_s)
         for tag in data_tags:
-            await asyncio.wait_for(ep.send(_FILLER, tag=tag), timeout_s)
+            await asyncio.wait_for(ep.send(_FILLER, tag), timeout_s)
     except Exception as e:
         log.warning("refusal send failed: %s", e)

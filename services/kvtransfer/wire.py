@@ -28,7 +28,8 @@ FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many
 THREAD_CHECKSUM_BYTES = 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
-# UCX's progress thread, which does the copying: a pull of 64 MiB over shared memory went from
+# the thread that does the copying (then UCX's progress thread; the event loop since UCX runs
+# on it, services/kvtransfer/ucx_loop.py): a pull of 64 MiB over shared memory went from
 # 4.2-4.3 GB/s to 4.6-4.7 with one thread, the puller's CPU from 19.5 to 17.9 ms a pull
 # (docs/benchmarks.md). xxh3 hashes ~30 GB/s a thread, faster than any copy on the same cores.
 # Sized at first use, after a `--pin` worker has pinned itself.

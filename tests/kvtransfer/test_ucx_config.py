@@ -17,14 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_workers_turn_on_shared_memory_and_keep_what_the_environment_says(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in [*UCX_DEFAULTS, "UCX_TLS"]}
-    env["UCXPY_PROGRESS_MODE"] = "blocking"  # an operator's choice
+    env["UCX_CMA_MEMORY_INVALIDATE"] = "n"  # an operator's choice
     monkeypatch.setattr(os, "environ", env)  # this process's own environment stays as it was
     configure_ucx(argparse.Namespace(ucx_tls="tcp,sm,self"))
 
-    # Without it UCX leaves sysv/posix out of every endpoint ucxx's listeners create.
+    # Without it UCX leaves sysv/posix out of every endpoint our listeners accept.
     assert os.environ["UCX_MM_ERROR_HANDLING"] == "y"
-    assert os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] == "1"
-    assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"
+    assert os.environ["UCX_CMA_MEMORY_INVALIDATE"] == "n"
     assert os.environ["UCX_TLS"] == "tcp,sm,self"
 
 
@@ -35,27 +34,28 @@ _PEER = r"""
 import asyncio, ctypes, os, sys
 from services.kvtransfer.transports import configure_ucx, shutdown_ucx
 configure_ucx()
-import libucx, numpy as np, ucxx
+import libucx, numpy as np
+from services.kvtransfer import ucx_loop
 
 async def listen():
     got = asyncio.Event()
     async def serve(ep):
         await ep.recv(np.empty(1 << 20, dtype=np.uint8))
         got.set()
-    listener = ucxx.create_listener(serve, 0)
+    listener = ucx_loop.worker().listen(serve)
     print(listener.port, flush=True)
     await asyncio.wait_for(got.wait(), 60)
     await asyncio.sleep(0.1)
 
 async def connect(port):
-    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    ep = await ucx_loop.worker().connect("127.0.0.1", port)
     await ep.send(np.ones(1 << 20, dtype=np.uint8))
     ucp = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
     libc = ctypes.CDLL(None)
     libc.open_memstream.restype = ctypes.c_void_p
     text, size = ctypes.c_char_p(), ctypes.c_size_t()
     stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(text), ctypes.byref(size)))
-    ucp.ucp_ep_print_info(ctypes.c_void_p(ep.ucp_endpoint), stream)
+    ucp.ucp_ep_print_info(ctypes.c_void_p(ep.ucp_handle), stream)
     libc.fclose(stream)
     print(text.value.decode(), flush=True)
     await ep.close()
@@ -111,7 +111,7 @@ _INHERITED = {"UCX_MM_ERROR_HANDLING": ("UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ER
 def test_ucx_reads_every_setting_the_workers_make(monkeypatch):
     # Workers silence UCX's warning about variables it does not know (UCX_WARN_UNUSED_ENV_VARS),
     # so a misspelt or renamed setting would be dropped without a word: ask UCX itself.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     monkeypatch.setattr(os, "environ", env)
     configure_ucx()
     import libucx

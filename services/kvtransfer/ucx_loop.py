@@ -1,0 +1,336 @@
+"""UCX progressed on the event loop: the data plane's listeners, endpoints and messages.
+
+ucxx's async layer offers two ways to wait for UCX, and both cost the data plane dearly
+(`bench/ucx_modes.py`, docs/benchmarks.md): in its `thread` mode a message's arrival crosses
+three threads (UCX's progress thread, ucxx's notifier thread, the event loop), ~0.6 ms a round
+trip of 1 KiB on 2 cores, and the progress thread wakes ~900 times a second even idle; in its
+`blocking` mode each wait yields to the loop in a loop, so a process with a receive posted (a
+chunk server always has one) spins a core. Here the loop progresses the worker when the
+worker's file descriptor is readable, completes each request's future itself and re-arms the
+worker: one hop per message (~0.2 ms a round trip), and an idle process sleeps. Built on
+ucxx's low-level API (`ucxx._lib.libucxx`).
+
+UCX matches tags across all of a worker's endpoints, so every connection has a namespace of
+its own: the connecting side picks a 31-bit id, sends it over UCX's per-endpoint stream API and
+waits for the listener to echo it (the handshake); a message's UCX tag is its tag (32 bits)
+under the id, with the top bit set on messages to the listening side (so a worker's outgoing
+and accepted connections never share a namespace, whatever ids their peers picked).
+
+A buffer given to a request is referenced here until UCX completes the request (with its data
+or an error), whatever happens to the waiter: a request is never cancelled, and a receive that
+is given up on (a timeout, a cancelled task) cannot write into freed memory. To end the
+requests of a connection, abort its endpoint: UCX then completes them with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+log = logging.getLogger("distserve.kvtransfer")
+
+TAG_BITS = 32
+TAG_MASK = (1 << TAG_BITS) - 1
+ID_BITS = 31
+TO_LISTENER = 1 << 63
+ACCEPT_TIMEOUT_S = 30.0  # how long a listener waits for a new connection's handshake
+# Longest stretch of progress before the loop runs its other callbacks. UCX copies KV between
+# processes inside `progress` (512 KiB a call, UCX_CMA_SEG_SIZE): without a bound, a pull of
+# many chunks was copied whole before any chunk's completion was delivered, and no chunk's
+# checksum could overlap the copying of the next.
+PROGRESS_SLICE_S = 0.0005
+
+_workers: dict[asyncio.AbstractEventLoop, UcxWorker] = {}
+
+
+def worker() -> UcxWorker:
+    """The UCX worker of the running event loop (created on first use; those of loops that
+    have closed are closed then)."""
+    loop = asyncio.get_running_loop()
+    w = _workers.get(loop)
+    if w is None:
+        for old in [old for old in _workers if old.is_closed()]:
+            _workers.pop(old).close()
+        w = _workers[loop] = UcxWorker(loop)
+    return w
+
+
+def shutdown() -> None:
+    """Close every worker's listeners and endpoints (a process about to exit)."""
+    for w in list(_workers.values()):
+        w.close()
+    _workers.clear()
+
+
+class UcxWorker:
+    """One UCX worker, progressed by its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self._api, self._array, self._tag, self._mask = ucx_api, Array, Tag, TagMaskFull
+        self.loop = loop
+        self.context = ucx_api.UCXContext({})
+        self.worker = ucx_api.UCXWorker(
+            self.context, enable_delayed_submission=False, enable_python_future=False
+        )
+        self.worker.init_blocking_progress_mode()
+        self._fd = self.worker.epoll_file_descriptor
+        self._pending: dict[object, tuple[asyncio.Future, object]] = {}  # request -> (future, buf)
+        self._scheduled = False
+        self._closed = False
+        self._ids: dict[bool, set[int]] = {True: set(), False: set()}  # by listening side
+        self._endpoints: weakref.WeakSet = weakref.WeakSet()
+        self._listeners: weakref.WeakSet = weakref.WeakSet()
+        loop.add_reader(self._fd, self.kick)
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Progress the worker soon (once, however many ask)."""
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        deadline = time.perf_counter() + PROGRESS_SLICE_S
+        more = False
+        while self.worker.progress():
+            if time.perf_counter() > deadline:
+                more = True
+                break
+        if self._pending:
+            for request in [r for r in self._pending if r.completed]:
+                future, _buffer = self._pending.pop(request)
+                _settle(request, future)
+        # Armed, the worker's descriptor wakes the loop on the next event; not armed (events
+        # came in meanwhile) or cut short, progress again after the loop's other callbacks.
+        if more or not self.worker.arm():
+            self.kick()
+
+    def track(self, request, buffer) -> asyncio.Future:
+        """A future of the request's completion; `buffer` is kept until UCX completes it."""
+        future = self.loop.create_future()
+        future.add_done_callback(_retrieved)  # an abandoned wait's error is no news
+        if request.completed:
+            _settle(request, future)
+        else:
+            self._pending[request] = (future, buffer)
+            self.kick()
+        return future
+
+    def array(self, buffer):
+        return self._array(buffer)
+
+    def tag(self, value: int):
+        return self._tag(value)
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def listen(
+        self, handler: Callable[[UcxEndpoint], Awaitable[None]], port: int = 0
+    ) -> UcxListener:
+        """Accept connections on `port` (0: any free one); each runs `handler(endpoint)` as a
+        task once its handshake is done."""
+        listener = UcxListener(self, handler)
+        listener.listener = self._api.UCXListener.create(
+            worker=self.worker,
+            port=port,
+            cb_func=listener.accepted,
+            cb_args=(),
+            deliver_endpoint=True,
+        )
+        self._listeners.add(listener)
+        self.kick()
+        return listener
+
+    async def connect(self, host: str, port: int) -> UcxEndpoint:
+        """An endpoint to a listener, once its handshake is done. Raises ConnectionError when
+        the peer cannot be reached or refuses; never returns before the handshake ended (its
+        buffers stay referenced until UCX completes its requests)."""
+        conn_id = self._new_conn_id()
+        ep = self._api.UCXEndpoint.create(self.worker, host, port, True)
+        self.kick()
+        endpoint = UcxEndpoint(self, ep, conn_id, listening=False)
+        try:
+            hello = np.array([conn_id], dtype="<u8")
+            answer = np.zeros(1, dtype="<u8")
+            sent = self.track(ep.stream_send(self._array(hello)), hello)
+            got = self.track(ep.stream_recv(self._array(answer)), answer)
+            await sent
+            await got
+        except BaseException as e:
+            endpoint.abort()
+            if isinstance(e, Exception):
+                raise ConnectionError(f"UCX connection to {host}:{port} failed: {e}") from e
+            raise
+        if int(answer[0]) != conn_id:
+            endpoint.abort()
+            raise ConnectionError(f"UCX connection to {host}:{port} refused")
+        return endpoint
+
+    def _new_conn_id(self) -> int:
+        while True:
+            conn_id = secrets.randbits(ID_BITS)
+            if conn_id and conn_id not in self._ids[False]:
+                self._ids[False].add(conn_id)
+                return conn_id
+
+    def close(self) -> None:
+        """Stop listening and abort every endpoint (the loop may have stopped or closed)."""
+        if self._closed:
+            return
+        self._closed = True
+        for listener in list(self._listeners):
+            listener.close()
+        for endpoint in list(self._endpoints):
+            endpoint.abort()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._fd)
+            for future, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("UCX worker closed"))
+        self._pending.clear()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _settle(request, future: asyncio.Future) -> None:
+    if future.done():  # nobody waits any more: the request only had to complete
+        return
+    try:
+        request.check_error()
+    except Exception as e:
+        future.set_exception(ConnectionError(str(e) or type(e).__name__))
+    else:
+        future.set_result(None)
+
+
+class UcxListener:
+    def __init__(self, worker: UcxWorker, handler) -> None:
+        self.worker, self.handler = worker, handler
+        self.listener = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    def accepted(self, ep) -> None:
+        """A new connection (called while the worker progresses): its handshake, then the
+        handler, as a task."""
+        task = self.worker.loop.create_task(self._handshake(ep))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handshake(self, ep) -> None:
+        w = self.worker
+        hello = np.zeros(1, dtype="<u8")
+        try:
+            await asyncio.wait_for(w.track(ep.stream_recv(w.array(hello)), hello), ACCEPT_TIMEOUT_S)
+        except Exception as e:
+            log.debug("a UCX connection ended before its handshake: %s", e)
+            _abort(ep)
+            return
+        conn_id = int(hello[0])
+        ok = 0 < conn_id < 1 << ID_BITS and conn_id not in w._ids[True]
+        answer = np.array([conn_id if ok else 0], dtype="<u8")
+        endpoint = UcxEndpoint(w, ep, conn_id if ok else 0, listening=True)
+        try:
+            await w.track(ep.stream_send(w.array(answer)), answer)
+        except Exception as e:
+            log.debug("a UCX connection ended in its handshake: %s", e)
+            endpoint.abort()
+            return
+        if not ok:  # the peer sees the refusal and tries another id
+            endpoint.abort()
+            return
+        w._ids[True].add(conn_id)
+        await self.handler(endpoint)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.listener = None  # ucxx stops listening when its listener is freed
+
+
+class UcxEndpoint:
+    """One connection: tagged messages in its own namespace."""
+
+    def __init__(self, worker: UcxWorker, ep, conn_id: int, listening: bool) -> None:
+        self.worker, self._ep, self.conn_id, self.listening = worker, ep, conn_id, listening
+        base = conn_id << TAG_BITS
+        self._send_base = base if listening else base | TO_LISTENER
+        self._recv_base = base | TO_LISTENER if listening else base
+        self._aborted = False
+        worker._endpoints.add(self)
+
+    @property
+    def ucp_handle(self) -> int:
+        """The UCP endpoint (`ucp_ep_h`) as an integer, for UCX's own C API."""
+        return self._ep.handle
+
+    @property
+    def closed(self) -> bool:
+        return self._aborted or not self._ep.alive
+
+    def _refused(self) -> asyncio.Future:
+        future = self.worker.loop.create_future()
+        future.set_exception(ConnectionError("UCX endpoint closed"))
+        future.add_done_callback(_retrieved)
+        return future
+
+    def send(self, buffer, tag: int = 0) -> asyncio.Future:
+        """Send the buffer on `tag` (under 2**32); a future of the send's completion (failed
+        at once on a closed endpoint)."""
+        if self.closed:
+            return self._refused()
+        w = self.worker
+        request = self._ep.tag_send(w.array(buffer), w.tag(self._send_base | (tag & TAG_MASK)))
+        return w.track(request, buffer)
+
+    def recv(self, buffer, tag: int = 0) -> asyncio.Future:
+        """Receive the message sent on `tag` into the buffer; a future of its completion."""
+        if self.closed:
+            return self._refused()
+        w = self.worker
+        request = self._ep.tag_recv(
+            w.array(buffer), w.tag(self._recv_base | (tag & TAG_MASK)), w._mask
+        )
+        return w.track(request, buffer)
+
+    def abort(self) -> None:
+        """Close at once: UCX completes this connection's requests with an error."""
+        if self._aborted:
+            return
+        self._aborted = True
+        self.worker._ids[self.listening].discard(self.conn_id)
+        _abort(self._ep)
+        self.worker.kick()
+
+    async def close(self) -> None:
+        self.abort()
+
+
+def _abort(ep) -> None:
+    """Close an endpoint unless UCX closed it on an error already (closing it again crashes)."""
+    if not ep.alive:
+        return
+    try:
+        ep.close()
+    except Exception as e:
+        log.debug("UCX endpoint close: %s", e)
