@@ -160,7 +160,11 @@ class UcxWorker:
         the peer cannot be reached or refuses; never returns before the handshake ended (its
         buffers stay referenced until UCX completes its requests)."""
         conn_id = self._new_conn_id()
-        ep = self._api.UCXEndpoint.create(self.worker, host, port, True)
+        try:
+            ep = self._api.UCXEndpoint.create(self.worker, host, port, True)
+        except Exception as e:  # an address UCX cannot use
+            self._ids[False].discard(conn_id)
+            raise ConnectionError(f"UCX connection to {host}:{port} failed: {e}") from e
         self.kick()
         endpoint = UcxEndpoint(self, ep, conn_id, listening=False)
         try:
