@@ -122,7 +122,6 @@ class UcxWorker:
     def track(self, request, buffer) -> asyncio.Future:
         """A future of the request's completion; `buffer` is kept until UCX completes it."""
         future = self.loop.create_future()
-        future.add_done_callback(_retrieved)  # an abandoned wait's error is no news
         if request.completed:
             _settle(request, future)
         else:
@@ -204,13 +203,15 @@ class UcxWorker:
             self.loop.remove_reader(self._fd)
             for future, _ in self._pending.values():
                 if not future.done():
-                    future.set_exception(ConnectionError("UCX worker closed"))
+                    _fail(future, ConnectionError("UCX worker closed"))
         self._pending.clear()
 
 
-def _retrieved(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    """Fail a future, marked as seen: a waiter still gets the error, and one that gave up
+    (an abandoned receive) leaves no "exception was never retrieved" behind."""
+    future.set_exception(error)
+    future.exception()
 
 
 def _settle(request, future: asyncio.Future) -> None:
@@ -219,7 +220,7 @@ def _settle(request, future: asyncio.Future) -> None:
     try:
         request.check_error()
     except Exception as e:
-        future.set_exception(ConnectionError(str(e) or type(e).__name__))
+        _fail(future, ConnectionError(str(e) or type(e).__name__))
     else:
         future.set_result(None)
 
@@ -294,8 +295,7 @@ class UcxEndpoint:
 
     def _refused(self) -> asyncio.Future:
         future = self.worker.loop.create_future()
-        future.set_exception(ConnectionError("UCX endpoint closed"))
-        future.add_done_callback(_retrieved)
+        _fail(future, ConnectionError("UCX endpoint closed"))
         return future
 
     def send(self, buffer, tag: int = 0) -> asyncio.Future:
