@@ -79,28 +79,20 @@ class ChunkServer:
         except DistServeError as e:
             await _refuse(ep, str(e), status_tag, data_tags)
             return
-        sent: set[int] = set()  # data tags whose send completed
+        sends: dict[int, asyncio.Future] = {}  # data tag -> the chunk's send
         with self.source.sending(chunks):
-            sends = [
-                asyncio.ensure_future(self._send(ep, chunk, tag, sent))
-                for chunk, tag in zip(chunks, data_tags, strict=True)
-            ]
             answering = False  # the status frame is on its way: the answer is given
             try:
                 try:
-                    await asyncio.gather(*sends)
+                    await self._send_all(ep, chunks, data_tags, sends)
                 except DistServeError as e:  # a layer never computed
-                    for task in sends:
-                        task.cancel()
-                    await asyncio.gather(*sends, return_exceptions=True)
-                    unsent = [tag for tag in data_tags if tag not in sent]
-                    await _refuse(ep, str(e), status_tag, unsent)
+                    await _refuse(ep, str(e), status_tag, _unsent(data_tags, sends))
                     return
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
                 status = wire.encode(await self.source.status(chunks))
                 await asyncio.wait_for(ep.send(status, status_tag), SEND_TIMEOUT_S)
-                self.requests_served += len(sent) == len(chunks)
+                self.requests_served += not _unsent(data_tags, sends)
             except asyncio.CancelledError:
                 # The lease ended (released, lapsed, drained) before the answer went out: say
                 # so now, rather than leave the puller waiting out its chunk timeout (with the
@@ -110,43 +102,53 @@ class ChunkServer:
                 # no filler; one whose send was cut off gets one, and whichever of the two
                 # arrives first completes the puller's receive (tags are never reused).
                 if not answering:
-                    for task in sends:
-                        task.cancel()
                     error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
-                    unsent = [tag for tag in data_tags if tag not in sent]
+                    unsent = _unsent(data_tags, sends)
                     await _refuse(ep, error, status_tag, unsent, REFUSAL_TIMEOUT_S)
                 raise
             except Exception as e:
                 log.debug("chunk send failed: %s", e)
-            finally:
-                for task in sends:
-                    task.cancel()
+        unsent = _unsent(data_tags, sends)
         for chunk, tag in zip(chunks, data_tags, strict=True):
-            if tag in sent:
+            if tag not in unsent:
                 self.source.served(chunk)
 
-    async def _send(self, ep, chunk, tag: int, sent: set[int]) -> None:
-        """One chunk's bytes once its layer is computed, checksummed while they go out."""
+    async def _send_all(self, ep, chunks, tags: list[int], sends: dict) -> None:
+        """Each chunk's bytes from the KV cache in place, once its layer is computed (a
+        request's chunks are in layer order: a streaming handle's go out as prefill computes
+        them), checksummed while they go out; returns once every send completed. No task per
+        chunk: a chunk's fixed cost is most of a small chunk's."""
+        faulty = []
+        for chunk, tag in zip(chunks, tags, strict=True):
+            if chunk.fault is not None:
+                faulty.append(asyncio.ensure_future(self._send_faulty(ep, chunk, tag, sends)))
+                continue
+            await self.source.ready(chunk)  # at once when the layer is computed
+            sends[tag] = ep.send(chunk.data, tag)
+        try:
+            for chunk in chunks:
+                if chunk.fault is None:
+                    await self.source.seal(chunk)  # in place: its blocks' checksums are taken
+            posted = list(sends.values())
+            if posted:
+                await asyncio.wait(posted, timeout=SEND_TIMEOUT_S)
+            for send in posted:
+                if not send.done():
+                    raise TimeoutError(f"a chunk's receiver did not take it in {SEND_TIMEOUT_S} s")
+                send.result()  # raises when the connection broke
+            await asyncio.gather(*faulty)
+        finally:
+            for task in faulty:
+                task.cancel()
+
+    async def _send_faulty(self, ep, chunk, tag: int, sends: dict) -> None:
+        """A chunk hit by an injected fault (tests and drills only)."""
         fault = chunk.fault
-        if fault is not None and fault.kind == "exit":
+        if fault.kind == "exit":
             os._exit(17)  # a crashed source: no cleanup, no goodbye
         await self.source.ready(chunk)
-        if fault is not None:
-            await self._send_faulty(ep, chunk, tag, sent)
-            return
-        # Posted first, sealed meanwhile (in place: its blocks' checksums are taken already).
-        send = ep.send(chunk.data, tag)
-        try:
-            await self.source.seal(chunk)
-            await asyncio.wait_for(send, SEND_TIMEOUT_S)
-        finally:
-            send.cancel()  # no longer waited for (UCX's send goes on until the puller's end)
-        sent.add(tag)
-
-    async def _send_faulty(self, ep, chunk, tag: int, sent: set[int]) -> None:
-        """A chunk hit by an injected fault (tests and drills only)."""
         await self.source.seal(chunk)
-        fault, data = chunk.fault, chunk.data
+        data = chunk.data
         if fault.kind == "close":
             await ep.close()
             return
@@ -156,8 +158,22 @@ class ChunkServer:
             await asyncio.sleep(fault.seconds)
         if fault.kind == "corrupt":
             data = corrupted(data)  # the checksum is the original's
-        await asyncio.wait_for(ep.send(data, tag), SEND_TIMEOUT_S)
-        sent.add(tag)
+        sends[tag] = ep.send(data, tag)
+        await asyncio.wait_for(sends[tag], SEND_TIMEOUT_S)
+
+
+def _unsent(tags: list[int], sends: dict) -> list[int]:
+    """The data tags whose send did not complete (never posted, cut off, or failed)."""
+    return [
+        tag
+        for tag in tags
+        if not (
+            (send := sends.get(tag)) is not None
+            and send.done()
+            and not send.cancelled()
+            and send.exception() is None
+        )
+    ]
 
 
 async def _refuse(

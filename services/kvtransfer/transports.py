@@ -1,20 +1,24 @@
 """How chunks travel: UCX (zero-copy into the destination) or the gRPC fallback.
 
-`fetch(handle, source, request, buffers, gate, timeout_s, digest)` asks a source rank for the
-request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received under a
-permit of `gate` (the puller's window) and within `timeout_s` of its start; it returns a
+`fetch(handle, source, request, buffers, window, timeout_s, digest)` asks a source rank for the
+request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received once
+the pull's `Window` has room for it and within `timeout_s` of its start; it returns a
 `Fetched`: the source's status, if it came, and per chunk whether its bytes arrived and, with
-`digest(i)`, chunk i's checksum as received (computed as each arrives). A broken connection is
-forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
+`digest(i)`, chunk i's checksum as received (computed as chunks arrive, off the event loop). A
+broken connection is forgotten, so the next attempt reconnects. Retries and the checks are the
+puller's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import numpy as np
@@ -85,7 +89,7 @@ def configure_ucx(args=None) -> None:
         os.environ["UCX_TLS"] = args.ucx_tls
 
 
-Digest = Callable[[int], Awaitable[int]]  # chunk i's checksum as received
+Digest = Callable[[int], int]  # chunk i's checksum as received (CPU work: run off the loop)
 
 
 @dataclass
@@ -96,6 +100,66 @@ class Fetched:
     status: wire.ChunkStatus | None
     errors: list[BaseException | None]
     digests: list[int | None]
+
+
+class Window:
+    """The chunks one pull may have in flight (their receives posted), granted in the order
+    asked (the pull asks layer by layer). A grant is a callback, so a chunk's arrival posts the
+    next receive at once, without a task per chunk.
+
+    A limit in bytes as well (large chunks one at a time, each checksummed while the next is
+    copied) measured no faster: 8 MiB against none, paired in one run, 64 MiB and 256 MiB pulls
+    and 48 MiB in chunks of 512 KiB all within the noise (docs/benchmarks.md)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = max(1, chunks)
+        self.in_flight = 0
+        self._asked: deque[list] = deque()  # [grant], grant None once withdrawn
+
+    def ask(self, grant: Callable[[], None]) -> Callable[[], None]:
+        """Call `grant()` once a chunk may be received (at once if there is room and nobody
+        asked before); returns a function that withdraws the ask if it has not been granted
+        yet. A granted chunk is `release`d when it leaves the window."""
+        entry = [grant]
+        self._asked.append(entry)
+        self._grant()
+
+        def withdraw() -> None:
+            entry[0] = None
+
+        return withdraw
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._grant()
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """A chunk's place in the window, for as long as the block runs."""
+        granted = asyncio.get_running_loop().create_future()
+        taken = False
+
+        def grant() -> None:
+            nonlocal taken
+            taken = True
+            if not granted.done():  # not cancelled meanwhile
+                granted.set_result(None)
+
+        withdraw = self.ask(grant)
+        try:
+            await granted
+            yield
+        finally:
+            withdraw()
+            if taken:  # granted, even if cancelled before it could enter
+                self.release()
+
+    def _grant(self) -> None:
+        while self._asked and self.in_flight < self.chunks:
+            (grant,) = self._asked.popleft()
+            if grant is not None:
+                self.in_flight += 1
+                grant()
 
 
 def ucx_available() -> bool:
@@ -147,7 +211,7 @@ class UcxTransport:
         source: RankSource,
         request,
         buffers: list,
-        gate: asyncio.Semaphore,
+        window: Window,
         timeout_s: float,
         digest: Digest | None = None,
     ) -> Fetched:
@@ -164,33 +228,73 @@ class UcxTransport:
         request.tag = tag
         status_frame = wire.empty_frame()
         # Posted before the request goes out (a refusal comes at once); each data receive is
-        # posted once the window has room, and the source's send waits for it.
+        # posted once the window has room (by the completion of the one before it, without a
+        # task per chunk), and the source's send waits for it.
         status_recv = ep.recv(status_frame, 2 * tag)
+        loop = asyncio.get_running_loop()
+        n = len(buffers)
         receives: list[asyncio.Future] = []
-        errors: list[BaseException | None] = [None] * len(buffers)
-        digests: list[int | None] = [None] * len(buffers)
+        errors: list[BaseException | None] = [None] * n
+        digests: list[int | None] = [None] * n
+        finished = [False] * n
+        left = [n]
+        settled = loop.create_future()  # every chunk arrived, failed or ran late
 
-        async def one(i: int) -> None:
-            async with gate:
-                recv = ep.recv(buffers[i], 2 * (tag + i) + 1)
-                receives.append(recv)
-                # `wait` leaves it running: a receive is never cancelled, only its endpoint.
-                await asyncio.wait((recv,), timeout=timeout_s)
-            if not recv.done():
-                errors[i] = TimeoutError(f"no data within {timeout_s} s")
-                return
-            error = recv.exception()
-            if error is not None:  # the connection broke: closed, reset, peer gone
-                errors[i] = error
-                return
-            if digest is not None:
-                digests[i] = await digest(i)
+        def finish(i: int, error: BaseException | None) -> bool:
+            """Chunk i leaves the window: arrived (error None), failed or late; False if it
+            had left already (it ran late: what arrives afterwards is not used)."""
+            if finished[i]:
+                return False
+            finished[i] = True
+            errors[i] = error
+            window.release()
+            left[0] -= 1
+            if not left[0]:
+                settled.set_result(None)
+            return True
 
+        # Chunks are hashed on a checksum thread, those that arrived together in one hop: UCX
+        # copies on the event loop, where a small chunk's hashing (inline before) waited for
+        # the copying and held up the next (pulls of 24 and 96 chunks of 512 KiB, paired with
+        # inline hashing: 5-7% shorter).
+        arrivals: list[int] = []
+        hashing: list[tuple[list[int], asyncio.Future]] = []
+
+        def hash_arrivals() -> None:
+            if arrivals:
+                indices = arrivals.copy()
+                arrivals.clear()
+                hashing.append((indices, wire.on_checksum_thread(_digests, digest, indices)))
+
+        def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
+            timer.cancel()
+            error = recv.exception()  # the connection broke: closed, reset, peer gone
+            if finish(i, error) and error is None and digest is not None:
+                if not arrivals:
+                    loop.call_soon(hash_arrivals)
+                arrivals.append(i)
+
+        def post(i: int) -> None:
+            # A receive is never cancelled, only its endpoint (see UcxTransport).
+            recv = ep.recv(buffers[i], 2 * (tag + i) + 1)
+            receives.append(recv)
+            late = loop.call_later(
+                timeout_s, finish, i, TimeoutError(f"no data within {timeout_s} s")
+            )
+            recv.add_done_callback(partial(arrived, i, late))
+
+        asked: list[Callable[[], None]] = []
         status = None
         broken = False
         try:
             await asyncio.wait_for(ep.send(wire.encode(request)), timeout_s)
-            await asyncio.gather(*(one(i) for i in range(len(buffers))))
+            # Asked for once the request is out: the source works on it meanwhile.
+            asked = [window.ask(partial(post, i)) for i in range(n)]
+            await settled
+            hash_arrivals()  # the last ones, if their hop has not come yet
+            for indices, job in hashing:
+                for i, value in zip(indices, await job, strict=True):
+                    digests[i] = value
             await asyncio.wait((status_recv,), timeout=timeout_s)
             if not status_recv.done():
                 raise TimeoutError(f"no status within {timeout_s} s")
@@ -200,6 +304,8 @@ class UcxTransport:
             broken = not isinstance(e, TimeoutError)
             errors = [error or e for error in errors]
         finally:
+            for withdraw in asked:  # those not posted yet never will be
+                withdraw()
             # Nothing of this attempt may land in the destination afterwards: if every receive
             # completes at once the endpoint is clean and stays (other pulls share it); if not
             # (a chunk never sent, a late source) or it broke, it is dropped and aborted: UCX
@@ -243,6 +349,10 @@ class UcxTransport:
         ep.abort()
 
 
+def _digests(digest: Digest, indices: list[int]) -> list[int]:
+    return [digest(i) for i in indices]
+
+
 async def _drained(*receives: asyncio.Future) -> bool:
     """Whether an attempt's posted receives completed without error (waiting up to DRAIN_S for
     those still pending); they are never cancelled (see UcxTransport). Judged by
@@ -276,20 +386,23 @@ class GrpcTransport:
         source: RankSource,
         request,
         buffers: list,
-        gate: asyncio.Semaphore,
+        window: Window,
         timeout_s: float,
         digest: Digest | None = None,
     ) -> Fetched:
         (dst,) = buffers
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
-        async with gate:
+        async with window.slot():
             try:
                 reply = await stub.FetchChunk(request, timeout=timeout_s)
             except grpc.aio.AioRpcError as e:
                 return Fetched(None, [Exception(f"{e.code().name}: {e.details()}")], [None])
         if reply.status.ok and len(reply.data) == dst.nbytes:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
-        received = await digest(0) if digest is not None and reply.status.ok else None
+        received = None
+        if digest is not None and reply.status.ok:
+            large = dst.nbytes >= wire.THREAD_CHECKSUM_BYTES
+            received = await wire.on_checksum_thread(digest, 0) if large else digest(0)
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:

@@ -19,12 +19,13 @@ from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2
 
 FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many ranges
-# Chunks at least this large are checksummed on a worker thread (xxhash releases the GIL), so
-# that the event loop goes on moving other chunks meanwhile; smaller ones cost less than the hop
-# (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of 24
-# chunks of 512 KiB (a 512-token prompt of the `small` model), alternated in one process pair:
-# 6.4 / 7.3 ms with the threshold at 256 KiB, 5.4 / 6.4 ms at 1 MiB, the puller's CPU 1.5 ms
-# less; at 2 MiB chunks hashing them inline gained nothing and held the loop 1.5 ms longer.
+# A chunk checksummed on its own (`checksum`, `block_checksum`: the gRPC fallback, a source's
+# copy of a sub-range of heads) goes to a checksum thread (xxhash releases the GIL) when at least
+# this large, so that the event loop goes on moving other chunks meanwhile; a smaller one costs
+# less than the hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512
+# KiB). Pulls of 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the
+# threshold at 256 KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hashes every chunk on the thread
+# instead, those that arrived together in one hop (transports.py): UCX copies on the event loop.
 THREAD_CHECKSUM_BYTES = 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
@@ -73,11 +74,16 @@ ChunkRange = kvtransfer_pb2.KvChunkRange
 ChunkStatus = kvtransfer_pb2.KvChunkStatus
 
 
-async def checksum(data: np.ndarray) -> int:
+def checksum_of(data: np.ndarray) -> int:
     """xxh3-64 of a chunk's bytes: what a source sends with a chunk and a puller verifies."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+async def checksum(data: np.ndarray) -> int:
+    """`checksum_of`, on a checksum thread when the chunk is large."""
     if data.nbytes < THREAD_CHECKSUM_BYTES:
-        return xxhash.xxh3_64_intdigest(data)
-    return await on_checksum_thread(xxhash.xxh3_64_intdigest, data)
+        return checksum_of(data)
+    return await on_checksum_thread(checksum_of, data)
 
 
 def digest_of(block_digests: np.ndarray) -> int:
@@ -85,14 +91,15 @@ def digest_of(block_digests: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(block_digests, dtype="<u8"))
 
 
-async def block_checksum(data: np.ndarray, blocks: int) -> int:
+def block_checksum_of(data: np.ndarray, blocks: int) -> int:
     """What a source sends as the checksum of a chunk of `blocks` equal blocks when it took
     its blocks' checksums as they were computed (`block_checksums`)."""
+    rows = data.reshape(blocks, -1)
+    return digest_of(np.array([xxhash.xxh3_64_intdigest(r) for r in rows], dtype=np.uint64))
 
-    def digest() -> int:
-        rows = data.reshape(blocks, -1)
-        return digest_of(np.array([xxhash.xxh3_64_intdigest(r) for r in rows], dtype=np.uint64))
 
+async def block_checksum(data: np.ndarray, blocks: int) -> int:
+    """`block_checksum_of`, on a checksum thread when the chunk is large."""
     if data.nbytes < THREAD_CHECKSUM_BYTES:
-        return digest()
-    return await on_checksum_thread(digest)
+        return block_checksum_of(data, blocks)
+    return await on_checksum_thread(block_checksum_of, data, blocks)

@@ -1,0 +1,149 @@
+"""Paired A/B of KV pulls between two checkouts (or two settings of one), in one run.
+
+On a shared, noisy host two runs of `bench/kvtransfer.py` minutes apart differ by more than
+most changes to the transfer path do. Here each side is a source process and a puller process
+of its own checkout (`PYTHONPATH`), started side by side and pulled alternately (A, B, B, A,
+...): every pair of pulls sees the same machine, and the ratio B/A of each pair is what is
+reported (median), beside each side's median pull time. An idle side costs nothing (UCX runs
+on the event loop, which sleeps). Each pull is the bench's: a real ChunkSource serving one
+layer's K and V from plain buffers and a real KvPuller, xxh3 checked on both ends, over UCX
+shared memory with the workers' settings; a side waits idle between its pulls, so a pull here
+includes waking two processes (small pulls read slower than in bench/kvtransfer.py).
+
+    python bench/kvtransfer_ab.py --a /path/to/old/checkout --b . --size-mib 64 --chunk-kb 8192
+
+`--a-env`/`--b-env NAME=VALUE` set a variable for one side only. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+BLOCK = 512 * 2**10  # the bench source's block: bench/kvtransfer.py
+
+
+async def puller_side(size: int, chunk_bytes: int) -> None:
+    """One side's puller: the handles on stdin's first line, then a pull per line, its
+    milliseconds printed."""
+    import torch
+    from google.protobuf.json_format import ParseDict
+
+    from services.common.gen.distserve.v1 import common_pb2
+    from services.common.kv_handle import KvHandle
+    from services.kvtransfer.layout import KvDestination
+    from services.kvtransfer.puller import KvPuller, PullPolicy
+
+    loop = asyncio.get_running_loop()
+    served = json.loads(sys.stdin.readline())
+    handle = KvHandle.from_pb(ParseDict(served["handles"][str(size)], common_pb2.KvHandle()))
+    puller = KvPuller(PullPolicy(chunk_bytes=chunk_bytes), "ucx")
+    blocks = handle.num_blocks
+    dst = KvDestination(torch.empty((1, 2, blocks, 1, 1, BLOCK), dtype=torch.uint8), range(1))
+    await puller.pull(handle, list(range(blocks)), dst)  # connects
+    print("ready", flush=True)
+    while (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+        t = time.perf_counter()
+        await puller.pull(handle, list(range(blocks)), dst)
+        print(f"{(time.perf_counter() - t) * 1e3:.3f}", flush=True)
+    await puller.close()
+
+
+def start_side(root: str, extra_env: list[str], size: int, chunk_kb: int) -> tuple:
+    from services.kvtransfer.transports import UCX_DEFAULTS
+
+    root = os.path.abspath(root)
+    env = {**UCX_DEFAULTS, **os.environ, "UCX_TLS": "tcp,sm,cma,self", "PYTHONPATH": root}
+    env.update(kv.split("=", 1) for kv in extra_env)
+    bench = os.path.join(root, "bench", "kvtransfer.py")
+    source = subprocess.Popen(
+        [sys.executable, bench, "--serve", str(size)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    puller = subprocess.Popen(
+        [sys.executable, str(HERE), "--puller", str(size), "--chunk-kb", str(chunk_kb)],
+        cwd=root,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    puller.stdin.write(source.stdout.readline())
+    puller.stdin.flush()
+    if puller.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the puller of {root} did not start")
+    return source, puller
+
+
+def pull_once(puller) -> float:
+    puller.stdin.write("go\n")
+    puller.stdin.flush()
+    return float(puller.stdout.readline())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--puller", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--a", default=".", help="checkout A (default: this one)")
+    ap.add_argument("--b", default=".", help="checkout B (default: this one)")
+    ap.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--size-mib", type=int, default=64, help="KV per pull (K and V, one layer)")
+    ap.add_argument("--chunk-kb", type=int, default=8192)
+    ap.add_argument("--pairs", type=int, default=40)
+    args = ap.parse_args()
+    if args.puller:
+        asyncio.run(puller_side(args.puller, args.chunk_kb * 1024))
+        return
+    sys.path.insert(0, str(HERE.parents[1]))
+    size = args.size_mib * 2**20
+    sides = [
+        start_side(args.a, args.a_env, size, args.chunk_kb),
+        start_side(args.b, args.b_env, size, args.chunk_kb),
+    ]
+    times: list[list[float]] = [[], []]
+    try:
+        for i in range(args.pairs):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                times[k].append(pull_once(sides[k][1]))
+    finally:
+        for source, puller in sides:
+            puller.kill()
+            source.kill()
+    a, b = (statistics.median(t) for t in times)
+    result = {
+        "bench": "kvtransfer_ab",
+        "a": args.a,
+        "b": args.b,
+        "a_env": args.a_env,
+        "b_env": args.b_env,
+        "size_mib": args.size_mib,
+        "chunk_kb": args.chunk_kb,
+        "pairs": args.pairs,
+        "cpu_count": os.cpu_count(),
+        "median_ms": {"a": round(a, 2), "b": round(b, 2)},
+        "gb_s": {"a": round(size / a / 1e6, 2), "b": round(size / b / 1e6, 2)},
+        "b_over_a_median": round(statistics.median(y / x for x, y in zip(*times, strict=True)), 3),
+    }
+    print(
+        f"{args.size_mib} MiB in {args.chunk_kb} KiB chunks, {args.pairs} pairs: A {a:.2f} ms "
+        f"({result['gb_s']['a']} GB/s), B {b:.2f} ms ({result['gb_s']['b']} GB/s), B/A "
+        f"{result['b_over_a_median']}",
+        file=sys.stderr,
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
