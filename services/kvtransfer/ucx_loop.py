@@ -106,10 +106,15 @@ class UcxWorker:
             return
         deadline = time.perf_counter() + PROGRESS_SLICE_S
         more = False
-        while self.worker.progress():
+        # One `ucp_worker_progress` at a time: ucxx's `progress()` repeats it until nothing is
+        # left (a slice could not cut it short), then does ucxx's upkeep (the requests of an
+        # endpoint that failed are cancelled there), which runs once nothing is left.
+        while self.worker.progress_once():
             if time.perf_counter() > deadline:
                 more = True
                 break
+        else:
+            self.worker.progress()
         if self._pending:
             for request in [r for r in self._pending if r.completed]:
                 future, _buffer = self._pending.pop(request)
