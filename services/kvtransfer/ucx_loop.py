@@ -41,10 +41,12 @@ ID_BITS = 31
 TO_LISTENER = 1 << 63
 ACCEPT_TIMEOUT_S = 30.0  # how long a listener waits for a new connection's handshake
 # Longest stretch of progress before the loop runs its other callbacks. UCX copies KV between
-# processes inside `progress` (512 KiB a call, UCX_CMA_SEG_SIZE): without a bound, a pull of
-# many chunks was copied whole before any chunk's completion was delivered, and no chunk's
-# checksum could overlap the copying of the next.
-PROGRESS_SLICE_S = 0.0005
+# processes inside `progress` (512 KiB a call, UCX_CMA_SEG_SIZE): without a bound, a 64 MiB pull
+# was copied whole inside one callback (13-20 ms without the loop), and no chunk's completion
+# was seen, nor its checksum started, before the last chunk was copied. Against 0.5 ms, paired
+# (`bench/kvtransfer_ab.py`): 1 ms 64 MiB -4.5%, 48 MiB in 512 KiB chunks -7%, 12 MiB and 256
+# MiB alike; 2 ms small pulls -5 to -7% but 64 MiB +5%.
+PROGRESS_SLICE_S = 0.001
 
 _workers: dict[asyncio.AbstractEventLoop, UcxWorker] = {}
 
