@@ -261,15 +261,10 @@ class UcxTransport:
         hashing: list[tuple[list[int], asyncio.Future]] = []
 
         def hash_arrivals() -> None:
-            job: list[int] = []
-            size = 0
-            for i in arrivals:
-                job.append(i)
-                size += buffers[i].nbytes
-                if size >= wire.HASH_JOB_BYTES or i == arrivals[-1]:
-                    hashing.append((job, wire.on_checksum_thread(_digests, digest, job)))
-                    job, size = [], 0
-            arrivals.clear()
+            if arrivals:
+                indices = arrivals.copy()
+                arrivals.clear()
+                hashing.append((indices, wire.on_checksum_thread(_digests, digest, indices)))
 
         def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
             timer.cancel()

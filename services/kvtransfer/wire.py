@@ -27,13 +27,6 @@ FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many
 # threshold at 256 KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hashes every chunk on the thread
 # instead, those that arrived together in one hop (transports.py): UCX copies on the event loop.
 THREAD_CHECKSUM_BYTES = 2**20
-# At most about this many bytes are hashed in one job on a checksum thread. xxhash holds the GIL
-# while it hashes a small input (measured: 64 KiB never lets it go, 512 KiB does), and a KV block
-# of the `small` model is 48 KiB a layer: a job of such blocks keeps the event loop from running
-# for as long as it lasts (~0.1 ms a MiB; a thread waiting for the GIL otherwise takes it only
-# after the 5 ms switch interval). Pulls of 24 and 96 chunks of 512 KiB, paired: 4-14% shorter
-# with 8 MiB jobs than with 2 MiB ones.
-HASH_JOB_BYTES = 8 * 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
 # the thread that does the copying (then UCX's progress thread; the event loop since UCX runs
