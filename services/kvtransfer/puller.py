@@ -54,8 +54,6 @@ from services.kvtransfer.transports import (
 log = logging.getLogger("distserve.kvtransfer")
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 REQUESTS_AHEAD = 4  # requests in flight per source rank, at least
 
 

@@ -19,13 +19,12 @@ from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2
 
 FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many ranges
-# A chunk checksummed on its own (`checksum`, `block_checksum`: the gRPC fallback, a source's
-# copy of a sub-range of heads) goes to a checksum thread (xxhash releases the GIL) when at least
-# this large, so that the event loop goes on moving other chunks meanwhile; a smaller one costs
-# less than the hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512
-# KiB). Pulls of 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the
-# threshold at 256 KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hashes every chunk on the thread
-# instead, those that arrived together in one hop (transports.py): UCX copies on the event loop.
+# Chunks at least this large are checksummed on a checksum thread (xxhash releases the GIL), so
+# that the event loop goes on moving other chunks meanwhile; a smaller one costs less than the
+# hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of
+# 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the threshold at 256
+# KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull sends the large chunks that arrived together to the
+# thread in one job (transports.py).
 THREAD_CHECKSUM_BYTES = 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
