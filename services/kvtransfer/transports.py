@@ -108,8 +108,9 @@ class Window:
     next receive at once, without a task per chunk.
 
     A limit in bytes as well (large chunks one at a time, each checksummed while the next is
-    copied) measured no faster: 8 MiB against none, paired in one run, 64 MiB and 256 MiB pulls
-    and 48 MiB in chunks of 512 KiB all within the noise (docs/benchmarks.md)."""
+    copied) measured no faster, 8 MiB against none at 1-256 MiB, but on the first version of
+    bench/kvtransfer_ab.py, whose start-order bias favoured the unlimited side by 5-10%: not
+    settled either way (docs/benchmarks.md)."""
 
     def __init__(self, chunks: int) -> None:
         self.chunks = max(1, chunks)
