@@ -1,8 +1,9 @@
 """KV transfer benchmark: bandwidth of each transport, and the handoff on the small model.
 
 In one run:
-  * effective bandwidth of a pull between two processes (a real ChunkSource serving plain
-    buffers as one layer's K and V, a real KvPuller with the workers' default chunk size and
+  * effective bandwidth of a pull between two processes (a real ChunkSource serving one
+    layer's K and V from a KV cache allocated as the engine's is, into another: `cache`; a real
+    KvPuller with the workers' default chunk size and
     window, or --chunk-mib/--window; xxh3 checked on both ends) for 1 MiB .. 1 GiB over UCX tcp
     (UCX_TLS=tcp), UCX shared memory (UCX_TLS=tcp,sm,cma,self: tcp only to connect) and the gRPC
     fallback, beside memcpy measured in the same run; medians of 3 pulls after a warm-up. UCX
@@ -60,6 +61,23 @@ def memcpy_gb_s(nbytes: int = 512 * 2**20) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def cache(blocks: int):
+    """A KV cache as the engine allocates one (services.engine.kv_cache: on the host, memory
+    the kernel may back with huge pages), of one layer whose blocks are BLOCK bytes each of K
+    and V: data (1, 2, blocks, block_size 1, one head, BLOCK)."""
+    from services.engine.kv_cache import KvCache
+
+    return KvCache(
+        num_layers=1,
+        num_blocks=blocks,
+        block_size=1,
+        num_kv_heads=1,
+        head_dim=BLOCK,
+        dtype=torch.uint8,
+        device=torch.device("cpu"),
+    )
+
+
 # -- the source process: serves every size from one buffer, each size its own block range -------
 
 
@@ -74,18 +92,14 @@ async def serve(sizes: list[int]) -> None:
     from services.kvtransfer.servicer import KvTransferServicer
     from services.kvtransfer.source import ChunkSource
 
-    total_blocks = sum(s // (2 * BLOCK) for s in sizes)
-    kv = np.random.default_rng(0).integers(0, 255, (2, total_blocks * BLOCK), dtype=np.uint8)
-
-    def region(layer: int, k: int, first: int, n: int) -> torch.Tensor:
-        # (blocks, block_size 1, one head, BLOCK bytes) over the bytes in place
-        return torch.from_numpy(kv[k, first * BLOCK : (first + n) * BLOCK]).view(n, 1, 1, BLOCK)
-
+    kv = cache(sum(s // (2 * BLOCK) for s in sizes))
+    rng = np.random.default_rng(0)
+    kv.data.view(-1).numpy()[:] = rng.integers(0, 255, kv.data.numel(), dtype=np.uint8)
     leases = LeaseTable(default_s=3600, max_s=3600)
-    source = ChunkSource(leases, region, num_layers=1, heads=range(1))
+    source = ChunkSource(leases, kv.region, num_layers=1, heads=range(1))
     ucx = ChunkServer(source)
     ucx_port = ucx.start()
-    raw_listener = raw_server(kv.reshape(-1))  # kept alive below
+    raw_listener = raw_server(kv.data.view(-1).numpy())  # kept alive below
 
     async def free(lease) -> int:
         return 0
@@ -147,7 +161,7 @@ async def raw_pull(port: int, sizes: list[int]) -> dict[int, float]:
     ep = await ucx_loop.worker().connect("127.0.0.1", port)
     rates = {}
     for size in sizes:
-        dst = np.empty(size, dtype=np.uint8)
+        dst = cache(size // (2 * BLOCK)).data.view(-1).numpy()  # the source's kind of memory
         times = []
         for _ in range(4):  # the first is a warm-up
             t = time.perf_counter()
@@ -178,8 +192,7 @@ async def pull(transport: str, served: dict, policy: PullPolicy) -> dict[str, di
         size = int(size_s)
         handle = KvHandle.from_pb(ParseDict(pb, common_pb2.KvHandle()))
         blocks = handle.num_blocks
-        # (layers, K/V, blocks, block_size 1, one head, BLOCK bytes)
-        dst = KvDestination(torch.empty((1, 2, blocks, 1, 1, BLOCK), dtype=torch.uint8), range(1))
+        dst = KvDestination(cache(blocks).data, range(1))
         await puller.pull(handle, list(range(blocks)), dst)  # warm-up; connects
         times = []
         for _ in range(3):

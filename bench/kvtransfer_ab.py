@@ -7,10 +7,11 @@ of its own checkout (`PYTHONPATH`), started side by side and pulled alternately 
 reported (median), beside each side's median pull time. Half the pairs run with A's processes
 started first, half with B's (a fresh start each): with the same code on both sides, the side
 started second read 5-10% faster, run after run. An idle side costs nothing (UCX runs on the
-event loop, which sleeps). Each pull is the bench's: a real ChunkSource serving one
-layer's K and V from plain buffers and a real KvPuller, xxh3 checked on both ends, over UCX
-shared memory with the workers' settings; a side waits idle between its pulls, so a pull here
-includes waking two processes (small pulls read slower than in bench/kvtransfer.py).
+event loop, which sleeps). Each pull is the bench's: a real ChunkSource serving one layer's K
+and V from a KV cache allocated as the checkout's engine does, into another, and a real
+KvPuller, xxh3 checked on both ends, over UCX shared memory with the workers' settings; a side
+waits idle between its pulls, so a pull here includes waking two processes (small pulls read
+slower than in bench/kvtransfer.py).
 
     python bench/kvtransfer_ab.py --a /path/to/old/checkout --b . --size-mib 64 --chunk-kb 8192
 
@@ -41,6 +42,7 @@ async def puller_side(size: int, chunk_bytes: int) -> None:
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
+    from services.engine.kv_cache import KvCache
     from services.kvtransfer.layout import KvDestination
     from services.kvtransfer.puller import KvPuller, PullPolicy
 
@@ -49,7 +51,17 @@ async def puller_side(size: int, chunk_bytes: int) -> None:
     handle = KvHandle.from_pb(ParseDict(served["handles"][str(size)], common_pb2.KvHandle()))
     puller = KvPuller(PullPolicy(chunk_bytes=chunk_bytes), "ucx")
     blocks = handle.num_blocks
-    dst = KvDestination(torch.empty((1, 2, blocks, 1, 1, BLOCK), dtype=torch.uint8), range(1))
+    # allocated as the checkout's engine allocates its KV cache (bench/kvtransfer.py's `cache`)
+    kv = KvCache(
+        num_layers=1,
+        num_blocks=blocks,
+        block_size=1,
+        num_kv_heads=1,
+        head_dim=BLOCK,
+        dtype=torch.uint8,
+        device=torch.device("cpu"),
+    )
+    dst = KvDestination(kv.data, range(1))
     await puller.pull(handle, list(range(blocks)), dst)  # connects
     print("ready", flush=True)
     while (await loop.run_in_executor(None, sys.stdin.readline)).strip():
