@@ -13,12 +13,17 @@ flight all the time (a new one starts as one ends), straight to the gateway over
 gateway's admission is off (see GATEWAY_ARGS). Each round runs every mesh once, in a shuffled
 order (seeded), so that all see the same machine and none always goes first; the overhead is 1 -
 the median over rounds of (traced / off in the same round): paired, so a round the whole machine
-was slow in counts for nothing. Also the TTFT p50 of sequential 2-token requests on each mesh, and
-where the cost lands: CPU time per request of each process (gateway, prefill, decode; from
-/proc), median over rounds; and how requests shared decode steps: decode steps per request and
-the mean decode batch (the decode worker's `distserve_engine_step_*` metrics), median over rounds,
-since a traced mesh could lose throughput by batching worse rather than by its spans' work (on 2
-cores the same load has run between ~900 and ~6,000 decode steps a round, either way).
+was slow in counts for nothing; beside it a 90% interval (bootstrap over rounds). The meshes are
+started afresh `--restarts` times, each mesh first, second and third in turn (in
+bench/kvtransfer_ab.py the processes started second ran 5-10% faster, same code: a fixed start
+order could pass for a cost or hide one). `--control` runs the same bench with no mesh traced:
+how far apart identical meshes come out here. Also the TTFT p50 of sequential 2-token requests
+on each mesh, and where the cost lands: CPU time per request of each process (gateway, prefill,
+decode; from /proc), median over rounds; and how requests shared decode steps: decode steps per
+request and the mean decode batch (the decode worker's `distserve_engine_step_*` metrics),
+median over rounds, since a traced mesh could lose throughput by batching worse rather than by
+its spans' work (on 2 cores the same load has run between ~900 and ~6,000 decode steps a round,
+either way).
 Traced meshes export every 100 ms (`--export-delay-s`) and each round ends with a pause of three
 of those, so that a mesh's exports (and, for OTLP, the receiver's decoding) fall in its own
 round, never in the next mesh's. `--concurrency 1` holds the batching fixed (every request
@@ -111,13 +116,21 @@ class Receiver:
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.endpoint = json.loads(self.proc.stdout.readline())["endpoint"]
+        ready = json.loads(self.proc.stdout.readline())
+        self.endpoint, self.http_endpoint = ready["endpoint"], ready["http_endpoint"]
         self.spans = 0
         return self
 
     def __exit__(self, *exc) -> None:
         out, _ = self.proc.communicate(input="", timeout=60)
         self.spans = json.loads(out.strip().splitlines()[-1])["spans"] if out.strip() else 0
+
+
+def bootstrap(values: list[float], q: float = 0.05, n: int = 2000) -> tuple[float, float]:
+    """The q and 1-q quantiles of the median of `values` resampled with replacement (seeded)."""
+    rng = random.Random(1)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return medians[int(q * n)], medians[int((1 - q) * n) - 1]
 
 
 def start(model: Path, env: dict[str, str]) -> Mesh:
@@ -136,7 +149,13 @@ def start(model: Path, env: dict[str, str]) -> Mesh:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=18)
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=3,
+        help="start the meshes this many times, in a rotated order (rounds split evenly)",
+    )
     ap.add_argument("--requests", type=int, default=384, help="streamed requests per round")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -146,6 +165,17 @@ def main() -> None:
         type=float,
         default=EXPORT_DELAY_S,
         help="the traced meshes' OTEL_BSP_SCHEDULE_DELAY, in seconds",
+    )
+    ap.add_argument(
+        "--otlp-protocol",
+        choices=("grpc", "http/protobuf"),
+        default="grpc",
+        help="the otlp mesh's OTEL_EXPORTER_OTLP_PROTOCOL",
+    )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A/A control: the same three meshes, none traced (the bench's own bias)",
     )
     args = ap.parse_args()
     model = default_model("tiny")
@@ -163,22 +193,39 @@ def main() -> None:
         envs = {
             "off": {},
             "file": {**export, "DISTSERVE_TRACE_FILE": str(spans_file)},
-            "otlp": {**export, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.endpoint}"},
+            "otlp": {
+                **export,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": args.otlp_protocol,
+                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint
+                if args.otlp_protocol.startswith("http")
+                else f"http://{receiver.endpoint}",
+            },
         }
-        meshes = {name: start(model, env) for name, env in envs.items()}
+        if args.control:
+            envs = {name: {} for name in envs}
+        names = list(envs)
+        meshes: dict[str, Mesh] = {}
+        per_start = -(-args.rounds // max(1, args.restarts))
         try:
-            rates: dict[str, list[float]] = {name: [] for name in meshes}
-            cpu: dict[str, dict[str, list[float]]] = {name: {} for name in meshes}
-            steps: dict[str, list[tuple[float, float]]] = {name: [] for name in meshes}
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+            steps: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             ttft: dict[str, float] = {}
 
             def load(address: str) -> float:
                 return asyncio.run(steady_rate(address, prompts, args.new_tokens, args.concurrency))
 
-            for mesh in meshes.values():  # warm-up: connections, UCX endpoints
-                load(mesh.gateway_address)
             order = random.Random(0)
             for r in range(args.rounds):
+                if r % per_start == 0:
+                    for mesh in meshes.values():
+                        mesh.stop()
+                    k = (r // per_start) % len(names)
+                    first = names[k:] + names[:k]
+                    print(f"starting the meshes: {', '.join(first)}", flush=True)
+                    meshes = {name: start(model, envs[name]) for name in first}
+                    for mesh in meshes.values():  # warm-up: connections, UCX endpoints
+                        load(mesh.gateway_address)
                 for name in order.sample(list(meshes), len(meshes)):
                     mesh = meshes[name]
                     before, steps_before = cpu_seconds(mesh), decode_steps(mesh)
@@ -195,7 +242,8 @@ def main() -> None:
                     flush=True,
                 )
             prompt = prompts[0]
-            for name, mesh in meshes.items():
+            for name in names:
+                mesh = meshes[name]
                 t, _ = asyncio.run(
                     mesh_ttft_and_gap(mesh.gateway_address, prompt, args.ttft_requests)
                 )
@@ -206,32 +254,40 @@ def main() -> None:
     exported = receiver.spans
     traced_lines = sum(1 for _ in spans_file.open()) if spans_file.exists() else 0
     median = {name: statistics.median(v) for name, v in rates.items()}
-    overhead = {
-        name: 1 - statistics.median(t / o for t, o in zip(rates[name], rates["off"], strict=True))
+    paired = {
+        name: [t / o for t, o in zip(rates[name], rates["off"], strict=True)]
         for name in ("file", "otlp")
     }
+    overhead = {name: 1 - statistics.median(v) for name, v in paired.items()}
+    # 90% interval of the paired overhead, resampling rounds
+    interval = {name: [1 - x for x in reversed(bootstrap(v))] for name, v in paired.items()}
 
     def mesh_cpu(name: str, r: int) -> float:
         return sum(v[r] for v in cpu[name].values())
 
     # The same pairing for the CPU a request takes (all processes of the mesh): steadier than
     # throughput on a shared host (the scheduler's and the neighbours' noise is not counted).
-    cpu_overhead = {
-        name: statistics.median(
-            mesh_cpu(name, r) / mesh_cpu("off", r) - 1 for r in range(args.rounds)
-        )
+    cpu_paired = {
+        name: [mesh_cpu(name, r) / mesh_cpu("off", r) - 1 for r in range(args.rounds)]
         for name in ("file", "otlp")
     }
+    cpu_overhead = {name: statistics.median(v) for name, v in cpu_paired.items()}
+    cpu_interval = {name: bootstrap(v) for name, v in cpu_paired.items()}
     print()
     print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
     print(
         f"model: tiny (embedded), {args.requests} requests x {args.new_tokens} tokens per round, "
-        f"{args.concurrency} at once, {args.rounds} rounds"
+        f"{args.concurrency} at once, {args.rounds} rounds, meshes started {args.restarts} times"
+        + (" (CONTROL: no mesh traced)" if args.control else "")
     )
-    print(f"{'tracing':8} {'tok/s (median)':>15} {'overhead':>9} {'TTFT p50 ms':>12}")
-    for name in meshes:
+    print(
+        f"{'tracing':8} {'tok/s (median)':>15} {'overhead':>9} {'90% interval':>17} "
+        f"{'TTFT p50 ms':>12}"
+    )
+    for name in names:
         o = f"{overhead[name]:+.1%}" if name in overhead else "baseline"
-        print(f"{name:8} {median[name]:15,.0f} {o:>9} {ttft[name]:12.2f}")
+        lo_hi = "[{:+.1%}, {:+.1%}]".format(*interval[name]) if name in interval else ""
+        print(f"{name:8} {median[name]:15,.0f} {o:>9} {lo_hi:>17} {ttft[name]:12.2f}")
     print(f"spans exported: {traced_lines} to the file, {exported} over OTLP")
     cpu_ms = {
         name: {proc: round(statistics.median(v) * 1000, 3) for proc, v in procs.items()}
@@ -239,7 +295,10 @@ def main() -> None:
     }
     print(
         "CPU per request, paired by round: "
-        + ", ".join(f"{name} {v:+.1%}" for name, v in cpu_overhead.items())
+        + ", ".join(
+            f"{name} {v:+.1%} [{cpu_interval[name][0]:+.1%}, {cpu_interval[name][1]:+.1%}]"
+            for name, v in cpu_overhead.items()
+        )
     )
     print("CPU ms per request (median over rounds):")
     for name, procs in cpu_ms.items():
@@ -268,16 +327,22 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "concurrency": args.concurrency,
         "export_delay_s": args.export_delay_s,
+        "control": args.control,
+        "restarts": args.restarts,
+        "otlp_protocol": args.otlp_protocol,
         "tok_per_s_off": round(median["off"], 1),
         "tok_per_s_file": round(median["file"], 1),
         "tok_per_s_otlp": round(median["otlp"], 1),
         "overhead_file": round(overhead["file"], 4),
         "overhead_otlp": round(overhead["otlp"], 4),
+        "overhead_interval_90": {k: [round(x, 4) for x in v] for k, v in interval.items()},
+        "tok_per_s_by_round": {k: [round(x) for x in v] for k, v in rates.items()},
         "ttft_p50_ms": {k: round(v, 3) for k, v in ttft.items()},
         "spans_file": traced_lines,
         "spans_otlp": exported,
         "cpu_ms_per_request": cpu_ms,
         "cpu_overhead": {k: round(v, 4) for k, v in cpu_overhead.items()},
+        "cpu_overhead_interval_90": {k: [round(x, 4) for x in v] for k, v in cpu_interval.items()},
         "decode_steps": step_use,
         "decode_steps_by_round": {
             n: [round(x * len(prompts)) for x, _ in v] for n, v in steps.items()
