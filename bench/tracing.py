@@ -24,11 +24,11 @@ request and the mean decode batch (the decode worker's `distserve_engine_step_*`
 median over rounds, since a traced mesh could lose throughput by batching worse rather than by
 its spans' work (on 2 cores the same load has run between ~900 and ~6,000 decode steps a round,
 either way).
-Traced meshes export every 100 ms (`--export-delay-s`) and each round ends with a pause of three
-of those, so that a mesh's exports (and, for OTLP, the receiver's decoding) fall in its own
-round, never in the next mesh's. `--concurrency 1` holds the batching fixed (every request
-decodes alone). Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of
-file and otlp).
+Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
+~10 s could not hold) and each round ends with a pause of three of those, so that a mesh's
+exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
+mesh's. `--concurrency 1` holds the batching fixed (every request decodes alone). Prints a
+table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
 Run: `python bench/tracing.py`.
 """
 
@@ -59,7 +59,11 @@ from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
 
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
-EXPORT_DELAY_S = 0.1
+# Exports every second. At 0.1 s (this bench's default until 2026-12-02) OTLP cost 8.5-10.6% of
+# throughput and its workers +10-12% CPU per request, over gRPC and HTTP alike; at 1 s, the same
+# day, nothing measurable (docs/benchmarks.md): frequent exports cost a deployment too, but a
+# deployment batches as the SDK does (5 s).
+EXPORT_DELAY_S = 1.0
 # Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
 # cores are shared by everything) would end a round early.
 GATEWAY_ARGS = ("--admission-ttft-factor", "0")
@@ -187,8 +191,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     spans_file = tmp / "spans.jsonl"
     with Receiver() as receiver:
-        # Spans leave within 100 ms (the SDK's default is every 5 s), so that a round's exports
-        # run in that round and the pause after it, not in the next mesh's round.
+        # Spans leave within the export delay, so that a round's exports run in that round and
+        # the pause after it, not in the next mesh's round.
         export = {"OTEL_BSP_SCHEDULE_DELAY": str(int(args.export_delay_s * 1000))}
         envs = {
             "off": {},
