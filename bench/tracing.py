@@ -61,8 +61,8 @@ from services.launcher import Mesh, MeshSpec
 WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
 # Exports every second. At 0.1 s (this bench's default until 2026-12-02) OTLP cost 8.5-10.6% of
 # throughput and its workers +10-12% CPU per request, over gRPC and HTTP alike; at 1 s, the same
-# day, nothing measurable (docs/benchmarks.md): frequent exports cost a deployment too, but a
-# deployment batches as the SDK does (5 s).
+# day, within the noise (two runs pooled: file +1.6%, otlp -3.2%; docs/benchmarks.md): frequent
+# exports cost a deployment too, but a deployment batches as the SDK does (5 s).
 EXPORT_DELAY_S = 1.0
 # Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
 # cores are shared by everything) would end a round early.
