@@ -31,18 +31,19 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-BLOCK = 512 * 2**10  # the bench source's block: bench/kvtransfer.py
 
 
 async def puller_side(size: int, chunk_bytes: int) -> None:
     """One side's puller: the handles on stdin's first line, then a pull per line, its
     milliseconds printed."""
-    import torch
     from google.protobuf.json_format import ParseDict
+
+    # bench/kvtransfer.py beside this file (the script's directory leads sys.path): its `cache`
+    # allocates a KV cache with the checkout's engine (PYTHONPATH), as the source does
+    from kvtransfer import cache
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
-    from services.engine.kv_cache import KvCache
     from services.kvtransfer.layout import KvDestination
     from services.kvtransfer.puller import KvPuller, PullPolicy
 
@@ -51,17 +52,7 @@ async def puller_side(size: int, chunk_bytes: int) -> None:
     handle = KvHandle.from_pb(ParseDict(served["handles"][str(size)], common_pb2.KvHandle()))
     puller = KvPuller(PullPolicy(chunk_bytes=chunk_bytes), "ucx")
     blocks = handle.num_blocks
-    # allocated as the checkout's engine allocates its KV cache (bench/kvtransfer.py's `cache`)
-    kv = KvCache(
-        num_layers=1,
-        num_blocks=blocks,
-        block_size=1,
-        num_kv_heads=1,
-        head_dim=BLOCK,
-        dtype=torch.uint8,
-        device=torch.device("cpu"),
-    )
-    dst = KvDestination(kv.data, range(1))
+    dst = KvDestination(cache(blocks).data, range(1))
     await puller.pull(handle, list(range(blocks)), dst)  # connects
     print("ready", flush=True)
     while (await loop.run_in_executor(None, sys.stdin.readline)).strip():
