@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -297,13 +298,17 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
 
 
 def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
+    """SIGKILL leaves no process and no file behind (Envoy's configuration folder included)."""
     argv = ["up", "--model", str(tiny_model), "--port", "0", "--edge-port", "0"]
+    scratch = tmp_path / "tmp"  # the mesh's TMPDIR
+    scratch.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
         for line in proc.stdout:
@@ -320,6 +325,9 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
             return status.exists() and "zombie" not in status.read_text().lower()
 
         wait_until(lambda: not any(alive(pid) for pid in children), 30, "children to exit")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
+        # (torch keeps its compile cache there: shared by every run, not one mesh's)
+        assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -81,6 +81,9 @@ class Envoy:
         except BaseException:
             self.stop()
             raise
+        # Envoy has read its configuration and written its admin address: neither is read
+        # again (no hot restart), and a folder removed now cannot outlive a killed parent.
+        self._remove_dir()
 
     def _wait_ready(self, admin_path: Path, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,6 +120,9 @@ class Envoy:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
