@@ -228,6 +228,34 @@ def test_an_http_request_through_envoy_is_one_trace_too(traced_mesh, tiny_model)
     assert set(children(spans, root)) >= REQUEST_SPANS
 
 
+def test_a_decode_the_gateway_cuts_short_is_still_a_span(traced_mesh):
+    """A client that leaves mid-stream: the gateway cancels the decode call, and the decode
+    instance still records its `decode` span, marked cancelled. (The span was once recorded
+    only after the last token's `yield`, which a cancelled call never returns from; and the
+    gateway cancels even a finished call once the last token is in, so a finished request's
+    `decode` span went missing too whenever that cancel came first.)"""
+    mesh, receiver = traced_mesh, traced_mesh.receiver
+    trace_id = "6f" * 16
+    with grpc.insecure_channel(mesh.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        params = common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True)
+        call = stub.Generate(
+            gateway_pb2.GenerateRequest(text="Leave me early", sampling=params),
+            metadata=(("traceparent", traceparent(trace_id)),),
+            timeout=60,
+        )
+        seen = 0
+        for r in call:
+            seen += len(r.token_ids)
+            if seen >= 4:
+                call.cancel()
+                break
+    spans = receiver.wait_for(trace_id, REQUEST_SPANS, 20)
+    [decode] = [s for s in spans if s["name"] == "decode"]
+    assert decode["attributes"]["decode.cancelled"] is True
+    assert 2 <= decode["attributes"]["gen_ai.usage.output_tokens"] < 1000
+
+
 def test_trace_report_breaks_down_the_requests_the_mesh_recorded(
     traced_mesh, tiny_model, tmp_path, capsys
 ):

@@ -144,7 +144,7 @@ class DecodeWorker:
         queue = self.loop.subscribe(request_id)
         finished = False
         pending_handle = handle  # released once pulled; released on any exit before that
-        decoded, decode_start = 0, time.monotonic()
+        decoded, decode_start = 0, None  # decode_start: when decoding began
         try:
             if handle is None:
                 submitted = time.monotonic()
@@ -169,18 +169,18 @@ class DecodeWorker:
                 decoded += len(ids)
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
-            end = time.monotonic()
-            telemetry.record(
-                "decode",
-                trace,
-                decode_start,
-                end,
-                {
+        finally:
+            if decode_start is not None:
+                # Here, not after the loop: the caller cancels the call once the last token
+                # is in, and that may close this generator at its last `yield`.
+                end = time.monotonic()
+                attributes = {
                     "gen_ai.usage.output_tokens": decoded,
                     "decode.tpot_ms": (end - decode_start) * 1000 / decoded if decoded else 0.0,
-                },
-            )
-        finally:
+                }
+                if not finished:  # the caller left (a stop string, a client gone, a failure)
+                    attributes["decode.cancelled"] = True
+                telemetry.record("decode", trace, decode_start, end, attributes)
             self.loop.unsubscribe(request_id)
             self._admissions.pop(request_id, None)
             if not finished:
