@@ -209,3 +209,80 @@ def test_slo_attainment_counts_only_the_window():
     assert window.attainment(now=9.5) == (pytest.approx(2 / 3), 3)
     assert window.attainment(now=12) == (0.5, 2)  # the one at t=0 left the window
     assert window.attainment(now=30) == (1.0, 0)
+
+
+TRACEPARENTS = [
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+    " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\t",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  # 00 takes four fields
+    "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  # later versions more
+    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+    "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-ff",
+    "garbage",
+    "",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-" + "x" * 600,
+]
+
+
+@pytest.mark.parametrize("traceparent", TRACEPARENTS)
+@pytest.mark.parametrize("tracestate", [None, "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7", "bad"])
+def test_trace_context_is_read_as_the_sdks_propagator_reads_it(
+    clean_env, tmp_path, traceparent, tracestate
+):
+    # The fast path (`_W3c`) against the SDK's TraceContext propagator, the reference.
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(tmp_path / "s.jsonl"))
+    assert telemetry.setup("prefill")
+    assert telemetry._w3c is not None  # the default propagators take the fast path
+    headers = {"traceparent": traceparent, "user-agent": "grpc-python"}
+    if tracestate is not None:
+        headers["tracestate"] = tracestate
+    ours = trace.get_current_span(telemetry.from_headers(headers)).get_span_context()
+    sdk = trace.get_current_span(TraceContextTextMapPropagator().extract(headers))
+    sdk = sdk.get_span_context()
+    assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote) == (
+        sdk.trace_id,
+        sdk.span_id,
+        sdk.trace_flags,
+        sdk.is_remote,
+    )
+    assert ours.trace_state == sdk.trace_state
+    if sdk.is_valid:  # and written back as the SDK writes it
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(
+            carrier, trace.set_span_in_context(trace.NonRecordingSpan(sdk))
+        )
+        assert dict(telemetry.outgoing(telemetry.from_headers(headers))) == carrier
+
+
+def test_baggage_and_other_propagators_go_through_the_sdk(clean_env, tmp_path):
+    from opentelemetry import baggage
+
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(tmp_path / "s.jsonl"))
+    assert telemetry.setup("gateway")
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    ctx = telemetry.from_headers({"traceparent": parent, "baggage": "tenant=acme"})
+    assert baggage.get_baggage("tenant", ctx) == "acme"
+    span = telemetry.start("request", ctx)
+    onward = dict(
+        telemetry.outgoing(baggage.set_baggage("tenant", "acme", telemetry.context_of(span)))
+    )
+    assert (
+        onward["baggage"] == "tenant=acme"
+        and onward["traceparent"].split("-")[1] == parent.split("-")[1]
+    )
+    span.end()
+    telemetry.shutdown()
+    clean_env.setenv("OTEL_PROPAGATORS", "tracecontext")
+    assert telemetry.setup("gateway") and telemetry._w3c is not None
+    telemetry.shutdown()
+    clean_env.setenv("OTEL_PROPAGATORS", "tracecontext,b3")
+    assert telemetry.setup("gateway") and telemetry._w3c is None
