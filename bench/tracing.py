@@ -1,45 +1,47 @@
 """Tracing overhead benchmark: the same load with tracing off and on, in one run.
 
-Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to its own core with
-`--pin`; only one mesh is busy at a time), identical but for tracing:
+Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to a core with `--pin`:
+every mesh's prefill shares one core, every decode the other), identical but for tracing:
   * off: no exporter configured (no span is created);
   * file: every span appended to a JSON-lines file (`DISTSERVE_TRACE_FILE`);
   * otlp: every span exported over OTLP/gRPC to a receiver in a process of its own that counts
     them (tests/otlp_receiver.py, `count_only`): a collector runs elsewhere in production, here it
     shares the two cores, so it does the least a collector does (decode each export and count);
     in the load generator's process it would slow the client, not the mesh.
-Load per round: `--requests` streamed requests of `--new-tokens` tokens, `--concurrency` in
-flight all the time (a new one starts as one ends), straight to the gateway over gRPC; the
-gateway's admission is off (see GATEWAY_ARGS). Each round runs every mesh once, in a shuffled
-order (seeded), so that all see the same machine and none always goes first; the overhead is 1 -
-the median over rounds of (traced / off in the same round): paired, so a round the whole machine
-was slow in counts for nothing; beside it a 90% interval (bootstrap over rounds). The meshes are
-started afresh `--restarts` times, each mesh first, second and third in turn (in
-bench/kvtransfer_ab.py the processes started second ran 5-10% faster, same code: a fixed start
-order could pass for a cost or hide one). `--control` runs the same bench with no mesh traced:
-how far apart identical meshes come out here. Also the TTFT p50 of sequential 2-token requests
-on each mesh, and where the cost lands: CPU time per request of each process (gateway, prefill,
-decode; from /proc), median over rounds; and how requests shared decode steps: decode steps per
-request and the mean decode batch (the decode worker's `distserve_engine_step_*` metrics),
-median over rounds, since a traced mesh could lose throughput by batching worse rather than by
-its spans' work (on 2 cores the same load has run between ~900 and ~6,000 decode steps a round,
-either way).
+The three are loaded at once, each with `--concurrency` streamed requests of `--new-tokens`
+tokens in flight all the time (a new one starts as one ends), straight to its gateway over gRPC
+(the gateway's admission off, see GATEWAY_ARGS), for `--seconds` a round; then a pause of three
+export delays, so that a round's spans (and, for OTLP, the receiver's decoding) are exported
+and paid for in that round. At once, because run one after the other (this bench until
+2026-12-02) identical meshes came out 0.75-1.55x apart round by round: the host's speed and the
+decode batching regime of the moment (1-4 decode steps per request) differ between two 10 s
+stretches far more than 3%, while meshes sharing the same stretch share both. Per round and
+mesh: tokens/s, and the CPU (user + system, all threads, from /proc) its gateway, prefill and
+decode took per request; the overhead is 1 - the median over rounds of (traced / off in the same
+round), with a 90% interval (bootstrap over rounds), for throughput and for CPU per request.
+On a saturated host the two are one cost seen twice; the CPU pairing comes out the tighter.
+The meshes are started afresh `--restarts` times, each first, second and third in turn (in
+bench/kvtransfer_ab.py processes started second ran 5-10% faster, same code). `--control` runs
+the same bench with no mesh traced: how far apart identical meshes come out here. Also the TTFT
+p50 of sequential 2-token requests on each mesh (alone), and how requests shared decode steps:
+decode steps per request and the mean decode batch (the decode worker's
+`distserve_engine_step_*` metrics), medians over rounds: a traced mesh could lose throughput by
+batching worse rather than by its spans' work.
 Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
-~10 s could not hold) and each round ends with a pause of three of those, so that a mesh's
-exports (and, for OTLP, the receiver's decoding) fall in its own round, never in the next
-mesh's. `--concurrency 1` holds the batching fixed (every request decodes alone). Prints a
-table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp).
-Run: `python bench/tracing.py`.
+10 s could not hold). Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of
+file and otlp, throughput). Run: `python bench/tracing.py` (about 7 minutes here).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,6 +69,8 @@ EXPORT_DELAY_S = 1.0
 # Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
 # cores are shared by everything) would end a round early.
 GATEWAY_ARGS = ("--admission-ttft-factor", "0")
+# Load on freshly started meshes before the first round: connections, UCX endpoints, allocations.
+WARMUP_S = 3.0
 
 
 def decode_steps(mesh: Mesh) -> tuple[float, float]:
@@ -86,26 +90,48 @@ def cpu_seconds(mesh: Mesh) -> dict[str, float]:
     return out
 
 
-async def steady_rate(address: str, prompts: list[list[int]], new: int, concurrency: int) -> float:
-    """Streamed tokens/s with `concurrency` requests in flight until `prompts` run out."""
-    todo = list(reversed(prompts))
+async def load_together(
+    addresses: dict[str, str],
+    prompts: list[list[int]],
+    new: int,
+    concurrency: int,
+    seconds: float,
+) -> dict[str, tuple[int, int]]:
+    """Load every mesh at once for `seconds`: on each, `concurrency` streamed requests in flight
+    (a new one starts as one ends, the prompts taken in turn). Per mesh: (tokens that arrived
+    within the window, requests that finished within it). Streams still open at the end are
+    cancelled."""
     params = common_pb2.SamplingParams(max_tokens=new, ignore_eos=True)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+    channels = {name: grpc.aio.insecure_channel(a) for name, a in addresses.items()}
+    try:
+        for channel in channels.values():
+            await channel.channel_ready()
+        deadline = asyncio.get_running_loop().time() + seconds
+        counts = {name: [0, 0] for name in addresses}
 
-        async def client() -> int:
-            n = 0
-            while todo:
-                ids = gateway_pb2.TokenIds(ids=todo.pop())
-                async for r in stub.Generate(
-                    gateway_pb2.GenerateRequest(token_ids=ids, sampling=params)
-                ):
-                    n += len(r.token_ids)
-            return n
+        async def client(name: str, stub, taken: itertools.count) -> None:
+            count = counts[name]
+            try:
+                async with asyncio.timeout_at(deadline):
+                    while True:
+                        ids = gateway_pb2.TokenIds(ids=prompts[next(taken) % len(prompts)])
+                        async for r in stub.Generate(
+                            gateway_pb2.GenerateRequest(token_ids=ids, sampling=params)
+                        ):
+                            count[0] += len(r.token_ids)
+                        count[1] += 1
+            except TimeoutError:
+                pass
 
-        t = time.perf_counter()
-        counts = await asyncio.gather(*(client() for _ in range(concurrency)))
-        return sum(counts) / (time.perf_counter() - t)
+        clients = []
+        for name, channel in channels.items():
+            stub, taken = gateway_pb2_grpc.GatewayStub(channel), itertools.count()
+            clients += [client(name, stub, taken) for _ in range(concurrency)]
+        await asyncio.gather(*clients)
+        return {name: (tokens, done) for name, (tokens, done) in counts.items()}
+    finally:
+        for channel in channels.values():
+            await channel.close()
 
 
 class Receiver:
@@ -160,7 +186,10 @@ def main() -> None:
         default=3,
         help="start the meshes this many times, in a rotated order (rounds split evenly)",
     )
-    ap.add_argument("--requests", type=int, default=384, help="streamed requests per round")
+    ap.add_argument("--seconds", type=float, default=10.0, help="the length of a round")
+    ap.add_argument(
+        "--prompts", type=int, default=384, help="distinct prompts, taken in turn by each mesh"
+    )
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=50)
@@ -184,7 +213,7 @@ def main() -> None:
     args = ap.parse_args()
     model = default_model("tiny")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.requests)]
+    prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.prompts)]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DISTSERVE_TRACE"))}
     os.environ.clear()
     os.environ.update(base)  # the meshes inherit this environment, plus their own
@@ -216,10 +245,12 @@ def main() -> None:
             steps: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             ttft: dict[str, float] = {}
 
-            def load(address: str) -> float:
-                return asyncio.run(steady_rate(address, prompts, args.new_tokens, args.concurrency))
+            def load(seconds: float) -> dict[str, tuple[int, int]]:
+                addresses = {name: m.gateway_address for name, m in meshes.items()}
+                return asyncio.run(
+                    load_together(addresses, prompts, args.new_tokens, args.concurrency, seconds)
+                )
 
-            order = random.Random(0)
             for r in range(args.rounds):
                 if r % per_start == 0:
                     for mesh in meshes.values():
@@ -228,17 +259,20 @@ def main() -> None:
                     first = names[k:] + names[:k]
                     print(f"starting the meshes: {', '.join(first)}", flush=True)
                     meshes = {name: start(model, envs[name]) for name in first}
-                    for mesh in meshes.values():  # warm-up: connections, UCX endpoints
-                        load(mesh.gateway_address)
-                for name in order.sample(list(meshes), len(meshes)):
-                    mesh = meshes[name]
-                    before, steps_before = cpu_seconds(mesh), decode_steps(mesh)
-                    rates[name].append(load(mesh.gateway_address))
-                    time.sleep(3 * args.export_delay_s)  # its last spans go out
+                    load(WARMUP_S)  # connections, UCX endpoints, allocations
+                    time.sleep(3 * args.export_delay_s)
+                before = {name: (cpu_seconds(m), decode_steps(m)) for name, m in meshes.items()}
+                counts = load(args.seconds)
+                time.sleep(3 * args.export_delay_s)  # the round's last spans go out
+                for name, mesh in meshes.items():
+                    cpu_before, steps_before = before[name]
+                    tokens = max(1, counts[name][0])
+                    rates[name].append(tokens / args.seconds)
                     n, seqs = (a - b for a, b in zip(decode_steps(mesh), steps_before, strict=True))
-                    steps[name].append((n / len(prompts), seqs / n if n else 0.0))
+                    # per request of new_tokens tokens
+                    steps[name].append((n / tokens * args.new_tokens, seqs / n if n else 0.0))
                     for proc, seconds in cpu_seconds(mesh).items():
-                        per_request = (seconds - before[proc]) / len(prompts)
+                        per_request = (seconds - cpu_before[proc]) / tokens * args.new_tokens
                         cpu[name].setdefault(proc, []).append(per_request)
                 print(
                     f"round {r + 1}/{args.rounds}: "
@@ -257,6 +291,7 @@ def main() -> None:
                 mesh.stop()
     exported = receiver.spans
     traced_lines = sum(1 for _ in spans_file.open()) if spans_file.exists() else 0
+    shutil.rmtree(tmp, ignore_errors=True)
     median = {name: statistics.median(v) for name, v in rates.items()}
     paired = {
         name: [t / o for t, o in zip(rates[name], rates["off"], strict=True)]
@@ -280,8 +315,9 @@ def main() -> None:
     print()
     print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
     print(
-        f"model: tiny (embedded), {args.requests} requests x {args.new_tokens} tokens per round, "
-        f"{args.concurrency} at once, {args.rounds} rounds, meshes started {args.restarts} times"
+        f"model: tiny (embedded), requests of {args.new_tokens} tokens, {args.concurrency} in "
+        f"flight on each mesh, all meshes at once, {args.rounds} rounds of {args.seconds:g} s, "
+        f"meshes started {args.restarts} times"
         + (" (CONTROL: no mesh traced)" if args.control else "")
     )
     print(
@@ -327,7 +363,7 @@ def main() -> None:
         "model": "tiny",
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
-        "requests_per_round": args.requests,
+        "seconds_per_round": args.seconds,
         "new_tokens": args.new_tokens,
         "concurrency": args.concurrency,
         "export_delay_s": args.export_delay_s,
@@ -348,8 +384,8 @@ def main() -> None:
         "cpu_overhead": {k: round(v, 4) for k, v in cpu_overhead.items()},
         "cpu_overhead_interval_90": {k: [round(x, 4) for x in v] for k, v in cpu_interval.items()},
         "decode_steps": step_use,
-        "decode_steps_by_round": {
-            n: [round(x * len(prompts)) for x, _ in v] for n, v in steps.items()
+        "decode_steps_per_request_by_round": {
+            n: [round(x, 2) for x, _ in v] for n, v in steps.items()
         },
         "tracing_overhead_fraction": round(max(overhead.values()), 4),
     }
