@@ -28,8 +28,11 @@ decode steps per request and the mean decode batch (the decode worker's
 `distserve_engine_step_*` metrics), medians over rounds: a traced mesh could lose throughput by
 batching worse rather than by its spans' work.
 Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
-10 s could not hold). Prints a table and one JSON line (`tracing_overhead_fraction`: the worse of
-file and otlp, throughput). Run: `python bench/tracing.py` (about 7 minutes here).
+10 s could not hold). The model is the tiny preset by default: a request then costs only the
+mesh's own work, the worst case for tracing's share; `--model small` (105M parameters; e.g.
+`--concurrency 16 --seconds 20 --rounds 12 --restarts 2`, about 10 minutes) is one whose
+prefill and decode do real work. Prints a table and one JSON line (`tracing_overhead_fraction`:
+the worse of file and otlp, throughput). Run: `python bench/tracing.py` (about 7 minutes here).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
 
-WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "64")
+# KV cache per worker, by preset: room for every stream's prompt and tokens.
+KV_CACHE_MB = {"tiny": 64, "small": 256}
 # Exports every second. At 0.1 s (this bench's default until 2026-12-02) OTLP cost 8.5-10.6% of
 # throughput and its workers +10-12% CPU per request, over gRPC and HTTP alike; at 1 s, the same
 # day, within the noise (two runs pooled: file +1.6%, otlp -3.2%; docs/benchmarks.md): frequent
@@ -163,12 +167,12 @@ def bootstrap(values: list[float], q: float = 0.05, n: int = 2000) -> tuple[floa
     return medians[int(q * n)], medians[int((1 - q) * n) - 1]
 
 
-def start(model: Path, env: dict[str, str]) -> Mesh:
+def start(model: Path, env: dict[str, str], kv_cache_mb: int = 64) -> Mesh:
     spec = MeshSpec(
         model=model,
         gateway_port=0,
         pin=True,
-        worker_args=WORKER_ARGS,
+        worker_args=("--kv-cache-mb", str(kv_cache_mb), "--max-num-seqs", "64"),
         gateway_args=GATEWAY_ARGS,
         env=env,
     )
@@ -179,6 +183,13 @@ def start(model: Path, env: dict[str, str]) -> Mesh:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model",
+        choices=sorted(KV_CACHE_MB),
+        default="tiny",
+        help="the embedded preset served (tiny: the mesh's own work is all a request costs, "
+        "the worst case for tracing's share)",
+    )
     ap.add_argument("--rounds", type=int, default=18)
     ap.add_argument(
         "--restarts",
@@ -211,7 +222,7 @@ def main() -> None:
         help="an A/A/A control: the same three meshes, none traced (the bench's own bias)",
     )
     args = ap.parse_args()
-    model = default_model("tiny")
+    model = default_model(args.model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.prompts)]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DISTSERVE_TRACE"))}
@@ -258,7 +269,8 @@ def main() -> None:
                     k = (r // per_start) % len(names)
                     first = names[k:] + names[:k]
                     print(f"starting the meshes: {', '.join(first)}", flush=True)
-                    meshes = {name: start(model, envs[name]) for name in first}
+                    kv_mb = KV_CACHE_MB[args.model]
+                    meshes = {name: start(model, envs[name], kv_mb) for name in first}
                     load(WARMUP_S)  # connections, UCX endpoints, allocations
                     time.sleep(3 * args.export_delay_s)
                 before = {name: (cpu_seconds(m), decode_steps(m)) for name, m in meshes.items()}
@@ -315,9 +327,9 @@ def main() -> None:
     print()
     print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
     print(
-        f"model: tiny (embedded), requests of {args.new_tokens} tokens, {args.concurrency} in "
-        f"flight on each mesh, all meshes at once, {args.rounds} rounds of {args.seconds:g} s, "
-        f"meshes started {args.restarts} times"
+        f"model: {args.model} (embedded), requests of {args.new_tokens} tokens, "
+        f"{args.concurrency} in flight on each mesh, all meshes at once, "
+        f"{args.rounds} rounds of {args.seconds:g} s, meshes started {args.restarts} times"
         + (" (CONTROL: no mesh traced)" if args.control else "")
     )
     print(
@@ -360,7 +372,7 @@ def main() -> None:
     print("target: throughput cost <= 3%")
     result = {
         "bench": "tracing",
-        "model": "tiny",
+        "model": args.model,
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
         "seconds_per_round": args.seconds,
