@@ -32,17 +32,33 @@ THREAD_CHECKSUM_BYTES = 2**20
 # on it, services/kvtransfer/ucx_loop.py): a pull of 64 MiB over shared memory went from
 # 4.2-4.3 GB/s to 4.6-4.7 with one thread, the puller's CPU from 19.5 to 17.9 ms a pull
 # (docs/benchmarks.md). xxh3 hashes ~30 GB/s a thread, faster than any copy on the same cores.
-# Sized at first use, after a `--pin` worker has pinned itself.
+# None at all in a process with one core (a `--pin` worker): a thread there cannot run beside
+# the loop, it only adds hops to the same work (a job started 1-2.5 ms after it was handed
+# over, waiting for the GIL and the core); hashing on the loop made the pinned mesh's 2048-token
+# handoff 0.76x and 0.95x as long in two runs, 0.88x pooled (bench/handoff_env.py, 24 paired
+# pulls a run). Sized at first use, after a `--pin` worker has pinned itself.
 _checksum_threads: ThreadPoolExecutor | None = None
+_one_core: bool | None = None
 
 
 def on_checksum_thread(fn, *args) -> asyncio.Future:
-    """fn(*args) on a checksum thread, as a future of the running loop's."""
-    global _checksum_threads
-    if _checksum_threads is None:
+    """fn(*args) on a checksum thread, as a future of the running loop's; run at once, on the
+    loop, in a process with one core."""
+    global _checksum_threads, _one_core
+    if _one_core is None:
         cores = len(os.sched_getaffinity(0))
-        _checksum_threads = ThreadPoolExecutor(max(1, cores // 4), "kv-checksum")
-    return asyncio.get_running_loop().run_in_executor(_checksum_threads, fn, *args)
+        _one_core = cores == 1
+        if not _one_core:
+            _checksum_threads = ThreadPoolExecutor(max(1, cores // 4), "kv-checksum")
+    loop = asyncio.get_running_loop()
+    if _one_core:
+        done = loop.create_future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # as the thread pool would: the error through the future
+            done.set_exception(e)
+        return done
+    return loop.run_in_executor(_checksum_threads, fn, *args)
 
 
 def encode(message) -> np.ndarray:

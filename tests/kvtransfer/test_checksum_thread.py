@@ -1,0 +1,56 @@
+"""Where large chunks are hashed: a checksum thread, or the event loop in a one-core process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+from services.kvtransfer import wire
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """Pretend this process may run on `n` cores (the decision is taken at first use)."""
+
+    def set_cores(n: int) -> None:
+        monkeypatch.setattr(wire, "_one_core", None)
+        monkeypatch.setattr(wire, "_checksum_threads", None)
+        monkeypatch.setattr(wire.os, "sched_getaffinity", lambda pid: set(range(n)))
+
+    return set_cores
+
+
+def run(fn, *args):
+    async def go():
+        job = wire.on_checksum_thread(fn, *args)
+        done_at_once = job.done()
+        return done_at_once, await job
+
+    return asyncio.run(go())
+
+
+def test_a_pinned_process_hashes_on_the_loop(cores):
+    cores(1)
+    data = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8)
+    done_at_once, (digest, thread) = run(lambda: (wire.checksum_of(data), threading.get_ident()))
+    assert done_at_once and thread == threading.get_ident()
+    assert digest == xxhash.xxh3_64_intdigest(data)
+    assert wire._checksum_threads is None  # no thread started at all
+
+    def broken():
+        raise ValueError("bad chunk")
+
+    with pytest.raises(ValueError, match="bad chunk"):
+        run(broken)
+
+
+def test_a_process_with_cores_to_spare_hashes_on_a_thread(cores):
+    cores(4)
+    done_at_once, thread = run(threading.get_ident)
+    assert not done_at_once and thread != threading.get_ident()
+    assert wire._checksum_threads is not None
+    wire._checksum_threads.shutdown()
