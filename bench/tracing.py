@@ -23,10 +23,10 @@ On a saturated host the two are one cost seen twice; the CPU pairing comes out t
 The meshes are started afresh `--restarts` times, each first, second and third in turn (in
 bench/kvtransfer_ab.py processes started second ran 5-10% faster, same code). `--control` runs
 the same bench with no mesh traced: how far apart identical meshes come out here. Also the TTFT
-p50 of sequential 2-token requests on each mesh (alone), and how requests shared decode steps:
-decode steps per request and the mean decode batch (the decode worker's
-`distserve_engine_step_*` metrics), medians over rounds: a traced mesh could lose throughput by
-batching worse rather than by its spans' work.
+p50 of sequential 2-token requests on each mesh (alone), and how requests shared steps: decode
+steps per request, the mean decode and prefill batch (the workers' `distserve_engine_step_*`
+metrics), and the mean TTFT under the load (the gateway's histogram), medians over rounds: a
+traced mesh could lose throughput by batching worse rather than by its spans' work.
 Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
 10 s could not hold). The model is the tiny preset by default: a request then costs only the
 mesh's own work, the worst case for tracing's share; `--model small` (105M parameters; e.g.
@@ -77,12 +77,21 @@ GATEWAY_ARGS = ("--admission-ttft-factor", "0")
 WARMUP_S = 3.0
 
 
-def decode_steps(mesh: Mesh) -> tuple[float, float]:
-    """(decode steps, sequences over those steps) the mesh's decode worker has run so far."""
-    proc = next(p for p in mesh.workers if p.name.startswith("decode"))
-    found = {s.name: s.value for s in proc.metrics() if s.labels.get("kind") == "decode"}
-    steps = found.get("distserve_engine_step_seconds_count", 0.0)
-    return steps, found.get("distserve_engine_step_batch_size_sum", 0.0)
+def counters(mesh: Mesh) -> dict[str, float]:
+    """What the mesh has counted so far: steps and the sequences in them of its prefill and
+    decode workers (`distserve_engine_step_*`), and the gateway's TTFT histogram (sum, count)."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        proc = next(p for p in mesh.workers if p.name.startswith(kind))
+        found = {s.name: s.value for s in proc.metrics() if s.labels.get("kind") == kind}
+        out[f"{kind}_steps"] = found.get("distserve_engine_step_seconds_count", 0.0)
+        out[f"{kind}_seqs"] = found.get("distserve_engine_step_batch_size_sum", 0.0)
+    gateway = next(p for p in mesh.processes if p.name == "gateway")
+    for s in gateway.metrics():
+        if s.name.startswith("gen_ai_server_time_to_first_token_seconds_"):
+            key = "ttft_" + s.name.rsplit("_", 1)[1]  # ttft_sum, ttft_count
+            out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def cpu_seconds(mesh: Mesh) -> dict[str, float]:
@@ -253,7 +262,7 @@ def main() -> None:
         try:
             rates: dict[str, list[float]] = {name: [] for name in names}
             cpu: dict[str, dict[str, list[float]]] = {name: {} for name in names}
-            steps: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+            steps: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
             ttft: dict[str, float] = {}
 
             def load(seconds: float) -> dict[str, tuple[int, int]]:
@@ -273,16 +282,24 @@ def main() -> None:
                     meshes = {name: start(model, envs[name], kv_mb) for name in first}
                     load(WARMUP_S)  # connections, UCX endpoints, allocations
                     time.sleep(3 * args.export_delay_s)
-                before = {name: (cpu_seconds(m), decode_steps(m)) for name, m in meshes.items()}
+                before = {name: (cpu_seconds(m), counters(m)) for name, m in meshes.items()}
                 counts = load(args.seconds)
                 time.sleep(3 * args.export_delay_s)  # the round's last spans go out
                 for name, mesh in meshes.items():
-                    cpu_before, steps_before = before[name]
+                    cpu_before, counted_before = before[name]
                     tokens = max(1, counts[name][0])
                     rates[name].append(tokens / args.seconds)
-                    n, seqs = (a - b for a, b in zip(decode_steps(mesh), steps_before, strict=True))
-                    # per request of new_tokens tokens
-                    steps[name].append((n / tokens * args.new_tokens, seqs / n if n else 0.0))
+                    d = {k: v - counted_before.get(k, 0.0) for k, v in counters(mesh).items()}
+                    # decode steps per request of new_tokens tokens, mean batch of each kind,
+                    # mean TTFT of the round's requests (ms)
+                    steps[name].append(
+                        (
+                            d["decode_steps"] / tokens * args.new_tokens,
+                            d["decode_seqs"] / max(1.0, d["decode_steps"]),
+                            d["prefill_seqs"] / max(1.0, d["prefill_steps"]),
+                            d.get("ttft_sum", 0.0) * 1000 / max(1.0, d.get("ttft_count", 0.0)),
+                        )
+                    )
                     for proc, seconds in cpu_seconds(mesh).items():
                         per_request = (seconds - cpu_before[proc]) / tokens * args.new_tokens
                         cpu[name].setdefault(proc, []).append(per_request)
@@ -358,17 +375,17 @@ def main() -> None:
     # Whether tracing changes how requests share decode steps (a knock-on, not a cost of its own).
     step_use = {
         name: {
-            "per_request": round(statistics.median(x for x, _ in v), 2),
-            "mean_batch": round(statistics.median(y for _, y in v), 2),
+            key: round(statistics.median(row[i] for row in v), 2)
+            for i, key in enumerate(
+                ("decode_steps_per_request", "mean_decode_batch", "mean_prefill_batch", "ttft_ms")
+            )
         }
         for name, v in steps.items()
     }
-    print(
-        "decode steps per request, mean decode batch (medians over rounds): "
-        + ", ".join(
-            f"{n} {v['per_request']:.1f}, {v['mean_batch']:.1f}" for n, v in step_use.items()
-        )
-    )
+    print("medians over rounds: decode steps per request, mean decode batch, mean prefill batch,")
+    print("  mean TTFT under the load (ms):")
+    for n, v in step_use.items():
+        print(f"  {n:8} " + "  ".join(f"{x:.2f}" for x in v.values()))
     print("target: throughput cost <= 3%")
     result = {
         "bench": "tracing",
@@ -395,10 +412,11 @@ def main() -> None:
         "cpu_ms_per_request": cpu_ms,
         "cpu_overhead": {k: round(v, 4) for k, v in cpu_overhead.items()},
         "cpu_overhead_interval_90": {k: [round(x, 4) for x in v] for k, v in cpu_interval.items()},
-        "decode_steps": step_use,
+        "batching": step_use,
         "decode_steps_per_request_by_round": {
-            n: [round(x, 2) for x, _ in v] for n, v in steps.items()
+            n: [round(row[0], 2) for row in v] for n, v in steps.items()
         },
+        "ttft_ms_by_round": {n: [round(row[3], 1) for row in v] for n, v in steps.items()},
         "tracing_overhead_fraction": round(max(overhead.values()), 4),
     }
     print(json.dumps(result))
