@@ -178,7 +178,7 @@ class DecodeWorker:
                     "gen_ai.usage.output_tokens": decoded,
                     "decode.tpot_ms": (end - decode_start) * 1000 / decoded if decoded else 0.0,
                 }
-                if not finished:  # the caller left (a stop string, a client gone, a failure)
+                if not finished:  # the caller left (its client gone, a failure upstream)
                     attributes["decode.cancelled"] = True
                 telemetry.record("decode", trace, decode_start, end, attributes)
             self.loop.unsubscribe(request_id)
