@@ -109,21 +109,19 @@ async def load_together(
     new: int,
     concurrency: int,
     seconds: float,
-) -> dict[str, tuple[int, int]]:
+) -> dict[str, int]:
     """Load every mesh at once for `seconds`: on each, `concurrency` streamed requests in flight
-    (a new one starts as one ends, the prompts taken in turn). Per mesh: (tokens that arrived
-    within the window, requests that finished within it). Streams still open at the end are
-    cancelled."""
+    (a new one starts as one ends, the prompts taken in turn). Per mesh: the tokens that arrived
+    within the window. Streams still open at the end are cancelled."""
     params = common_pb2.SamplingParams(max_tokens=new, ignore_eos=True)
     channels = {name: grpc.aio.insecure_channel(a) for name, a in addresses.items()}
     try:
         for channel in channels.values():
             await channel.channel_ready()
         deadline = asyncio.get_running_loop().time() + seconds
-        counts = {name: [0, 0] for name in addresses}
+        counts = dict.fromkeys(addresses, 0)
 
         async def client(name: str, stub, taken: itertools.count) -> None:
-            count = counts[name]
             try:
                 async with asyncio.timeout_at(deadline):
                     while True:
@@ -131,8 +129,7 @@ async def load_together(
                         async for r in stub.Generate(
                             gateway_pb2.GenerateRequest(token_ids=ids, sampling=params)
                         ):
-                            count[0] += len(r.token_ids)
-                        count[1] += 1
+                            counts[name] += len(r.token_ids)
             except TimeoutError:
                 pass
 
@@ -141,7 +138,7 @@ async def load_together(
             stub, taken = gateway_pb2_grpc.GatewayStub(channel), itertools.count()
             clients += [client(name, stub, taken) for _ in range(concurrency)]
         await asyncio.gather(*clients)
-        return {name: (tokens, done) for name, (tokens, done) in counts.items()}
+        return counts
     finally:
         for channel in channels.values():
             await channel.close()
@@ -176,7 +173,7 @@ def bootstrap(values: list[float], q: float = 0.05, n: int = 2000) -> tuple[floa
     return medians[int(q * n)], medians[int((1 - q) * n) - 1]
 
 
-def start(model: Path, env: dict[str, str], kv_cache_mb: int = 64) -> Mesh:
+def start(model: Path, env: dict[str, str], kv_cache_mb: int) -> Mesh:
     spec = MeshSpec(
         model=model,
         gateway_port=0,
@@ -231,7 +228,7 @@ def main() -> None:
         help="an A/A/A control: the same three meshes, none traced (the bench's own bias)",
     )
     args = ap.parse_args()
-    model = default_model(args.model)
+    model, kv_mb = default_model(args.model), KV_CACHE_MB[args.model]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.prompts)]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DISTSERVE_TRACE"))}
@@ -265,7 +262,7 @@ def main() -> None:
             steps: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
             ttft: dict[str, float] = {}
 
-            def load(seconds: float) -> dict[str, tuple[int, int]]:
+            def load(seconds: float) -> dict[str, int]:
                 addresses = {name: m.gateway_address for name, m in meshes.items()}
                 return asyncio.run(
                     load_together(addresses, prompts, args.new_tokens, args.concurrency, seconds)
@@ -278,7 +275,6 @@ def main() -> None:
                     k = (r // per_start) % len(names)
                     first = names[k:] + names[:k]
                     print(f"starting the meshes: {', '.join(first)}", flush=True)
-                    kv_mb = KV_CACHE_MB[args.model]
                     meshes = {name: start(model, envs[name], kv_mb) for name in first}
                     load(WARMUP_S)  # connections, UCX endpoints, allocations
                     time.sleep(3 * args.export_delay_s)
@@ -287,7 +283,7 @@ def main() -> None:
                 time.sleep(3 * args.export_delay_s)  # the round's last spans go out
                 for name, mesh in meshes.items():
                     cpu_before, counted_before = before[name]
-                    tokens = max(1, counts[name][0])
+                    tokens = max(1, counts[name])
                     rates[name].append(tokens / args.seconds)
                     d = {k: v - counted_before.get(k, 0.0) for k, v in counters(mesh).items()}
                     # decode steps per request of new_tokens tokens, mean batch of each kind,
