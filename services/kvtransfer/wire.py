@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -23,8 +23,8 @@ FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many
 # that the event loop goes on moving other chunks meanwhile; a smaller one costs less than the
 # hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of
 # 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the threshold at 256
-# KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull sends the large chunks that arrived together to the
-# thread in one job (transports.py).
+# KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hands each large chunk to the thread as it arrives and
+# takes back, once the copying is over, those no thread has started (`ChecksumJob`).
 THREAD_CHECKSUM_BYTES = 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
@@ -41,24 +41,54 @@ _checksum_threads: ThreadPoolExecutor | None = None
 _one_core: bool | None = None
 
 
-def on_checksum_thread(fn, *args) -> asyncio.Future:
-    """fn(*args) on a checksum thread, as a future of the running loop's; run at once, on the
-    loop, in a process with one core."""
+def _threads() -> ThreadPoolExecutor | None:
+    """The checksum threads; None in a process with one core."""
     global _checksum_threads, _one_core
     if _one_core is None:
         cores = len(os.sched_getaffinity(0))
         _one_core = cores == 1
         if not _one_core:
             _checksum_threads = ThreadPoolExecutor(max(1, cores // 4), "kv-checksum")
-    loop = asyncio.get_running_loop()
-    if _one_core:
-        done = loop.create_future()
-        try:
-            done.set_result(fn(*args))
-        except Exception as e:  # as the thread pool would: the error through the future
-            done.set_exception(e)
-        return done
-    return loop.run_in_executor(_checksum_threads, fn, *args)
+    return _checksum_threads
+
+
+def on_checksum_thread(fn, *args) -> asyncio.Future:
+    """fn(*args) on a checksum thread, as a future of the running loop's; run at once, on the
+    loop, in a process with one core."""
+    threads = _threads()
+    if threads is None:
+        return _ran(asyncio.get_running_loop().create_future(), fn, args)
+    return asyncio.wrap_future(threads.submit(fn, *args))
+
+
+def _ran(future, fn, args):
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:  # as the thread pool would: the error through the future
+        future.set_exception(e)
+    return future
+
+
+class ChecksumJob:
+    """fn(*args) handed to a checksum thread (run at once in a process with one core), which
+    the caller may take back and run itself while no thread has started it: at the end of a
+    pull, when the loop has no more copying to do, it hashes the last chunks beside the thread
+    instead of waiting for the thread to hash them one after the other."""
+
+    def __init__(self, fn, *args) -> None:
+        self._fn, self._args = fn, args
+        threads = _threads()
+        self._future = _ran(Future(), fn, args) if threads is None else threads.submit(fn, *args)
+
+    def take_back(self) -> bool:
+        """Run it here, now, unless a thread has started it; whether it ran here."""
+        if not self._future.cancel():
+            return False
+        self._future = _ran(Future(), self._fn, self._args)
+        return True
+
+    async def result(self):
+        return await asyncio.wrap_future(self._future)
 
 
 def encode(message) -> np.ndarray:
