@@ -286,3 +286,72 @@ def test_baggage_and_other_propagators_go_through_the_sdk(clean_env, tmp_path):
     telemetry.shutdown()
     clean_env.setenv("OTEL_PROPAGATORS", "tracecontext,b3")
     assert telemetry.setup("gateway") and telemetry._w3c is None
+
+
+@pytest.mark.parametrize(
+    "sampler", [(None, None), ("parentbased_traceidratio", "0"), ("parentbased_always_off", None)]
+)
+def test_started_spans_are_built_as_the_sdk_builds_them(clean_env, tmp_path, sampler):
+    # `start`'s fast path (`_Recorder.start`) against the SDK's `start_span`, the reference:
+    # the same spans exported, with the same parents, attributes, events, status and times,
+    # the same sampling decisions, and the same flags sent on.
+    name, arg = sampler
+    if name:
+        clean_env.setenv("OTEL_TRACES_SAMPLER", name)
+    if arg:
+        clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    caller = "00f067aa0ba902b7"
+    parents = [None, f"00-{'ab' * 16}-{caller}-01", f"00-{'cd' * 16}-{caller}-00"]
+
+    def run(fast: bool) -> tuple[list, list]:
+        path = tmp_path / f"{fast}.jsonl"
+        clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+        assert telemetry.setup("gateway")
+        assert telemetry._recorder is not None
+        if not fast:
+            telemetry._recorder = None  # the SDK's start_span (and record's SDK path)
+        t0 = time.monotonic()
+        sent = []
+        for traceparent in parents:
+            parent = telemetry.from_headers({"traceparent": traceparent}) if traceparent else None
+            span = telemetry.start("root", parent, {"a": 1, "gone": None}, t0)
+            span.set_attribute("distserve.mode", "disaggregated")
+            span.set_attributes({"reasons": ["stop"], "ms": 1.5, "unset": None})
+            span.add_event("retry", {"n": 2}, timestamp=telemetry.wall_ns(t0) + 10_000_000)
+            child = telemetry.record("child", telemetry.context_of(span), t0, t0 + 0.1)
+            telemetry.fail(span, "it broke")
+            onward = dict(telemetry.outgoing(telemetry.context_of(span)))["traceparent"]
+            ids = span.get_span_context()
+            sent.append(
+                (onward.split("-")[3], traceparent is None or onward[3:35] == traceparent[3:35])
+            )
+            assert onward == f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{onward.split('-')[3]}"
+            assert telemetry.outgoing(child) is not None
+            span.end(telemetry.wall_ns(t0) + 500_000_000)
+            span.end(telemetry.wall_ns(t0) + 900_000_000)  # once only
+        telemetry.shutdown()
+        lines = read(path) if path.exists() else []
+        own = {s["span_id"]: s["name"] for s in lines}
+        spans = sorted(
+            (
+                s["name"],
+                own.get(s["parent_span_id"], s["parent_span_id"]) or "",
+                # None is no attribute value: this SDK keeps it (with a warning), we drop it
+                {k: v for k, v in s["attributes"].items() if fast or v is not None},
+                s["status"],
+                s["status_message"],
+                [
+                    {**e, "time_unix_nano": e["time_unix_nano"] - s["start_unix_nano"]}
+                    for e in s["events"]
+                ],
+                s["end_unix_nano"] - s["start_unix_nano"],
+            )
+            for s in lines
+        )
+        return spans, sent
+
+    fast, sdk = run(True), run(False)
+    assert fast == sdk
+    spans, sent = fast
+    assert len(spans) == {None: 4, "parentbased_traceidratio": 2, "parentbased_always_off": 2}[name]
+    assert any(s[0] == "root" and s[1] == caller and s[3] == "ERROR" for s in spans)
