@@ -1,7 +1,8 @@
 """Tracing overhead benchmark: the same load with tracing off and on, in one run.
 
-Three meshes of 1 prefill + 1 decode (tiny model, each worker pinned to a core with `--pin`:
-every mesh's prefill shares one core, every decode the other), identical but for tracing:
+Three meshes of 1 prefill + 1 decode (the `small` preset, each worker pinned to a core with
+`--pin`: every mesh's prefill shares one core, every decode the other), identical but for
+tracing:
   * off: no exporter configured (no span is created);
   * file: every span appended to a JSON-lines file (`DISTSERVE_TRACE_FILE`);
   * otlp: every span exported over OTLP/gRPC to a receiver in a process of its own that counts
@@ -28,11 +29,13 @@ steps per request, the mean decode and prefill batch (the workers' `distserve_en
 metrics), and the mean TTFT under the load (the gateway's histogram), medians over rounds: a
 traced mesh could lose throughput by batching worse rather than by its spans' work.
 Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
-10 s could not hold). The model is the tiny preset by default: a request then costs only the
-mesh's own work, the worst case for tracing's share; `--model small` (105M parameters; e.g.
-`--concurrency 16 --seconds 20 --rounds 12 --restarts 2`, about 10 minutes) is one whose
-prefill and decode do real work. Prints a table and one JSON line (`tracing_overhead_fraction`:
-the worse of file and otlp, throughput). Run: `python bench/tracing.py` (about 7 minutes here).
+10 s could not hold). The model is the `small` preset by default (105M parameters, 16 streams
+a mesh, 12 rounds of 20 s): one whose prefill computes and whose decode reads its weights every
+step, as a served model's do. `--model tiny` (64 streams, 18 rounds of 10 s) serves the tiny
+preset, where a request costs only the mesh's own work (~35 ms of CPU, all of it RPCs, queues
+and Python): the worst case for tracing's share, reported beside in docs/benchmarks.md. Prints
+a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp,
+throughput). Run: `python bench/tracing.py` (about 8 minutes here; tiny about 6).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ from services.launcher import Mesh, MeshSpec
 
 # KV cache per worker, by preset: room for every stream's prompt and tokens.
 KV_CACHE_MB = {"tiny": 64, "small": 256}
+# Per model, the load's defaults: --concurrency, --seconds, --rounds (small: ~8 minutes, tiny ~6)
+LOAD = {"small": (16, 20.0, 12), "tiny": (64, 10.0, 18)}
 # Exports every second. At 0.1 s (this bench's default until 2026-12-02) OTLP cost 8.5-10.6% of
 # throughput and its workers +10-12% CPU per request, over gRPC and HTTP alike; at 1 s, the same
 # day, within the noise (two runs pooled: file +1.6%, otlp -3.2%; docs/benchmarks.md): frequent
@@ -192,22 +197,26 @@ def main() -> None:
     ap.add_argument(
         "--model",
         choices=sorted(KV_CACHE_MB),
-        default="tiny",
-        help="the embedded preset served (tiny: the mesh's own work is all a request costs, "
-        "the worst case for tracing's share)",
+        default="small",
+        help="the embedded preset served (small, 105M: prefill and decode do real work; tiny: "
+        "the mesh's own work is all a request costs, the worst case for tracing's share)",
     )
-    ap.add_argument("--rounds", type=int, default=18)
+    ap.add_argument("--rounds", type=int, help="default: 12 on small, 18 on tiny")
     ap.add_argument(
         "--restarts",
         type=int,
         default=3,
         help="start the meshes this many times, in a rotated order (rounds split evenly)",
     )
-    ap.add_argument("--seconds", type=float, default=10.0, help="the length of a round")
+    ap.add_argument(
+        "--seconds", type=float, help="the length of a round (default: 20 on small, 10 on tiny)"
+    )
     ap.add_argument(
         "--prompts", type=int, default=384, help="distinct prompts, taken in turn by each mesh"
     )
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument(
+        "--concurrency", type=int, help="streams per mesh (default: 16 on small, 64 on tiny)"
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=50)
     ap.add_argument(
@@ -228,6 +237,9 @@ def main() -> None:
         help="an A/A/A control: the same three meshes, none traced (the bench's own bias)",
     )
     args = ap.parse_args()
+    for name, value in zip(("concurrency", "seconds", "rounds"), LOAD[args.model], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     model, kv_mb = default_model(args.model), KV_CACHE_MB[args.model]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 900, (16,), generator=gen).tolist() for _ in range(args.prompts)]

@@ -353,5 +353,8 @@ def test_started_spans_are_built_as_the_sdk_builds_them(clean_env, tmp_path, sam
     fast, sdk = run(True), run(False)
     assert fast == sdk
     spans, sent = fast
+    # a new trace sampled as the sampler says; a caller's decision followed, and sent on
+    assert (int(sent[0][0], 16) & 1 == 1) is (name is None) and sent[0][1]
+    assert sent[1:] == [("01", True), ("00", True)]
     assert len(spans) == {None: 4, "parentbased_traceidratio": 2, "parentbased_always_off": 2}[name]
     assert any(s[0] == "root" and s[1] == caller and s[3] == "ERROR" for s in spans)
