@@ -72,6 +72,10 @@ def test_a_job_no_thread_has_started_is_taken_back_by_the_caller(cores):
         second = wire.ChecksumJob(threading.get_ident)  # queued behind `first`
         taken = second.take_back()
         running = first.take_back()  # a thread runs it: it stays there
+        step = second.result()  # done: its result without a hop through the loop
+        with pytest.raises(StopIteration) as done:
+            step.send(None)
+        assert done.value.value == threading.get_ident()
         release.set()
         return taken, running, await first.result(), await second.result()
 
