@@ -4,9 +4,9 @@
 request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received once
 the pull's `Window` has room for it and within `timeout_s` of its start; it returns a
 `Fetched`: the source's status, if it came, and per chunk whether its bytes arrived and, with
-`digest(i)`, chunk i's checksum as received (computed as chunks arrive, off the event loop). A
-broken connection is forgotten, so the next attempt reconnects. Retries and the checks are the
-puller's.
+`digest(i)`, chunk i's checksum as received (computed as chunks arrive, on a checksum thread,
+the last ones beside it on the event loop once nothing is left to copy). A broken connection is
+forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def configure_ucx(args=None) -> None:
         os.environ["UCX_TLS"] = args.ucx_tls
 
 
-Digest = Callable[[int], int]  # chunk i's checksum as received (CPU work: run off the loop)
+Digest = Callable[[int], int]  # chunk i's checksum as received (CPU work: wire.ChecksumJob)
 
 
 @dataclass
