@@ -285,6 +285,8 @@ class KvPuller:
                     return wire.block_checksum_of(chunk.buffer, chunk.seg[2])
                 return wire.checksum_of(chunk.buffer)
 
+            # what one xxh3 call hashes: a block, or the whole chunk
+            piece = first.buffer.nbytes // first.seg[2] if by_blocks else first.buffer.nbytes
             try:
                 fetched = await transport.fetch(
                     handle,
@@ -294,6 +296,7 @@ class KvPuller:
                     window,
                     policy.chunk_timeout_s,
                     digest if verify else None,
+                    piece,
                 )
             except Unavailable as e:  # cannot connect
                 fetched = Fetched(None, [e] * len(todo), [None] * len(todo))

@@ -26,6 +26,15 @@ FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many
 # KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hands each large chunk to the thread as it arrives and
 # takes back, once the copying is over, those no thread has started (`ChecksumJob`).
 THREAD_CHECKSUM_BYTES = 2**20
+# ... and only when it is hashed in pieces at least this large. A chunk checked block by block is
+# one xxh3 call per block, and each call lets go of the GIL and takes it back: on a thread, beside
+# an event loop busy with the copying, each taking back waits for the loop. The `small` preset's
+# blocks are 16 KiB a layer (16 tokens, 4 KV heads of 64 fp32): its pulls of 2 MiB chunks ran 1.5x
+# as long checksummed as not, and 0.906x / 0.914x as long hashed on the loop instead of the
+# thread; 48 KiB blocks in 8 MiB chunks 0.938x; 512 KiB blocks 0.955x, 1.026x (64 MiB) and
+# 1.064x (256 MiB): the thread still pays there (bench/kvtransfer_ab.py, paired; with this
+# rule, 16 KiB blocks in 2 MiB chunks 0.849x and 0.80x, 48 KiB in 8 MiB 0.944x).
+THREAD_PIECE_BYTES = 256 * 2**10
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
 # the thread that does the copying (then UCX's progress thread; the event loop since UCX runs

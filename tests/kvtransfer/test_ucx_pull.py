@@ -208,3 +208,47 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
         assert torch.equal(dst[:, :, 0:4], cache[:, :, 2:6])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("head_dim", "on_thread"), [(4096, 0), (131072, 2)])
+def test_chunks_checked_in_small_blocks_are_hashed_on_the_loop(monkeypatch, head_dim, on_thread):
+    """A 2 MiB chunk checked block by block: 16 KiB blocks (the `small` preset's size) are
+    hashed on the event loop, a call each would wait for the GIL on a thread; 512 KiB blocks go
+    to the checksum thread. The KV arrives whole either way."""
+    jobs = []
+
+    class Counted(wire.ChecksumJob):
+        def __init__(self, fn, *args) -> None:
+            jobs.append(args)
+            super().__init__(fn, *args)
+
+    monkeypatch.setattr(wire, "ChecksumJob", Counted)
+    blocks = (2 * 2**20) // (head_dim * 4)
+
+    async def scenario():
+        cache = torch.randn((1, 2, blocks, 1, 1, head_dim))  # a chunk = one layer's K or V
+        leases = LeaseTable(default_s=30, max_s=60)
+        source = ChunkSource(
+            leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 1, range(1)
+        )
+        server = ChunkServer(source)
+        port = server.start()
+        template = KvHandle(
+            handle_id="", source_instance="p", control_address="127.0.0.1:9",
+            ucx_host="127.0.0.1", ucx_port=port, num_tokens=blocks, block_size=1, num_layers=1,
+            num_kv_heads=1, head_dim=head_dim, dtype="float32", runs=((0, blocks),),
+            block_bytes=head_dim * 4, lease_expiry_unix_ms=0, access_token="",
+        )  # fmt: skip
+        handle = leases.create("r", template)
+        dst = torch.zeros_like(cache)
+        puller = KvPuller(PullPolicy(chunk_bytes=2 * 2**20))
+        try:
+            report = await puller.pull(handle, list(range(blocks)), KvDestination(dst, range(1)))
+        finally:
+            await puller.close()
+            server.close()
+        assert (report.chunks, report.retries) == (2, 0)
+        assert torch.equal(dst, cache)
+
+    asyncio.run(scenario())
+    assert len(jobs) == on_thread
