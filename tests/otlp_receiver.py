@@ -1,6 +1,6 @@
 """A test OTLP receiver on the `opentelemetry-proto` definitions, over gRPC (the TraceService) and
 over HTTP (protobuf bodies POSTed to /v1/traces): it keeps every span any process (our services,
-Envoy) exports to it, in the JSON-lines shape of `services.common.telemetry.span_json`."""
+Envoy) exports to it, in the JSON-lines shape of `services.common.span_file.span_json`."""
 
 from __future__ import annotations
 

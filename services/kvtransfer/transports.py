@@ -257,15 +257,14 @@ class UcxTransport:
             return True
 
         # A small chunk, or one hashed in small pieces, is hashed at once, on the loop; a larger
-        # one is handed to a checksum thread as it arrives (wire.THREAD_CHECKSUM_BYTES,
-        # wire.THREAD_PIECE_BYTES), and those no thread has started
-        # when the last chunk is in are taken back below. Small ones too on the thread,
-        # batched, measured 9-15% slower (pulls of 4-48 MiB in 512 KiB chunks, paired). Large
-        # ones that arrived in one hop used to go in one job, handed over a hop later: that hop
-        # waited for the next slice of UCX progress, ~1 ms a chunk, and the last jobs ran one
-        # after the other once the copying was over (bench/kvtransfer_ab.py, against that:
-        # 64 MiB in 8 MiB chunks 0.925x and 0.887x as long, 256 MiB 0.928x, 48 MiB in 2 MiB
-        # chunks 1.004x).
+        # one is handed to a checksum thread as it arrives (wire.THREAD_CHECKSUM_BYTES and
+        # THREAD_PIECE_BYTES), and those no thread has started when the last chunk is in are
+        # taken back below. Small ones too on the thread, batched, measured 9-15% slower (pulls
+        # of 4-48 MiB in 512 KiB chunks, paired). Large ones that arrived in one hop used to go
+        # in one job, handed over a hop later: that hop waited for the next slice of UCX
+        # progress, ~1 ms a chunk, and the last jobs ran one after the other once the copying
+        # was over (bench/kvtransfer_ab.py, against that: 64 MiB in 8 MiB chunks 0.925x and
+        # 0.887x as long, 256 MiB 0.928x, 48 MiB in 2 MiB chunks 1.004x).
         hashing: list[tuple[int, wire.ChecksumJob]] = []
         threaded = piece_bytes >= wire.THREAD_PIECE_BYTES
 
@@ -405,8 +404,9 @@ class GrpcTransport:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
         received = None
         if digest is not None and reply.status.ok:
-            large = dst.nbytes >= wire.THREAD_CHECKSUM_BYTES
-            large = large and piece_bytes >= wire.THREAD_PIECE_BYTES
+            large = (
+                dst.nbytes >= wire.THREAD_CHECKSUM_BYTES and piece_bytes >= wire.THREAD_PIECE_BYTES
+            )
             received = await wire.on_checksum_thread(digest, 0) if large else digest(0)
         return Fetched(reply.status, [None], [received])
 

@@ -235,7 +235,7 @@ TRACEPARENTS = [
 def test_trace_context_is_read_as_the_sdks_propagator_reads_it(
     clean_env, tmp_path, traceparent, tracestate
 ):
-    # The fast path (`_W3c`) against the SDK's TraceContext propagator, the reference.
+    # The fast path (`direct_spans.W3c`) against the SDK's TraceContext propagator, the reference.
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -292,9 +292,9 @@ def test_baggage_and_other_propagators_go_through_the_sdk(clean_env, tmp_path):
     "sampler", [(None, None), ("parentbased_traceidratio", "0"), ("parentbased_always_off", None)]
 )
 def test_started_spans_are_built_as_the_sdk_builds_them(clean_env, tmp_path, sampler):
-    # `start`'s fast path (`_Recorder.start`) against the SDK's `start_span`, the reference:
-    # the same spans exported, with the same parents, attributes, events, status and times,
-    # the same sampling decisions, and the same flags sent on.
+    # `start`'s fast path (`direct_spans.Recorder.start`) against the SDK's `start_span`, the
+    # reference: the same spans exported, with the same parents, attributes, events, status and
+    # times, the same sampling decisions, and the same flags sent on.
     name, arg = sampler
     if name:
         clean_env.setenv("OTEL_TRACES_SAMPLER", name)
