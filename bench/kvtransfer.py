@@ -38,7 +38,10 @@ import torch
 from services.kvtransfer.puller import PullPolicy
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
-BLOCK = 512 * 2**10  # bytes of one block of the bench's one layer, K or V
+# bytes of one block of the bench's one layer, K or V (--block-kb; children read it from the
+# environment). 512 KiB by default; the `small` preset's blocks are 16 KiB a layer (16 tokens, 4
+# KV heads of 64 float32), which costs the puller more per byte (a checksum piece per block).
+BLOCK = int(os.environ.get("KV_BENCH_BLOCK_KB", "512")) * 2**10
 TRANSPORTS = {
     "ucx_tcp": {"UCX_TLS": "tcp"},
     "ucx_sm": {"UCX_TLS": "tcp,sm,cma,self"},
@@ -320,6 +323,7 @@ def main() -> None:
     ap.add_argument("--handoff-lengths", default="512,2048,4000")
     ap.add_argument("--chunk-mib", type=int, default=PullPolicy.chunk_bytes >> 20)
     ap.add_argument("--window", type=int, default=PullPolicy.window)
+    ap.add_argument("--block-kb", type=int, help="KiB a block of K or V (default 512)")
     ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
@@ -327,6 +331,8 @@ def main() -> None:
         help="pin the source and the puller to one core each, as --pin workers are",
     )
     args = ap.parse_args()
+    if args.block_kb:  # for the source and puller processes, which read it at import
+        os.environ["KV_BENCH_BLOCK_KB"] = str(args.block_kb)
     if args.serve:
         asyncio.run(serve([int(s) for s in args.serve.split(",")]))
         return
@@ -370,7 +376,10 @@ def main() -> None:
         f"\nKV transfer benchmark: {cpu}, {os.cpu_count()} cpus; memcpy {memcpy:.2f} GB/s "
         f"(before / after the transports: {memcpys[0]:.2f} / {memcpys[1]:.2f})"
     )
-    print(f"pulls ({args.chunk_mib} MiB chunks, window {args.window}, checksummed), and raw: one")
+    print(
+        f"pulls ({args.chunk_mib} MiB chunks of {BLOCK >> 10} KiB blocks, window {args.window}, "
+        "checksummed), and raw: one"
+    )
     print("UCX message of the whole size, the transport alone")
     columns = [(t, rates[t]) for t in TRANSPORTS] + [(f"{t}_raw", r) for t, r in raw.items()]
     print(f"{'size':>10}" + "".join(f"{name:>12}" for name, _ in columns) + "   GB/s")
@@ -393,6 +402,7 @@ def main() -> None:
         "raw_gb_s": {t: {str(s >> 20): round(v, 3) for s, v in raw[t].items()} for t in raw},
         "pinned": args.pin,
         "chunk_mib": args.chunk_mib,
+        "block_kb": BLOCK >> 10,
         "window": args.window,
         "ucx_sm_fraction_of_memcpy_64MiB": round(rates["ucx_sm"][at] / memcpy, 3)
         if at in sizes

@@ -15,7 +15,8 @@ slower than in bench/kvtransfer.py).
 
     python bench/kvtransfer_ab.py --a /path/to/old/checkout --b . --size-mib 64 --chunk-kb 8192
 
-`--a-env`/`--b-env NAME=VALUE` set a variable for one side only. Prints one JSON line.
+`--a-env`/`--b-env NAME=VALUE` set a variable for one side only; `--block-kb 16` serves blocks of
+the `small` preset's size (default 512 KiB, bench/kvtransfer.py's). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=64, help="KV per pull (K and V, one layer)")
     ap.add_argument("--chunk-kb", type=int, default=8192)
     ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--block-kb", type=int, help="KiB a block of K or V (bench/kvtransfer.py's)")
     args = ap.parse_args()
+    if args.block_kb:  # both sides' processes read it at import (bench/kvtransfer.py's BLOCK)
+        os.environ["KV_BENCH_BLOCK_KB"] = str(args.block_kb)
     if args.puller:
         asyncio.run(puller_side(args.puller, args.chunk_kb * 1024))
         return
@@ -138,6 +142,7 @@ def main() -> None:
         "b_env": args.b_env,
         "size_mib": args.size_mib,
         "chunk_kb": args.chunk_kb,
+        "block_kb": int(os.environ.get("KV_BENCH_BLOCK_KB", "512")),
         "pairs": args.pairs,
         "cpu_count": os.cpu_count(),
         "median_ms": {"a": round(a, 2), "b": round(b, 2)},
