@@ -55,7 +55,7 @@ _w3c = None  # the fast path of `incoming`/`outgoing`, with the default propagat
 
 def wall_ns(monotonic_s: float) -> int:
     """A `time.monotonic()` reading as wall-clock nanoseconds since the epoch."""
-    return int(monotonic_s * 1e9) + _MONO_TO_WALL_NS
+    return round(monotonic_s * 1e9) + _MONO_TO_WALL_NS
 
 
 def enabled() -> bool:

@@ -303,6 +303,8 @@ def test_started_spans_are_built_as_the_sdk_builds_them(clean_env, tmp_path, sam
     caller = "00f067aa0ba902b7"
     parents = [None, f"00-{'ab' * 16}-{caller}-01", f"00-{'cd' * 16}-{caller}-00"]
 
+    t0 = time.monotonic()  # both runs' times from one reading: nanoseconds rounded alike
+
     def run(fast: bool) -> tuple[list, list]:
         path = tmp_path / f"{fast}.jsonl"
         clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
@@ -310,7 +312,6 @@ def test_started_spans_are_built_as_the_sdk_builds_them(clean_env, tmp_path, sam
         assert telemetry._recorder is not None
         if not fast:
             telemetry._recorder = None  # the SDK's start_span (and record's SDK path)
-        t0 = time.monotonic()
         sent = []
         for traceparent in parents:
             parent = telemetry.from_headers({"traceparent": traceparent}) if traceparent else None
