@@ -9,7 +9,7 @@ started first, half with B's (a fresh start each): with the same code on both si
 started second read 5-10% faster, run after run. An idle side costs nothing (UCX runs on the
 event loop, which sleeps). Each pull is the bench's: a real ChunkSource serving one layer's K
 and V from a KV cache allocated as the checkout's engine does, into another, and a real
-KvPuller, xxh3 checked on both ends, over UCX shared memory with the workers' settings; a side
+KvPuller, CRC-32C checked on both ends, over UCX shared memory with the workers' settings; a side
 waits idle between its pulls, so a pull here includes waking two processes (small pulls read
 slower than in bench/kvtransfer.py).
 

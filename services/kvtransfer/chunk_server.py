@@ -3,7 +3,7 @@
 A puller sends a KvChunkRequest frame (handle, token, layer, K or V, up to MAX_CHUNKS ranges of
 the handle's blocks, a reply tag t); the server sends each chunk's bytes on tag 2*(t + i) + 1,
 from the KV cache in place and all at once (UCX moves each as the puller posts its receive: the
-puller's window decides how many move at a time), checksums them (xxh3-64) meanwhile, and when
+puller's window decides how many move at a time), checksums them (CRC-32C) meanwhile, and when
 every chunk is out sends one KvChunkStatus frame on tag 2*t with the checksums, which the puller
 verifies. A refused request gets its status and a one-byte filler on each data tag: the filler
 completes the receive the puller posted in advance. One request of many chunks, not a request,
@@ -90,7 +90,7 @@ class ChunkServer:
                     return
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
-                status = wire.encode(await self.source.status(chunks))
+                status = wire.encode(self.source.status(chunks))
                 await asyncio.wait_for(ep.send(status, status_tag), SEND_TIMEOUT_S)
                 self.requests_served += not _unsent(data_tags, sends)
             except asyncio.CancelledError:
@@ -128,7 +128,7 @@ class ChunkServer:
         try:
             for chunk in chunks:
                 if chunk.fault is None:
-                    await self.source.seal(chunk)  # in place: its blocks' checksums are taken
+                    await self.source.seal(chunk)  # from its blocks' CRCs, taken at publication
             posted = list(sends.values())
             if posted:
                 await asyncio.wait(posted, timeout=SEND_TIMEOUT_S)

@@ -275,18 +275,6 @@ class KvPuller:
                 ],
             )
             verify = policy.verify and isinstance(first.buffer, np.ndarray)
-            # A source holding exactly these heads checksums blocks as it computes them (see
-            # source.py): hash the same way as the bytes arrive; the status says which it was.
-            by_blocks = heads == source.heads
-
-            def digest(i: int, by_blocks: bool = by_blocks, todo: list[PullChunk] = todo) -> int:
-                chunk = todo[i]
-                if by_blocks:
-                    return wire.block_checksum_of(chunk.buffer, chunk.seg[2])
-                return wire.checksum_of(chunk.buffer)
-
-            # what one xxh3 call hashes: a block, or the whole chunk
-            piece = first.buffer.nbytes // first.seg[2] if by_blocks else first.buffer.nbytes
             try:
                 fetched = await transport.fetch(
                     handle,
@@ -295,8 +283,7 @@ class KvPuller:
                     [c.buffer for c in todo],
                     window,
                     policy.chunk_timeout_s,
-                    digest if verify else None,
-                    piece,
+                    verify,
                 )
             except Unavailable as e:  # cannot connect
                 fetched = Fetched(None, [e] * len(todo), [None] * len(todo))
@@ -313,17 +300,13 @@ class KvPuller:
                     error = fetched.errors[i] or Exception("no status came for the chunk")
                     failed.append(chunk)
                     continue
-                if verify and status.checksummed:
-                    received = fetched.digests[i]
-                    if status.block_checksums != by_blocks:  # the other kind: hash again
-                        received = await wire.on_checksum_thread(digest, i, status.block_checksums)
-                    if received != status.checksums[i]:
-                        self.checksum_failures += 1
-                        error = ChecksumMismatch(
-                            f"layer {chunk.layer} kv {chunk.kv}: checksum mismatch"
-                        )
-                        failed.append(chunk)
-                        continue
+                if verify and status.checksummed and fetched.digests[i] != _nth(status.crc32c, i):
+                    self.checksum_failures += 1
+                    error = ChecksumMismatch(
+                        f"layer {chunk.layer} kv {chunk.kv}: checksum mismatch"
+                    )
+                    failed.append(chunk)
+                    continue
                 if chunk.land is not None:
                     chunk.land()
             if not failed:
@@ -450,3 +433,9 @@ def _refusal(error: str) -> DistServeError:
     if "does not exist" in error:
         return NotFound(error)
     return InvalidRequest(error)
+
+
+def _nth(checksums, i: int) -> int | None:
+    """Chunk i's checksum as the source sent it; None (no match: the chunk is fetched again,
+    then the pull gives up) from a source that sent too few, e.g. one of an older version."""
+    return checksums[i] if i < len(checksums) else None

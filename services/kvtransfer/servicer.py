@@ -83,7 +83,7 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
                     data = corrupted(data)
             host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
             reply = kvtransfer_pb2.KvChunkReply(
-                status=await self.source.status(chunks), data=host.tobytes()
+                status=self.source.status(chunks), data=host.tobytes()
             )
             self.source.served(chunk)
             return reply

@@ -1,13 +1,12 @@
 """How chunks travel: UCX (zero-copy into the destination) or the gRPC fallback.
 
-`fetch(handle, source, request, buffers, window, timeout_s, digest, piece_bytes)` asks a source
-rank for the request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each
-received once the pull's `Window` has room for it and within `timeout_s` of its start; it
-returns a `Fetched`: the source's status, if it came, and per chunk whether its bytes arrived
-and, with `digest(i)`, chunk i's checksum as received (computed as chunks arrive: on a checksum
-thread when `digest` hashes pieces of `piece_bytes` or more, the last ones beside it on the event
-loop once nothing is left to copy; else on the loop). A broken connection is forgotten, so the
-next attempt reconnects. Retries and the checks are the puller's.
+`fetch(handle, source, request, buffers, window, timeout_s, checksums)` asks a source rank for
+the request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received once
+the pull's `Window` has room for it and within `timeout_s` of its start; it returns a `Fetched`:
+the source's status, if it came, and per chunk whether its bytes arrived and, with `checksums`,
+their CRC-32C as received (computed as chunks arrive: a large one on a checksum thread, the last
+ones beside it on the event loop once nothing is left to copy; a small one on the loop). A broken
+connection is forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
 """
 
 from __future__ import annotations
@@ -88,9 +87,6 @@ def configure_ucx(args=None) -> None:
         os.environ.setdefault(name, value)
     if args is not None and args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
-
-
-Digest = Callable[[int], int]  # chunk i's checksum as received (CPU work: wire.ChecksumJob)
 
 
 @dataclass
@@ -215,8 +211,7 @@ class UcxTransport:
         buffers: list,
         window: Window,
         timeout_s: float,
-        digest: Digest | None = None,
-        piece_bytes: int = 0,
+        checksums: bool = False,
     ) -> Fetched:
         key = (source.ucx_host, source.ucx_port)
         try:
@@ -256,26 +251,24 @@ class UcxTransport:
                 settled.set_result(None)
             return True
 
-        # A small chunk, or one hashed in small pieces, is hashed at once, on the loop; a larger
-        # one is handed to a checksum thread as it arrives (wire.THREAD_CHECKSUM_BYTES and
-        # THREAD_PIECE_BYTES), and those no thread has started when the last chunk is in are
-        # taken back below. Small ones too on the thread, batched, measured 9-15% slower (pulls
-        # of 4-48 MiB in 512 KiB chunks, paired). Large ones that arrived in one hop used to go
-        # in one job, handed over a hop later: that hop waited for the next slice of UCX
-        # progress, ~1 ms a chunk, and the last jobs ran one after the other once the copying
-        # was over (bench/kvtransfer_ab.py, against that: 64 MiB in 8 MiB chunks 0.925x and
-        # 0.887x as long, 256 MiB 0.928x, 48 MiB in 2 MiB chunks 1.004x).
+        # A small chunk is hashed at once, on the loop; a larger one is handed to a checksum
+        # thread as it arrives (wire.THREAD_CHECKSUM_BYTES), and those no thread has started
+        # when the last chunk is in are taken back below. Small ones too on the thread, batched,
+        # measured 9-15% slower (pulls of 4-48 MiB in 512 KiB chunks, paired). Large ones that
+        # arrived in one hop used to go in one job, handed over a hop later: that hop waited for
+        # the next slice of UCX progress, ~1 ms a chunk, and the last jobs ran one after the
+        # other once the copying was over (bench/kvtransfer_ab.py, against that: 64 MiB in 8 MiB
+        # chunks 0.925x and 0.887x as long, 256 MiB 0.928x, 48 MiB in 2 MiB chunks 1.004x).
         hashing: list[tuple[int, wire.ChecksumJob]] = []
-        threaded = piece_bytes >= wire.THREAD_PIECE_BYTES
 
         def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
             timer.cancel()
             error = recv.exception()  # the connection broke: closed, reset, peer gone
-            if finish(i, error) and error is None and digest is not None:
-                if not threaded or buffers[i].nbytes < wire.THREAD_CHECKSUM_BYTES:
-                    digests[i] = digest(i)
+            if finish(i, error) and error is None and checksums:
+                if buffers[i].nbytes < wire.THREAD_CHECKSUM_BYTES:
+                    digests[i] = wire.checksum_of(buffers[i])
                 else:
-                    hashing.append((i, wire.ChecksumJob(digest, i)))
+                    hashing.append((i, wire.ChecksumJob(wire.checksum_of, buffers[i])))
 
         def post(i: int) -> None:
             # A receive is never cancelled, only its endpoint (see UcxTransport).
@@ -390,8 +383,7 @@ class GrpcTransport:
         buffers: list,
         window: Window,
         timeout_s: float,
-        digest: Digest | None = None,
-        piece_bytes: int = 0,
+        checksums: bool = False,
     ) -> Fetched:
         (dst,) = buffers
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))
@@ -403,11 +395,8 @@ class GrpcTransport:
         if reply.status.ok and len(reply.data) == dst.nbytes:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
         received = None
-        if digest is not None and reply.status.ok:
-            large = (
-                dst.nbytes >= wire.THREAD_CHECKSUM_BYTES and piece_bytes >= wire.THREAD_PIECE_BYTES
-            )
-            received = await wire.on_checksum_thread(digest, 0) if large else digest(0)
+        if checksums and reply.status.ok:
+            received = await wire.checksum(dst)
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:

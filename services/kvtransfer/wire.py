@@ -12,35 +12,26 @@ import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import crc32c
 import numpy as np
-import xxhash
 
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2
 
 FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many ranges
-# Chunks at least this large are checksummed on a checksum thread (xxhash releases the GIL), so
+# Chunks at least this large are checksummed on a checksum thread (crc32c lets go of the GIL), so
 # that the event loop goes on moving other chunks meanwhile; a smaller one costs less than the
 # hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of
 # 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the threshold at 256
 # KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hands each large chunk to the thread as it arrives and
 # takes back, once the copying is over, those no thread has started (`ChecksumJob`).
 THREAD_CHECKSUM_BYTES = 2**20
-# ... and only when it is hashed in pieces at least this large. A chunk checked block by block is
-# one xxh3 call per block, and each call lets go of the GIL and takes it back: on a thread, beside
-# an event loop busy with the copying, each taking back waits for the loop. The `small` preset's
-# blocks are 16 KiB a layer (16 tokens, 4 KV heads of 64 fp32): its pulls of 2 MiB chunks ran 1.5x
-# as long checksummed as not, and 0.906x / 0.914x as long hashed on the loop instead of the
-# thread; 48 KiB blocks in 8 MiB chunks 0.938x; 512 KiB blocks 0.955x, 1.026x (64 MiB) and
-# 1.064x (256 MiB): the thread still pays there (bench/kvtransfer_ab.py, paired; with this
-# rule, 16 KiB blocks in 2 MiB chunks 0.849x and 0.80x, 48 KiB in 8 MiB 0.944x).
-THREAD_PIECE_BYTES = 256 * 2**10
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
 # the thread that does the copying (then UCX's progress thread; the event loop since UCX runs
 # on it, services/kvtransfer/ucx_loop.py): a pull of 64 MiB over shared memory went from
 # 4.2-4.3 GB/s to 4.6-4.7 with one thread, the puller's CPU from 19.5 to 17.9 ms a pull
-# (docs/benchmarks.md). xxh3 hashes ~30 GB/s a thread, faster than any copy on the same cores.
+# (docs/benchmarks.md). CRC-32C runs at ~22 GB/s a thread, faster than any copy on the same cores.
 # None at all in a process with one core (a `--pin` worker): a thread there cannot run beside
 # the loop, it only adds hops to the same work (a job started 1-2.5 ms after it was handed
 # over, waiting for the GIL and the core); hashing on the loop made the pinned mesh's 2048-token
@@ -131,8 +122,9 @@ ChunkStatus = kvtransfer_pb2.KvChunkStatus
 
 
 def checksum_of(data: np.ndarray) -> int:
-    """xxh3-64 of a chunk's bytes: what a source sends with a chunk and a puller verifies."""
-    return xxhash.xxh3_64_intdigest(data)
+    """CRC-32C of a chunk's bytes: what a source sends with a chunk and a puller verifies (the
+    crc32c package: SSE4.2 / ARMv8 instructions, the GIL let go from 32 KiB)."""
+    return crc32c.crc32c(data)
 
 
 async def checksum(data: np.ndarray) -> int:
@@ -142,20 +134,87 @@ async def checksum(data: np.ndarray) -> int:
     return await on_checksum_thread(checksum_of, data)
 
 
-def digest_of(block_digests: np.ndarray) -> int:
-    """A chunk's checksum from its blocks' xxh3-64s (uint64, in order): their xxh3-64."""
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(block_digests, dtype="<u8"))
+# -- a chunk's CRC from its blocks' ----------------------------------------------------------------
+# CRC-32C is linear: crc(A + B) = Z(crc(A)) ^ crc(B), Z being what len(B) zero bytes do to a CRC
+# (a 32x32 bit matrix; the CRC's initial and final inversions cancel out, as in zlib's
+# crc32_combine). So a source that took each block's CRC when the layer was computed gives the
+# CRC of any run of its blocks without reading their bytes again, and the puller checks a chunk
+# with one call over its bytes. Z applied to a CRC is four table look-ups, one per byte of it.
+
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
+_GROUP = 256  # pieces combined by one look-up each; more pieces are combined in groups of this
+_BYTES = np.array([0, 8, 16, 24], dtype=np.uint32)
+# _table(n)[k * 1024 + j * 256 + b]: what k pieces of n bytes after one make of byte j = b of
+# its CRC. Piece i of a group has _GROUP - 1 - i after it: _OFFSETS[i, j] is where its look-ups
+# for byte j start.
+_OFFSETS = ((_GROUP - 1 - np.arange(_GROUP)) * 1024)[:, None] + np.arange(4) * 256
+_tables: dict[int, np.ndarray] = {}  # piece bytes -> (_GROUP * 4 * 256) uint32
 
 
-def block_checksum_of(data: np.ndarray, blocks: int) -> int:
-    """What a source sends as the checksum of a chunk of `blocks` equal blocks when it took
-    its blocks' checksums as they were computed (`block_checksums`)."""
-    rows = data.reshape(blocks, -1)
-    return digest_of(np.array([xxhash.xxh3_64_intdigest(r) for r in rows], dtype=np.uint64))
+def _times(columns: list[int], x: int) -> int:
+    out = 0
+    for column in columns:
+        if not x:
+            break
+        if x & 1:
+            out ^= column
+        x >>= 1
+    return out
 
 
-async def block_checksum(data: np.ndarray, blocks: int) -> int:
-    """`block_checksum_of`, on a checksum thread when the chunk is large."""
-    if data.nbytes < THREAD_CHECKSUM_BYTES:
-        return block_checksum_of(data, blocks)
-    return await on_checksum_thread(block_checksum_of, data, blocks)
+def _zeros(nbytes: int) -> list[int]:
+    """What nbytes zero bytes do to a CRC: the images of its 32 bits."""
+    op = [_POLY] + [1 << k for k in range(31)]  # one zero bit
+    for _ in range(3):
+        op = [_times(op, c) for c in op]  # squared: 2, 4, 8 bits
+    out = [1 << k for k in range(32)]
+    while nbytes:
+        if nbytes & 1:
+            out = [_times(op, c) for c in out]
+        op = [_times(op, c) for c in op]
+        nbytes >>= 1
+    return out
+
+
+def prepare(nbytes: int) -> None:
+    """Make the tables `combine` uses for pieces of nbytes (~20 ms, once), e.g. on a thread."""
+    _table(nbytes)
+
+
+def _table(nbytes: int) -> np.ndarray:
+    """For pieces of nbytes: what 0.._GROUP-1 pieces after one do to each byte of its CRC."""
+    table = _tables.get(nbytes)
+    if table is None:
+        columns = np.array(_zeros(nbytes), dtype=np.uint32).reshape(4, 8)
+        one = np.zeros((4, 256), dtype=np.uint32)  # one piece, by byte of the CRC
+        for b in range(1, 256):
+            low = b & -b
+            one[:, b] = one[:, b ^ low] ^ columns[:, low.bit_length() - 1]
+        table = np.empty((_GROUP, 4, 256), dtype=np.uint32)
+        table[0] = np.arange(256, dtype=np.uint32) << _BYTES[:, None]  # none after it
+        for k in range(1, _GROUP):
+            before = table[k - 1].reshape(-1)
+            table[k] = _apply(one.reshape(-1), before).reshape(4, 256)
+        table = _tables[nbytes] = table.reshape(-1)
+    return table
+
+
+def _apply(flat: np.ndarray, crcs: np.ndarray) -> np.ndarray:
+    """A (4 * 256) table applied to each CRC."""
+    return np.bitwise_xor.reduce(flat[((crcs[:, None] >> _BYTES) & 0xFF) + np.arange(4) * 256], 1)
+
+
+def combine(crcs, nbytes: int) -> int:
+    """The CRC-32C of consecutive pieces of `nbytes` bytes each, from theirs (in order)."""
+    x = np.asarray(crcs, dtype=np.uint32)
+    while len(x) > _GROUP:
+        groups = -(-len(x) // _GROUP)
+        padded = np.zeros(groups * _GROUP, dtype=np.uint32)  # a zero CRC adds nothing
+        padded[len(padded) - len(x) :] = x  # the last group full: groups end where the data does
+        at = ((padded.reshape(groups, _GROUP, 1) >> _BYTES) & 0xFF) + _OFFSETS
+        x = np.bitwise_xor.reduce(_table(nbytes)[at].reshape(groups, -1), 1)
+        nbytes *= _GROUP
+    if len(x) < 2:
+        return int(x[0]) if len(x) else 0
+    at = ((x[:, None] >> _BYTES) & 0xFF) + _OFFSETS[_GROUP - len(x) :]
+    return int(np.bitwise_xor.reduce(_table(nbytes)[at.reshape(-1)]))

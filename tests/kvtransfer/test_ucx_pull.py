@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import crc32c
 import pytest
 import torch
 
@@ -112,14 +113,14 @@ def test_checksums_are_taken_as_layers_are_published_and_match_the_pullers():
         for chunk in (*whole, *part):
             await source.ready(chunk)
             await source.seal(chunk)
-        by_blocks, by_bytes = await source.status(whole), await source.status(part)
-        assert by_blocks.block_checksums and not by_bytes.block_checksums
-        assert by_blocks.checksums == [await wire.block_checksum(whole[0].data, 2)]
-        assert by_bytes.checksums == [await wire.checksum(part[0].data)]
-        # The puller's hash of what it received finds a flipped byte either way.
-        flipped = corrupted(whole[0].data)
-        assert by_blocks.checksums != [await wire.block_checksum(flipped, 2)]
-        assert whole[0].data.tobytes() == cache[1, 1, 3:5].numpy().tobytes()
+        # Combined from the blocks' CRCs or of the copy's bytes: the CRC-32C of what is sent,
+        # which is what the puller computes over what it received.
+        sent = cache[1, 1, 3:5].numpy().tobytes()
+        assert whole[0].data.tobytes() == sent
+        assert source.status(whole).crc32c == [crc32c.crc32c(sent)]
+        copy = cache[1, 1, 3:5, :, 0:1].contiguous().numpy().tobytes()
+        assert source.status(part).crc32c == [crc32c.crc32c(copy)]
+        assert wire.checksum_of(corrupted(whole[0].data)) != crc32c.crc32c(sent)
 
     asyncio.run(scenario())
 
@@ -210,11 +211,11 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("head_dim", "on_thread"), [(4096, 0), (131072, 2)])
-def test_chunks_checked_in_small_blocks_are_hashed_on_the_loop(monkeypatch, head_dim, on_thread):
-    """A 2 MiB chunk checked block by block: 16 KiB blocks (the `small` preset's size) are
-    hashed on the event loop, a call each would wait for the GIL on a thread; 512 KiB blocks go
-    to the checksum thread. The KV arrives whole either way."""
+@pytest.mark.parametrize(("chunk_mib", "on_thread"), [(2, 2), (0.5, 0)])
+def test_large_chunks_are_hashed_on_the_checksum_thread(monkeypatch, chunk_mib, on_thread):
+    """Chunks of 16 KiB blocks (the `small` preset's size) are checked with one CRC-32C call
+    each, as a whole: a large one on the checksum thread, a small one on the event loop. The KV
+    arrives whole either way."""
     jobs = []
 
     class Counted(wire.ChecksumJob):
@@ -223,6 +224,7 @@ def test_chunks_checked_in_small_blocks_are_hashed_on_the_loop(monkeypatch, head
             super().__init__(fn, *args)
 
     monkeypatch.setattr(wire, "ChecksumJob", Counted)
+    head_dim = 4096
     blocks = (2 * 2**20) // (head_dim * 4)
 
     async def scenario():
@@ -241,13 +243,13 @@ def test_chunks_checked_in_small_blocks_are_hashed_on_the_loop(monkeypatch, head
         )  # fmt: skip
         handle = leases.create("r", template)
         dst = torch.zeros_like(cache)
-        puller = KvPuller(PullPolicy(chunk_bytes=2 * 2**20))
+        puller = KvPuller(PullPolicy(chunk_bytes=int(chunk_mib * 2**20)))
         try:
             report = await puller.pull(handle, list(range(blocks)), KvDestination(dst, range(1)))
         finally:
             await puller.close()
             server.close()
-        assert (report.chunks, report.retries) == (2, 0)
+        assert (report.chunks, report.retries) == (int(4 / chunk_mib), 0)
         assert torch.equal(dst, cache)
 
     asyncio.run(scenario())
