@@ -40,7 +40,7 @@ from services.kvtransfer.puller import PullPolicy
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
 # bytes of one block of the bench's one layer, K or V (--block-kb; children read it from the
 # environment). 512 KiB by default; the `small` preset's blocks are 16 KiB a layer (16 tokens, 4
-# KV heads of 64 float32), which costs the puller more per byte (a checksum piece per block).
+# KV heads of 64 float32): more blocks a chunk, whose CRCs the source combines.
 BLOCK = int(os.environ.get("KV_BENCH_BLOCK_KB", "512")) * 2**10
 TRANSPORTS = {
     "ucx_tcp": {"UCX_TLS": "tcp"},

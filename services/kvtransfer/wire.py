@@ -144,10 +144,11 @@ async def checksum(data: np.ndarray) -> int:
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 _GROUP = 256  # pieces combined by one look-up each; more pieces are combined in groups of this
 _BYTES = np.array([0, 8, 16, 24], dtype=np.uint32)
+_BYTE_TABLES = np.arange(4) * 256  # where each byte of a CRC has its 256 entries in a table
 # _table(n)[k * 1024 + j * 256 + b]: what k pieces of n bytes after one make of byte j = b of
 # its CRC. Piece i of a group has _GROUP - 1 - i after it: _OFFSETS[i, j] is where its look-ups
 # for byte j start.
-_OFFSETS = ((_GROUP - 1 - np.arange(_GROUP)) * 1024)[:, None] + np.arange(4) * 256
+_OFFSETS = ((_GROUP - 1 - np.arange(_GROUP)) * 1024)[:, None] + _BYTE_TABLES
 _tables: dict[int, np.ndarray] = {}  # piece bytes -> (_GROUP * 4 * 256) uint32
 
 
@@ -177,8 +178,10 @@ def _zeros(nbytes: int) -> list[int]:
 
 
 def prepare(nbytes: int) -> None:
-    """Make the tables `combine` uses for pieces of nbytes (~20 ms, once), e.g. on a thread."""
+    """Make the tables `combine` uses for pieces of nbytes (~25 ms each, once): runs of up to
+    _GROUP pieces, and of up to _GROUP groups of them (an 8 MiB chunk of 16 KiB blocks is 512)."""
     _table(nbytes)
+    _table(nbytes * _GROUP)
 
 
 def _table(nbytes: int) -> np.ndarray:
@@ -201,7 +204,7 @@ def _table(nbytes: int) -> np.ndarray:
 
 def _apply(flat: np.ndarray, crcs: np.ndarray) -> np.ndarray:
     """A (4 * 256) table applied to each CRC."""
-    return np.bitwise_xor.reduce(flat[((crcs[:, None] >> _BYTES) & 0xFF) + np.arange(4) * 256], 1)
+    return np.bitwise_xor.reduce(flat[((crcs[:, None] >> _BYTES) & 0xFF) + _BYTE_TABLES], 1)
 
 
 def combine(crcs, nbytes: int) -> int:
