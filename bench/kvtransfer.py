@@ -3,7 +3,8 @@
 In one run:
   * effective bandwidth of a pull between two processes (a real ChunkSource serving one
     layer's K and V from a KV cache allocated as the engine's is, into another: `cache`; a real
-    KvPuller with the workers' default chunk size and window, or --chunk-mib/--window; CRC-32C
+    KvPuller with the workers' default chunk size, window and lanes (two on this 2-core host,
+    one with --pin), or --chunk-mib/--window; CRC-32C
     checked on both ends; blocks of 512 KiB, or --block-kb) for 1 MiB .. 1 GiB over UCX tcp
     (UCX_TLS=tcp), UCX shared memory (UCX_TLS=tcp,sm,cma,self: tcp only to connect) and the gRPC
     fallback, beside memcpy measured in the same run (before and after: the faster is the

@@ -41,6 +41,13 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         "--chunk-timeout-s", type=float, default=policy.chunk_timeout_s, help="one try at a chunk"
     )
     p.add_argument("--chunk-attempts", type=int, default=policy.attempts, help="tries per chunk")
+    p.add_argument(
+        "--kv-lanes",
+        type=int,
+        default=policy.lanes,
+        help="UCX connections per KV source, each copying on a core of its own (0: two where "
+        "this process may use two cores or more, else one)",
+    )
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_metrics_args(p)
     add_drain_args(p)
@@ -63,6 +70,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
             window=args.pull_window,
             chunk_timeout_s=args.chunk_timeout_s,
             attempts=args.chunk_attempts,
+            lanes=args.kv_lanes,
         ),
         kv_transport=args.kv_transport,
         metrics_port=args.metrics_port,

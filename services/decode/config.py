@@ -40,3 +40,5 @@ class DecodeConfig:
         p = self.pull
         if p.chunk_bytes <= 0 or p.window <= 0 or p.attempts <= 0 or p.chunk_timeout_s <= 0:
             raise ValueError("chunk size, window, attempts and chunk timeout must be positive")
+        if p.lanes < 0:
+            raise ValueError("KV lanes must be 0 (automatic) or more")

@@ -71,17 +71,18 @@ class PullChunk:
     transport: object
     source: RankSource
     heads: range
+    lane: int = 0  # the transport's connection (UCX: a worker of the puller's) it comes over
     buffer: object = None  # set when its request is about to go out
     land: Callable[[], None] | None = None
 
 
 def requests_for(chunks: list[PullChunk]) -> list[list[PullChunk]]:
     """The requests for a pull's chunks: runs of up to the transport's max_chunks from one
-    source rank (the same heads), each run in layer order (the source sends each chunk once
-    its layer is computed), the runs in the order of their first layers."""
+    source rank (the same heads) over one lane, each run in layer order (the source sends each
+    chunk once its layer is computed), the runs in the order of their first layers."""
     by_source: dict[tuple, list[PullChunk]] = {}
     for c in sorted(chunks, key=lambda c: c.layer):
-        by_source.setdefault((c.source, c.heads, c.transport), []).append(c)
+        by_source.setdefault((c.source, c.heads, c.transport, c.lane), []).append(c)
     runs = [
         run[i : i + run[0].transport.max_chunks]
         for run in by_source.values()

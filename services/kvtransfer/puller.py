@@ -8,9 +8,11 @@ that rank owns). A chunk is received straight into the destination region (UCX) 
 every head the destination holds, else into a buffer copied into place once verified; over the
 gRPC fallback (hosts without ucxx) it is copied from the reply. Over UCX one request asks one
 source rank for up to 32 chunks, in layer order (a message per chunk, plus the request and one
-status: see chunk_server; the plan is layout.py's). Up to `window` chunks are in flight (their
-receives posted). Each chunk is checked against the checksum the source sends (the received
-bytes are hashed as they arrive, block by block) and has its own timeout; a late, failed or
+status: see chunk_server; the plan is layout.py's), over one of `lanes` connections to it, which
+take turns chunk by chunk (between processes of one host the receiver copies: two lanes copy
+on two cores). Up to `window` chunks are in flight (their receives posted). Each chunk is
+checked against the checksum the source sends (the received bytes are hashed as each chunk
+arrives, by the thread that copied it) and has its own timeout; a late, failed or
 corrupt chunk alone is fetched again (bounded attempts, exponential backoff with jitter, a fresh
 endpoint after a transport fault).
 The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -68,7 +71,8 @@ class PullPolicy:
     # Largest chunk. Each chunk costs a fixed ~0.1-0.2 ms of CPU on each side (its UCX message,
     # futures, checksum). 64 MiB pulls over shared memory, two chunk sizes alternated in one
     # process pair: 4 MiB 3.5 GB/s, 8 MiB 4.0 (the source's CPU per pull 6.8 -> 5.0 ms); 8 and
-    # 16 MiB alike (4.05 / 3.97; 5.0 / 5.2 at 256 MiB). Small enough that a retry fetches
+    # 16 MiB alike (4.05 / 3.97; 5.0 / 5.2 at 256 MiB). With two lanes (bench/kvtransfer.py,
+    # 64 MiB): 2 MiB 4.7 GB/s, 4 MiB 5.0, 8 MiB 6.0. Small enough that a retry fetches
     # little again and a long prompt's layer still moves in several pieces.
     chunk_bytes: int = 8 * 2**20
     window: int = 32  # chunks in flight per pull (their receives posted)
@@ -76,6 +80,12 @@ class PullPolicy:
     attempts: int = 4  # per chunk, the first included
     backoff_s: float = 0.05  # first retry waits about this long, doubling each time
     verify: bool = True  # check each chunk's checksum
+    # UCX connections (lanes) per source rank, each from a worker of its own: a chunk's copy
+    # between processes of one host is made by the receiving worker, so with two lanes, the
+    # second progressed by a thread, a pull copies on two cores. 0: two where this process may
+    # run on two cores or more, else one (a `--pin` worker: a lane's thread would only take
+    # turns with the event loop on its one core).
+    lanes: int = 0
 
 
 @dataclass
@@ -104,7 +114,8 @@ class KvPuller:
         self._grpc = GrpcTransport(self._channel)
         self._ucx = None
         if transport == "ucx" or (transport == "auto" and ucx_available()):
-            self._ucx = UcxTransport()
+            lanes = self.policy.lanes or (2 if len(os.sched_getaffinity(0)) > 1 else 1)
+            self._ucx = UcxTransport(lanes)
         elif transport == "auto":
             log.warning("ucxx is not importable: KV moves over the gRPC fallback (slower)")
         self.chunks_retried = 0
@@ -180,11 +191,16 @@ class KvPuller:
             piece_block_bytes = handle.block_bytes * len(heads) // handle.num_kv_heads
             per_chunk = max(1, self.policy.chunk_bytes // max(1, piece_block_bytes))
             segs = segments(src_blocks, dst_blocks, per_chunk)
-            chunks += [
-                PullChunk(layer, kv, seg, transport, source, heads)
+            plan = [
+                (layer, kv, seg)
                 for layer in range(handle.num_layers)
                 for kv in (0, 1)
                 for seg in segs
+            ]
+            # the lanes take turns, chunk by chunk in layer order
+            chunks += [
+                PullChunk(layer, kv, seg, transport, source, heads, i % transport.lanes)
+                for i, (layer, kv, seg) in enumerate(plan)
             ]
         batches = requests_for(chunks)  # layer by layer: early layers are computed first
         window = Window(self.policy.window)
@@ -284,6 +300,7 @@ class KvPuller:
                     window,
                     policy.chunk_timeout_s,
                     verify,
+                    first.lane,
                 )
             except Unavailable as e:  # cannot connect
                 fetched = Fetched(None, [e] * len(todo), [None] * len(todo))

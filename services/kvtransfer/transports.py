@@ -1,12 +1,13 @@
 """How chunks travel: UCX (zero-copy into the destination) or the gRPC fallback.
 
-`fetch(handle, source, request, buffers, window, timeout_s, checksums)` asks a source rank for
-the request's chunks (up to `max_chunks`) and fills `buffers` with their bytes, each received once
-the pull's `Window` has room for it and within `timeout_s` of its start; it returns a `Fetched`:
-the source's status, if it came, and per chunk whether its bytes arrived and, with `checksums`,
-their CRC-32C as received (computed as chunks arrive: a large one on a checksum thread, the last
-ones beside it on the event loop once nothing is left to copy; a small one on the loop). A broken
-connection is forgotten, so the next attempt reconnects. Retries and the checks are the puller's.
+`fetch(handle, source, request, buffers, window, timeout_s, checksums, lane)` asks a source rank
+for the request's chunks (up to `max_chunks`) over one of the transport's `lanes` (UCX: a
+connection from each of the puller's workers, whose copies run in parallel) and fills `buffers`
+with their bytes, each received once the pull's `Window` has room for it and within `timeout_s`
+of its start; it returns a `Fetched`: the source's status, if it came, and per chunk whether its
+bytes arrived and, with `checksums`, their CRC-32C as received (over UCX, taken by the thread
+that copied the chunk as soon as it arrived). A broken connection is forgotten, so the next
+attempt reconnects. Retries and the checks are the puller's.
 """
 
 from __future__ import annotations
@@ -169,37 +170,41 @@ def ucx_available() -> bool:
 
 
 class UcxTransport:
-    """One cached endpoint per peer; a request frame for many chunks, their raw bytes received
-    straight into the destination, then one status frame. UCX runs on the event loop
-    (services/kvtransfer/ucx_loop.py), which keeps each buffer given to a receive until UCX
-    completes it: a receive given up on can never write into freed memory."""
+    """One cached endpoint per peer and lane; a request frame for many chunks, their raw bytes
+    received straight into the destination, then one status frame. UCX runs on the event loop,
+    and each further lane on a thread of its own (services/kvtransfer/ucx_loop.py), which keeps
+    each buffer given to a receive until UCX completes it: a receive given up on can never
+    write into freed memory. Between processes of one host the receiver makes the copy
+    (CMA): with two lanes, a pull's chunks are copied on two cores."""
 
     name = "ucx"
     max_chunks = MAX_CHUNKS
 
-    def __init__(self) -> None:
-        self._endpoints: dict[tuple[str, int], ucx_loop.UcxEndpoint] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
-        self._connected: set[tuple[str, int]] = set()  # peers reached before
+    def __init__(self, lanes: int = 1) -> None:
+        self.lanes = max(1, lanes)
+        self._endpoints: dict[tuple[str, int, int], ucx_loop.UcxEndpoint] = {}
+        self._connecting: dict[tuple[str, int, int], asyncio.Lock] = {}
+        self._connected: set[tuple[str, int, int]] = set()  # peers reached before
         self._next_tag = 1
         self.reconnects = 0
 
     async def warm_up(self, host: str = "127.0.0.1") -> None:
-        """Connect once to ourselves: a process's first UCX connection sets up its worker and
-        transports (measured: ~180 ms here, then ~3-60 ms per new peer), which would otherwise
-        land in the first request's handoff."""
-        worker = ucx_loop.worker()
-        accepted = asyncio.Event()
+        """Connect once to ourselves from each lane: a worker's first UCX connection sets up
+        the worker and its transports (measured: ~180 ms here, then ~3-60 ms per new peer),
+        which would otherwise land in the first request's handoff."""
+        accepted = asyncio.Queue()
 
         async def accept(ep) -> None:
-            accepted.set()
             ep.abort()
+            accepted.put_nowait(None)
 
-        listener = worker.listen(accept)
+        listener = ucx_loop.worker().listen(accept)
         try:
-            ep = await asyncio.wait_for(worker.connect(_connectable(host), listener.port), 5)
-            await asyncio.wait_for(accepted.wait(), 5)
-            ep.abort()
+            for lane in range(self.lanes):
+                connecting = ucx_loop.worker(lane).connect(_connectable(host), listener.port)
+                ep = await asyncio.wait_for(connecting, 5)
+                await asyncio.wait_for(accepted.get(), 5)
+                ep.abort()
         finally:
             listener.close()
 
@@ -212,8 +217,9 @@ class UcxTransport:
         window: Window,
         timeout_s: float,
         checksums: bool = False,
+        lane: int = 0,
     ) -> Fetched:
-        key = (source.ucx_host, source.ucx_port)
+        key = (source.ucx_host, source.ucx_port, lane)
         try:
             ep = await asyncio.wait_for(self._endpoint(*key), timeout_s)
         except TimeoutError:
@@ -251,28 +257,19 @@ class UcxTransport:
                 settled.set_result(None)
             return True
 
-        # A small chunk is hashed at once, on the loop; a larger one is handed to a checksum
-        # thread as it arrives (wire.THREAD_CHECKSUM_BYTES), and those no thread has started
-        # when the last chunk is in are taken back below. Small ones too on the thread, batched,
-        # measured 9-15% slower (pulls of 4-48 MiB in 512 KiB chunks, paired). Large ones that
-        # arrived in one hop used to go in one job, handed over a hop later: that hop waited for
-        # the next slice of UCX progress, ~1 ms a chunk, and the last jobs ran one after the
-        # other once the copying was over (bench/kvtransfer_ab.py, against that: 64 MiB in 8 MiB
-        # chunks 0.925x and 0.887x as long, 256 MiB 0.928x, 48 MiB in 2 MiB chunks 1.004x).
-        hashing: list[tuple[int, wire.ChecksumJob]] = []
+        # Each chunk is hashed as soon as it arrived, by the thread that copied it (the loop, or
+        # a lane's: ucx_loop), while its bytes are likely still in cache.
+        hash_it = wire.checksum_of if checksums else None
 
         def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
             timer.cancel()
             error = recv.exception()  # the connection broke: closed, reset, peer gone
-            if finish(i, error) and error is None and checksums:
-                if buffers[i].nbytes < wire.THREAD_CHECKSUM_BYTES:
-                    digests[i] = wire.checksum_of(buffers[i])
-                else:
-                    hashing.append((i, wire.ChecksumJob(wire.checksum_of, buffers[i])))
+            if finish(i, error) and error is None:
+                digests[i] = recv.result()
 
         def post(i: int) -> None:
             # A receive is never cancelled, only its endpoint (see UcxTransport).
-            recv = ep.recv(buffers[i], 2 * (tag + i) + 1)
+            recv = ep.recv(buffers[i], 2 * (tag + i) + 1, hash_it)
             receives.append(recv)
             late = loop.call_later(
                 timeout_s, finish, i, TimeoutError(f"no data within {timeout_s} s")
@@ -287,13 +284,6 @@ class UcxTransport:
             # Asked for once the request is out: the source works on it meanwhile.
             asked = [window.ask(partial(post, i)) for i in range(n)]
             await settled
-            # Nothing left to copy: the loop hashes, last first, the chunks no thread has
-            # started, while the thread hashes the others.
-            for _i, job in reversed(hashing):
-                if not job.take_back():
-                    break
-            for i, job in hashing:
-                digests[i] = await job.result()
             await asyncio.wait((status_recv,), timeout=timeout_s)
             if not status_recv.done():
                 raise TimeoutError(f"no status within {timeout_s} s")
@@ -321,18 +311,19 @@ class UcxTransport:
             ep.abort()
         self._endpoints.clear()
 
-    async def _endpoint(self, host: str, port: int) -> ucx_loop.UcxEndpoint:
-        """The cached endpoint to a peer, connecting (again) when there is none or it closed:
-        a peer that restarted gets a fresh endpoint, never stale state. A connection given up
-        on (the caller's timeout) is aborted, its handshake's buffers kept until UCX is done."""
-        key = (host, port)
+    async def _endpoint(self, host: str, port: int, lane: int) -> ucx_loop.UcxEndpoint:
+        """The cached endpoint to a peer from one lane, connecting (again) when there is none
+        or it closed: a peer that restarted gets a fresh endpoint, never stale state. A
+        connection given up on (the caller's timeout) is aborted, its handshake's buffers kept
+        until UCX is done."""
+        key = (host, port, lane)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
             ep = self._endpoints.get(key)
             if ep is not None and not ep.closed:
                 return ep
             try:
-                ep = await ucx_loop.worker().connect(host, port)
+                ep = await ucx_loop.worker(lane).connect(host, port)
             except ConnectionError as e:
                 raise Unavailable(f"cannot reach the KV source at {host}:{port}: {e}") from e
             if key in self._connected:
@@ -341,7 +332,7 @@ class UcxTransport:
             self._endpoints[key] = ep
             return ep
 
-    def _drop(self, key: tuple[str, int], ep: ucx_loop.UcxEndpoint) -> None:
+    def _drop(self, key: tuple[str, int, int], ep: ucx_loop.UcxEndpoint) -> None:
         """Forget a broken endpoint (only if it is still the cached one) and abort it."""
         if self._endpoints.get(key) is ep:
             del self._endpoints[key]
@@ -366,6 +357,7 @@ class GrpcTransport:
 
     name = "grpc"
     max_chunks = 1
+    lanes = 1
 
     def __init__(self, channel: Callable[[str], grpc.aio.Channel]) -> None:
         self._channel = channel
@@ -384,6 +376,7 @@ class GrpcTransport:
         window: Window,
         timeout_s: float,
         checksums: bool = False,
+        lane: int = 0,
     ) -> Fetched:
         (dst,) = buffers
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))

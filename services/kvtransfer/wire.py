@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import numpy as np
@@ -20,11 +20,12 @@ from services.common.gen.distserve.v1 import kvtransfer_pb2
 
 FRAME_BYTES = 1024  # a status with MAX_CHUNKS checksums, a request with as many ranges
 # Chunks at least this large are checksummed on a checksum thread (crc32c lets go of the GIL), so
-# that the event loop goes on moving other chunks meanwhile; a smaller one costs less than the
-# hop (~60 us of the loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of
-# 24 chunks of 512 KiB, alternated in one process pair: 6.4 / 7.3 ms with the threshold at 256
-# KiB, 5.4 / 6.4 ms at 1 MiB. A UCX pull hands each large chunk to the thread as it arrives and
-# takes back, once the copying is over, those no thread has started (`ChecksumJob`).
+# that the event loop goes on meanwhile; a smaller one costs less than the hop (~60 us of the
+# loop's time and a thread wake-up, against ~25 us to hash 512 KiB). Pulls of 24 chunks of 512
+# KiB, alternated in one process pair: 6.4 / 7.3 ms with the threshold at 256 KiB, 5.4 / 6.4 ms
+# at 1 MiB. (A UCX pull does not use them: each chunk is hashed by the thread that copied it,
+# services/kvtransfer/transports.py; the gRPC fallback and a source's copies of a sub-range of
+# the heads do, and a source's block checksums as layers are published.)
 THREAD_CHECKSUM_BYTES = 2**20
 # Those threads: one per four cores this process may run on, at least one. asyncio's default
 # pool (cores + 4 threads) let six hashes run at once on two cores, each taking the core from
@@ -67,30 +68,6 @@ def _ran(future, fn, args):
     except Exception as e:  # as the thread pool would: the error through the future
         future.set_exception(e)
     return future
-
-
-class ChecksumJob:
-    """fn(*args) handed to a checksum thread (run at once in a process with one core), which
-    the caller may take back and run itself while no thread has started it: at the end of a
-    pull, when the loop has no more copying to do, it hashes the last chunks beside the thread
-    instead of waiting for the thread to hash them one after the other."""
-
-    def __init__(self, fn, *args) -> None:
-        self._fn, self._args = fn, args
-        threads = _threads()
-        self._future = _ran(Future(), fn, args) if threads is None else threads.submit(fn, *args)
-
-    def take_back(self) -> bool:
-        """Run it here, now, unless a thread has started it; whether it ran here."""
-        if not self._future.cancel():
-            return False
-        self._future = _ran(Future(), self._fn, self._args)
-        return True
-
-    async def result(self):
-        if self._future.done():  # as most are by then: no hop through the loop (~40 us each)
-            return self._future.result()
-        return await asyncio.wrap_future(self._future)
 
 
 def encode(message) -> np.ndarray:

@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -191,3 +192,53 @@ def test_an_idle_worker_sleeps(echo):
     used = asyncio.run(main())
     # A spinning wait would take ~2 s of CPU on each side; sleeping ones take next to none.
     assert used < 0.4, f"{used:.2f} s of CPU in 2 s idle (elapsed {time.monotonic() - started:.1f})"
+
+
+def test_a_lane_receives_on_its_own_thread_and_sleeps_when_idle(echo):
+    """A lane's copies run on its thread, which runs a receive's `then` there too (its result
+    is the future's); idle, the thread sleeps; shutting down stops it."""
+    configure_ucx()
+    peer, port = echo
+    size = 16 * 2**20
+
+    async def main() -> tuple:
+        lane = ucx_loop.worker(lane=1)
+        assert lane is not ucx_loop.worker() and lane is ucx_loop.worker(lane=1)
+        ep = await lane.connect("127.0.0.1", port)
+        dst = np.zeros(size, dtype=np.uint8)
+        got = ep.recv(dst, 5, then=lambda b: (threading.current_thread().name, int(b.sum())))
+        await ep.send(np.array([size], dtype=np.int64), 4)
+        copied_on, total = await asyncio.wait_for(got, 60)
+        waiting = ep.recv(np.empty(64, dtype=np.uint8), 2)  # posted, never answered
+        before, mine = _cpu_s(peer.pid), _cpu_s(os.getpid())
+        await asyncio.sleep(1.0)
+        idle_cpu = (_cpu_s(peer.pid) - before) + (_cpu_s(os.getpid()) - mine)
+        assert not waiting.done()
+        thread = lane._thread
+        ucx_loop.shutdown()
+        return copied_on, total, idle_cpu, thread.is_alive()
+
+    copied_on, total, idle_cpu, alive = asyncio.run(main())
+    assert (copied_on, total) == ("ucx-lane", size)
+    assert idle_cpu < 0.2, f"{idle_cpu:.2f} s of CPU in 1 s idle"
+    assert not alive
+
+
+def test_a_lane_connecting_to_a_dead_peer_fails_at_once(echo):
+    """A lane's thread may see a connection fail while the loop makes its first requests: they
+    are made under the lane's lock, so a failed endpoint is never sent on (a stream send on one
+    spun inside UCX for good, holding the worker: a pull hung past every timeout)."""
+    configure_ucx()
+    peer, port = echo
+
+    async def main() -> None:
+        lane = ucx_loop.worker(lane=1)
+        ep = await lane.connect("127.0.0.1", port)
+        await ep.send(np.zeros(8, dtype=np.uint8), 3)  # the peer dies
+        for _ in range(20):
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(lane.connect("127.0.0.1", port), 30)
+        ucx_loop.shutdown()
+
+    asyncio.run(main())
+    assert peer.wait(timeout=30) == 9

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import Counter
 from dataclasses import replace
 
 import crc32c
@@ -202,7 +204,7 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
                 report = await puller.pull(handle, [0, 1, 2, 3], KvDestination(dst, HEADS))
                 assert report.retries == 0
             assert puller.reconnects == 0
-            assert len(puller._ucx._endpoints) == 1
+            assert len(puller._ucx._endpoints) == puller._ucx.lanes  # one per lane
         finally:
             await puller.close()
             server.close()
@@ -211,19 +213,19 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("chunk_mib", "on_thread"), [(2, 2), (0.5, 0)])
-def test_large_chunks_are_hashed_on_the_checksum_thread(monkeypatch, chunk_mib, on_thread):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
     """Chunks of 16 KiB blocks (the `small` preset's size) are checked with one CRC-32C call
-    each, as a whole: a large one on the checksum thread, a small one on the event loop. The KV
-    arrives whole either way."""
-    jobs = []
+    each, as a whole, by the thread that received them: the event loop, or a lane's own thread
+    (the lanes take turns, chunk by chunk). The KV arrives whole either way."""
+    hashed_on = []
 
-    class Counted(wire.ChecksumJob):
-        def __init__(self, fn, *args) -> None:
-            jobs.append(args)
-            super().__init__(fn, *args)
+    def checksum_of(data):
+        if data.nbytes == 2**20:  # a chunk (the source hashes its 16 KiB blocks too)
+            hashed_on.append(threading.current_thread().name)
+        return crc32c.crc32c(data)
 
-    monkeypatch.setattr(wire, "ChecksumJob", Counted)
+    monkeypatch.setattr(wire, "checksum_of", checksum_of)
     head_dim = 4096
     blocks = (2 * 2**20) // (head_dim * 4)
 
@@ -243,14 +245,17 @@ def test_large_chunks_are_hashed_on_the_checksum_thread(monkeypatch, chunk_mib, 
         )  # fmt: skip
         handle = leases.create("r", template)
         dst = torch.zeros_like(cache)
-        puller = KvPuller(PullPolicy(chunk_bytes=int(chunk_mib * 2**20)))
+        puller = KvPuller(PullPolicy(chunk_bytes=2**20, lanes=lanes))
         try:
             report = await puller.pull(handle, list(range(blocks)), KvDestination(dst, range(1)))
+            endpoints = len(puller._ucx._endpoints)
         finally:
             await puller.close()
             server.close()
-        assert (report.chunks, report.retries) == (int(4 / chunk_mib), 0)
+        assert (report.chunks, report.retries, endpoints) == (4, 0, lanes)
+        assert server.requests_served == lanes  # a request a lane
         assert torch.equal(dst, cache)
 
     asyncio.run(scenario())
-    assert len(jobs) == on_thread
+    expected = {"MainThread": 4} if lanes == 1 else {"MainThread": 2, "ucx-lane": 2}
+    assert Counter(hashed_on) == expected
