@@ -19,12 +19,16 @@ and accepted connections never share a namespace, whatever ids their peers picke
 A buffer given to a request is referenced here until UCX completes the request (with its data
 or an error), whatever happens to the waiter: a request is never cancelled, and a receive that
 is given up on (a timeout, a cancelled task) cannot write into freed memory. To end the
-requests of a connection, abort its endpoint: UCX then completes them with an error.
+requests of a connection, abort its endpoint: UCX then completes them with an error. (Not quite
+all: a receive whose message never came stayed posted after its endpoint was aborted, 5 s and
+more, on the loop's worker and on a lane alike; UCX matches tags per worker. Its buffer stays
+referenced here meanwhile.)
 
 A process may have a second worker, a *lane* (`worker(lane=1)`), progressed by a thread of its
 own: UCX copies between processes of one host inside `progress` (CMA: the receiver reads the
 sender's memory), so a puller that receives half its chunks on a lane copies on two cores
-(measured here, 64 MiB in 4 MiB messages: 4.2 -> 7.2 GB/s, `bench/kvtransfer.py`). Every copy
+(measured here: 64 MiB pulls in 8 MiB chunks, checksummed, 0.85x as long, paired,
+`bench/kvtransfer_ab.py`; 256 MiB 0.83x; docs/benchmarks.md). Every copy
 into this process's memory is still made by this process, in `progress`: aborting an endpoint
 (which waits for a progress call under way, UCX's workers being multi-threaded) ends them all.
 Requests are made from the event loop as on the loop's worker; the lane thread progresses,
