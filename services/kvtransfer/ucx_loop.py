@@ -19,10 +19,9 @@ and accepted connections never share a namespace, whatever ids their peers picke
 A buffer given to a request is referenced here until UCX completes the request (with its data
 or an error), whatever happens to the waiter: a request is never cancelled, and a receive that
 is given up on (a timeout, a cancelled task) cannot write into freed memory. To end the
-requests of a connection, abort its endpoint: UCX then completes them with an error. (Not quite
-all: a receive whose message never came stayed posted after its endpoint was aborted, 5 s and
-more, on the loop's worker and on a lane alike; UCX matches tags per worker. Its buffer stays
-referenced here meanwhile.)
+requests of a connection, abort its endpoint: its requests in flight are cancelled (a receive
+whose message never came would otherwise stay posted: UCX matches tags per worker) and UCX
+completes them with an error.
 
 A process may have a second worker, a *lane* (`worker(lane=1)`), progressed by a thread of its
 own: UCX copies between processes of one host inside `progress` (CMA: the receiver reads the
@@ -39,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -492,10 +493,32 @@ class UcxEndpoint:
 
 
 def _abort(ep) -> None:
-    """Close an endpoint unless UCX closed it on an error already (closing it again crashes)."""
+    """Close an endpoint unless UCX closed it on an error already (closing it again crashes),
+    first ending the requests still in flight on it: a receive whose message never came would
+    otherwise stay posted (UCX matches tags per worker, and closing the endpoint leaves it), its
+    buffer referenced, where a message of the old connection arriving late could still land."""
     if not ep.alive:
         return
+    cancel = _inflight_canceller()
+    if cancel is not None:
+        cancel(ep.ucxx_ptr)
     try:
         ep.close()
     except Exception as e:
         log.debug("UCX endpoint close: %s", e)
+
+
+@functools.cache
+def _inflight_canceller():
+    """ucxx's `Endpoint::cancelInflightRequests` (C++; its Python API has no way to cancel a
+    request), through its exported symbol; None, with a warning, where this ucxx lacks it."""
+    try:
+        import libucxx
+
+        cancel = libucxx.load_library()["_ZN4ucxx8Endpoint22cancelInflightRequestsEv"]
+    except (ImportError, OSError, AttributeError, TypeError) as e:
+        log.warning("cannot cancel a UCX endpoint's requests (%s): an aborted one's stay posted", e)
+        return None
+    cancel.restype = ctypes.c_size_t
+    cancel.argtypes = [ctypes.c_void_p]
+    return cancel

@@ -242,3 +242,29 @@ def test_a_lane_connecting_to_a_dead_peer_fails_at_once(echo):
 
     asyncio.run(main())
     assert peer.wait(timeout=30) == 9
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+def test_aborting_an_endpoint_ends_the_receives_posted_on_it(echo, lane):
+    """A receive whose message never came ends, with an error, when its endpoint is aborted:
+    UCX matches tags per worker and left it posted, its buffer referenced, where a late message
+    of the old connection could still land. Other connections' receives are not touched."""
+    configure_ucx()
+    _, port = echo
+
+    async def main() -> None:
+        w = ucx_loop.worker(lane)
+        ep, other = await w.connect("127.0.0.1", port), await w.connect("127.0.0.1", port)
+        waiting = ep.recv(np.empty(64, dtype=np.uint8), 2)  # never answered
+        untouched = other.recv(np.empty(64, dtype=np.uint8), 2)
+        await asyncio.sleep(0.1)
+        ep.abort()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(waiting, 10)
+        assert not untouched.done()
+        await other.send(np.full(64, 7, dtype=np.uint8), 1)  # the echo answers this one
+        await asyncio.wait_for(untouched, 10)
+        assert len(w._pending) == 0  # nothing left referenced
+        ucx_loop.shutdown()
+
+    asyncio.run(main())
