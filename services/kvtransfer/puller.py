@@ -203,7 +203,11 @@ class KvPuller:
                 for i, (layer, kv, seg) in enumerate(plan)
             ]
         batches = requests_for(chunks)  # layer by layer: early layers are computed first
-        window = Window(self.policy.window)
+        # The window shared out between the lanes: one window for all let the first lane's
+        # request take every place (its chunks ask first), and a 1 GiB pull was copied by one
+        # lane alone for its first 32 chunks (~80 ms).
+        lanes = max((t.lanes for t, _, _ in pieces), default=1)
+        windows = [Window(max(1, self.policy.window // lanes)) for _ in range(lanes)]
         # Requests in flight per transport: enough to keep the window full (one chunk each
         # over gRPC), and over UCX several ahead: a request's first chunk comes a round trip
         # and the source's set-up after it goes out, so the next requests are out while one's
@@ -223,6 +227,7 @@ class KvPuller:
                 if stop.is_set():
                     return 0
                 try:
+                    window = windows[batch[0].lane]
                     return await self._batch(handle, dst, report, stop, window, batch)
                 except BaseException:
                     stop.set()

@@ -16,7 +16,7 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.kvtransfer import transports, wire
+from services.kvtransfer import transports, ucx_loop, wire
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.leases import LeaseTable
@@ -259,3 +259,54 @@ def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
     asyncio.run(scenario())
     expected = {"MainThread": 4} if lanes == 1 else {"MainThread": 2, "ucx-lane": 2}
     assert Counter(hashed_on) == expected
+
+
+def test_the_lanes_share_the_window(monkeypatch):
+    """With W chunks in flight per pull, each of two lanes has W/2: one window for both let the
+    first lane's request take every place (its chunks ask first), and the other lane idled
+    until it freed some."""
+    in_flight, most, posted = [0, 0], [0, 0], [0, 0]  # data receives, by lane
+    recv = ucx_loop.UcxEndpoint.recv
+
+    def recording(self, buffer, tag=0, then=None):
+        future = recv(self, buffer, tag, then)
+        if tag % 2:  # data (a status frame goes on an even tag)
+            lane = int(isinstance(self.worker, ucx_loop.UcxLane))
+            in_flight[lane] += 1
+            posted[lane] += 1
+            most[lane] = max(most[lane], in_flight[lane])
+
+            def done(_) -> None:
+                in_flight[lane] -= 1
+
+            future.add_done_callback(done)
+        return future
+
+    monkeypatch.setattr(ucx_loop.UcxEndpoint, "recv", recording)
+
+    async def scenario():
+        cache = torch.randn((4, 2, 8, 4, 2, 3))  # (layers, K/V, blocks, block_size, heads, dim)
+        leases = LeaseTable(default_s=30, max_s=60)
+        source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 4, HEADS)
+        server = ChunkServer(source)
+        port = server.start()
+        template = KvHandle(
+            handle_id="", source_instance="p", control_address="127.0.0.1:9",
+            ucx_host="127.0.0.1", ucx_port=port, num_tokens=32, block_size=4, num_layers=4,
+            num_kv_heads=2, head_dim=3, dtype="float32", runs=((0, 8),), block_bytes=4 * 2 * 3 * 4,
+            lease_expiry_unix_ms=0, access_token="",
+        )  # fmt: skip
+        handle = leases.create("r", template)
+        dst = torch.zeros_like(cache)
+        policy = PullPolicy(chunk_bytes=2 * template.block_bytes, window=4, lanes=2)
+        puller = KvPuller(policy)
+        try:
+            report = await puller.pull(handle, list(range(8)), KvDestination(dst, HEADS))
+        finally:
+            await puller.close()
+            server.close()
+        assert (report.chunks, report.retries) == (4 * 2 * 4, 0)
+        assert torch.equal(dst, cache)
+
+    asyncio.run(scenario())
+    assert posted == [16, 16] and most == [2, 2]
