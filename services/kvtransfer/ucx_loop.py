@@ -264,8 +264,14 @@ class UcxWorker:
 class UcxLane(UcxWorker):
     """A UCX worker progressed by a thread of its own, which waits on the worker's descriptor
     (and on a pipe the loop writes to when it has made a request) and settles the completed
-    requests' futures on the loop. Requests, connections and listeners are made from the
-    loop, as on the loop's worker."""
+    requests' futures on the loop. Requests and connections are made from the loop, as on the
+    loop's worker; a lane does not listen."""
+
+    # A progress call copies up to a segment; between two, the thread takes the GIL back (from
+    # the loop, which copies too). 8 MiB segments against 512 KiB (UCX's default, which the
+    # loop's worker keeps: its progress is cut into slices), 64 MiB pulls in 8 MiB chunks,
+    # paired (bench/kvtransfer_ab.py): 0.973x as long.
+    config: ClassVar[dict[str, str]] = {"CMA_SEG_SIZE": "8m"}
 
     def _start(self) -> None:
         # UCX calls and _pending, between the loop and the thread. A call into UCX from the
@@ -276,12 +282,6 @@ class UcxLane(UcxWorker):
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="ucx-lane", daemon=True)
         self._thread.start()
-
-    # A progress call copies up to a segment; between two, the thread takes the GIL back (from
-    # the loop, which copies too). 8 MiB segments against 512 KiB (UCX's default, which the
-    # loop's worker keeps: its progress is cut into slices), 64 MiB pulls in 8 MiB chunks,
-    # paired (bench/kvtransfer_ab.py): 0.973x as long.
-    config: ClassVar[dict[str, str]] = {"CMA_SEG_SIZE": "8m"}
 
     def listen(self, handler, port: int = 0) -> UcxListener:
         raise NotImplementedError("a lane only connects (it would accept on its own thread)")

@@ -51,6 +51,24 @@ def handle_for(engine: LLMEngine, rid: str, port: int) -> KvHandle:
     )
 
 
+def serve(cache: torch.Tensor, heads: range, runs) -> tuple[ChunkServer, KvHandle]:
+    """A chunk server over `cache` (layers, K/V, blocks, block_size, heads, head_dim; float32)
+    holding `heads`, and a handle of its blocks `runs` (from the running event loop)."""
+    layers, _, _, block_size, num_heads, head_dim = cache.shape
+    leases = LeaseTable(default_s=30, max_s=60)
+    source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], layers, heads)
+    server = ChunkServer(source)
+    template = KvHandle(
+        handle_id="", source_instance="p", control_address="127.0.0.1:9",
+        ucx_host="127.0.0.1", ucx_port=server.start(),
+        num_tokens=sum(n for _, n in runs) * block_size, block_size=block_size,
+        num_layers=layers, num_kv_heads=num_heads, head_dim=head_dim, dtype="float32",
+        runs=tuple(runs), block_bytes=block_size * num_heads * head_dim * 4,
+        lease_expiry_unix_ms=0, access_token="",
+    )  # fmt: skip
+    return server, leases.create("r", template)
+
+
 def test_segments_split_where_either_side_breaks_and_at_the_chunk_size():
     assert segments([4, 5, 6, 9, 10], [0, 1, 2, 3, 4], 8) == [(0, 0, 3), (3, 3, 2)]
     assert segments([4, 5, 6, 7], [0, 1, 7, 8], 8) == [(0, 0, 2), (2, 7, 2)]
@@ -186,19 +204,9 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
 
     async def scenario():
         cache = torch.randn((2, 2, 8, 4, 2, 3))  # (layers, K/V, blocks, block_size, heads, dim)
-        leases = LeaseTable(default_s=30, max_s=60)
-        source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 2, HEADS)
-        server = ChunkServer(source)
-        port = server.start()
-        template = KvHandle(
-            handle_id="", source_instance="p", control_address="127.0.0.1:9",
-            ucx_host="127.0.0.1", ucx_port=port, num_tokens=16, block_size=4, num_layers=2,
-            num_kv_heads=2, head_dim=3, dtype="float32", runs=((2, 4),), block_bytes=4 * 2 * 3 * 4,
-            lease_expiry_unix_ms=0, access_token="",
-        )  # fmt: skip
-        handle = leases.create("r", template)
+        server, handle = serve(cache, HEADS, ((2, 4),))
         dst = torch.zeros_like(cache)
-        puller = KvPuller(PullPolicy(chunk_bytes=template.block_bytes))  # a chunk a block
+        puller = KvPuller(PullPolicy(chunk_bytes=handle.block_bytes))  # a chunk a block
         try:
             for _ in range(3):
                 report = await puller.pull(handle, [0, 1, 2, 3], KvDestination(dst, HEADS))
@@ -231,19 +239,7 @@ def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
 
     async def scenario():
         cache = torch.randn((1, 2, blocks, 1, 1, head_dim))  # a chunk = one layer's K or V
-        leases = LeaseTable(default_s=30, max_s=60)
-        source = ChunkSource(
-            leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 1, range(1)
-        )
-        server = ChunkServer(source)
-        port = server.start()
-        template = KvHandle(
-            handle_id="", source_instance="p", control_address="127.0.0.1:9",
-            ucx_host="127.0.0.1", ucx_port=port, num_tokens=blocks, block_size=1, num_layers=1,
-            num_kv_heads=1, head_dim=head_dim, dtype="float32", runs=((0, blocks),),
-            block_bytes=head_dim * 4, lease_expiry_unix_ms=0, access_token="",
-        )  # fmt: skip
-        handle = leases.create("r", template)
+        server, handle = serve(cache, range(1), ((0, blocks),))
         dst = torch.zeros_like(cache)
         puller = KvPuller(PullPolicy(chunk_bytes=2**20, lanes=lanes))
         try:
@@ -286,19 +282,9 @@ def test_the_lanes_share_the_window(monkeypatch):
 
     async def scenario():
         cache = torch.randn((4, 2, 8, 4, 2, 3))  # (layers, K/V, blocks, block_size, heads, dim)
-        leases = LeaseTable(default_s=30, max_s=60)
-        source = ChunkSource(leases, lambda layer, kv, f, n: cache[layer, kv, f : f + n], 4, HEADS)
-        server = ChunkServer(source)
-        port = server.start()
-        template = KvHandle(
-            handle_id="", source_instance="p", control_address="127.0.0.1:9",
-            ucx_host="127.0.0.1", ucx_port=port, num_tokens=32, block_size=4, num_layers=4,
-            num_kv_heads=2, head_dim=3, dtype="float32", runs=((0, 8),), block_bytes=4 * 2 * 3 * 4,
-            lease_expiry_unix_ms=0, access_token="",
-        )  # fmt: skip
-        handle = leases.create("r", template)
+        server, handle = serve(cache, HEADS, ((0, 8),))
         dst = torch.zeros_like(cache)
-        policy = PullPolicy(chunk_bytes=2 * template.block_bytes, window=4, lanes=2)
+        policy = PullPolicy(chunk_bytes=2 * handle.block_bytes, window=4, lanes=2)
         puller = KvPuller(policy)
         try:
             report = await puller.pull(handle, list(range(8)), KvDestination(dst, HEADS))
