@@ -81,10 +81,10 @@ class PullPolicy:
     backoff_s: float = 0.05  # first retry waits about this long, doubling each time
     verify: bool = True  # check each chunk's checksum
     # UCX connections (lanes) per source rank, each from a worker of its own: a chunk's copy
-    # between processes of one host is made by the receiving worker, so with two lanes, the
-    # second progressed by a thread, a pull copies on two cores. 0: two where this process may
-    # run on two cores or more, else one (a `--pin` worker: a lane's thread would only take
-    # turns with the event loop on its one core).
+    # between processes of one host is made by the receiving worker, so with two lanes, each
+    # progressed by a thread of its own, a pull copies on two cores. 0: two where this process
+    # may run on two cores or more, else one, on the event loop (a `--pin` worker: a lane's
+    # thread would only take turns with the loop on its one core).
     lanes: int = 0
 
 

@@ -23,11 +23,12 @@ requests of a connection, abort its endpoint: its requests in flight are cancell
 whose message never came would otherwise stay posted: UCX matches tags per worker) and UCX
 completes them with an error.
 
-A process may have a second worker, a *lane* (`worker(lane=1)`), progressed by a thread of its
-own: UCX copies between processes of one host inside `progress` (CMA: the receiver reads the
-sender's memory), so a puller that receives half its chunks on a lane copies on two cores
-(measured here: 64 MiB pulls in 8 MiB chunks, checksummed, 0.85x as long, paired,
-`bench/kvtransfer_ab.py`; 256 MiB 0.83x; docs/benchmarks.md). Every copy
+A process may have more workers, *lanes* (`worker(lane=1)`, 2, ...), each progressed by a
+thread of its own: UCX copies between processes of one host inside `progress` (CMA: the receiver
+reads the sender's memory), so a puller that receives its chunks over two lanes copies on two
+cores (measured here, the loop's worker and one lane: 64 MiB pulls in 8 MiB chunks, checksummed,
+0.85x as long as on the loop alone, paired, `bench/kvtransfer_ab.py`; 256 MiB 0.83x; two lanes
+against the loop's worker and one: 1 GiB 0.90x, 64 MiB 0.93x; docs/benchmarks.md). Every copy
 into this process's memory is still made by this process, in `progress`: aborting an endpoint
 (which waits for a progress call under way, UCX's workers being multi-threaded) ends them all.
 Requests are made from the event loop as on the loop's worker; the lane thread progresses,
@@ -79,7 +80,7 @@ def worker(lane: int = 0) -> UcxWorker:
     if w is None:
         for old in [key for key in _workers if key[0].is_closed()]:
             _workers.pop(old).close()
-        w = _workers[loop, lane] = UcxLane(loop) if lane else UcxWorker(loop)
+        w = _workers[loop, lane] = UcxLane(loop, lane) if lane else UcxWorker(loop)
     return w
 
 
@@ -267,6 +268,10 @@ class UcxLane(UcxWorker):
     requests' futures on the loop. Requests and connections are made from the loop, as on the
     loop's worker; a lane does not listen."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop, number: int = 1) -> None:
+        self.number = number  # its thread is "ucx-lane-<number>"
+        super().__init__(loop)
+
     # A progress call copies up to a segment; between two, the thread takes the GIL back (from
     # the loop, which copies too). 8 MiB segments against 512 KiB (UCX's default, which the
     # loop's worker keeps: its progress is cut into slices), 64 MiB pulls in 8 MiB chunks,
@@ -280,7 +285,8 @@ class UcxLane(UcxWorker):
         # endpoint spun forever inside UCX (`ucp_proto_reconfig_progress`), holding the worker.
         self.calls = self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="ucx-lane", daemon=True)
+        name = f"ucx-lane-{self.number}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def listen(self, handler, port: int = 0) -> UcxListener:

@@ -219,7 +219,7 @@ def test_a_lane_receives_on_its_own_thread_and_sleeps_when_idle(echo):
         return copied_on, total, idle_cpu, thread.is_alive()
 
     copied_on, total, idle_cpu, alive = asyncio.run(main())
-    assert (copied_on, total) == ("ucx-lane", size)
+    assert (copied_on, total) == ("ucx-lane-1", size)
     assert idle_cpu < 0.2, f"{idle_cpu:.2f} s of CPU in 1 s idle"
     assert not alive
 

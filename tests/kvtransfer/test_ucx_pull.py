@@ -224,8 +224,9 @@ def test_an_attempt_whose_receives_all_completed_keeps_the_shared_endpoint(monke
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
     """Chunks of 16 KiB blocks (the `small` preset's size) are checked with one CRC-32C call
-    each, as a whole, by the thread that received them: the event loop, or a lane's own thread
-    (the lanes take turns, chunk by chunk). The KV arrives whole either way."""
+    each, as a whole, by the thread that received them: the event loop with one lane; with two,
+    each lane's own thread (the lanes take turns, chunk by chunk; the loop copies none). The KV
+    arrives whole either way."""
     hashed_on = []
 
     def checksum_of(data):
@@ -253,7 +254,7 @@ def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
         assert torch.equal(dst, cache)
 
     asyncio.run(scenario())
-    expected = {"MainThread": 4} if lanes == 1 else {"MainThread": 2, "ucx-lane": 2}
+    expected = {"MainThread": 4} if lanes == 1 else {"ucx-lane-1": 2, "ucx-lane-2": 2}
     assert Counter(hashed_on) == expected
 
 
@@ -261,13 +262,13 @@ def test_the_lanes_share_the_window(monkeypatch):
     """With W chunks in flight per pull, each of two lanes has W/2: one window for both let the
     first lane's request take every place (its chunks ask first), and the other lane idled
     until it freed some."""
-    in_flight, most, posted = [0, 0], [0, 0], [0, 0]  # data receives, by lane
+    in_flight, most, posted = Counter(), Counter(), Counter()  # data receives, by lane
     recv = ucx_loop.UcxEndpoint.recv
 
     def recording(self, buffer, tag=0, then=None):
         future = recv(self, buffer, tag, then)
         if tag % 2:  # data (a status frame goes on an even tag)
-            lane = int(isinstance(self.worker, ucx_loop.UcxLane))
+            lane = self.worker.number
             in_flight[lane] += 1
             posted[lane] += 1
             most[lane] = max(most[lane], in_flight[lane])
@@ -295,4 +296,4 @@ def test_the_lanes_share_the_window(monkeypatch):
         assert torch.equal(dst, cache)
 
     asyncio.run(scenario())
-    assert posted == [16, 16] and most == [2, 2]
+    assert posted == {1: 16, 2: 16} and most == {1: 2, 2: 2}
