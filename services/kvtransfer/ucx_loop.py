@@ -268,15 +268,15 @@ class UcxLane(UcxWorker):
     requests' futures on the loop. Requests and connections are made from the loop, as on the
     loop's worker; a lane does not listen."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, number: int = 1) -> None:
-        self.number = number  # its thread is "ucx-lane-<number>"
-        super().__init__(loop)
-
     # A progress call copies up to a segment; between two, the thread takes the GIL back (from
-    # the loop, which copies too). 8 MiB segments against 512 KiB (UCX's default, which the
+    # the loop, or another lane). 8 MiB segments against 512 KiB (UCX's default, which the
     # loop's worker keeps: its progress is cut into slices), 64 MiB pulls in 8 MiB chunks,
     # paired (bench/kvtransfer_ab.py): 0.973x as long.
     config: ClassVar[dict[str, str]] = {"CMA_SEG_SIZE": "8m"}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, number: int = 1) -> None:
+        self.number = number  # its thread is "ucx-lane-<number>"
+        super().__init__(loop)
 
     def _start(self) -> None:
         # UCX calls and _pending, between the loop and the thread. A call into UCX from the
