@@ -44,13 +44,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common import latency as latency_file
+from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
 from services.engine.presets import default_model
 from services.loadgen.fidelity import profile_pinned
 from services.loadgen.goodput import SCALED
-from services.planner import latency as latency_file
 from services.planner.goodput import goodput
-from services.planner.latency import LatencyModel
 from services.planner.simulator import Instance, SimCluster, Slo
 from services.planner.workload import Workload
 

@@ -34,9 +34,9 @@ import statistics
 import time
 from pathlib import Path
 
+from services.common.latency import for_model
+from services.common.model_spec import PRESETS
 from services.planner.cluster import ClusterSpec, kv_capacity
-from services.planner.latency import for_model
-from services.planner.model_spec import PRESETS
 from services.planner.placement import PlanSpec, plan
 from services.planner.simulator import Instance, SimCluster, Slo, simulate
 from services.planner.workload import PRESETS as WORKLOADS

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
+from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
 from services.engine.presets import create_model
 from services.loadgen.calibration import (
@@ -42,7 +43,6 @@ from services.loadgen.calibration import (
 )
 from services.loadgen.cli import ADMISSION_OFF
 from services.loadgen.results import LoadResult
-from services.planner.latency import LatencyModel
 from services.planner.profiler import QUICK, ProfileGrid, _compositions
 from services.planner.simulator import SimResult, Slo, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
@@ -365,8 +365,8 @@ def measure(
     mesh, calibrate it, derive the SLOs, pick the rates at which the simulator predicts each
     target attainment, and run the same `requests` seeded requests at each rate through both
     (through the mesh `repeats` times)."""
+    from services.common.latency import load
     from services.launcher import Mesh, MeshSpec
-    from services.planner.latency import load
 
     profile = profile_pinned(model_dir, grid)
     with tempfile.TemporaryDirectory() as tmp:

@@ -74,9 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def plan_spec(args: argparse.Namespace):
     """The PlanSpec the arguments describe (validated)."""
-    from services.planner.cluster import GIB, ClusterSpec
-    from services.planner.latency import for_model
-    from services.planner.model_spec import model_spec
+    from services.common.latency import for_model
+    from services.common.model_spec import GIB, model_spec
+    from services.planner.cluster import ClusterSpec
     from services.planner.placement import PlanSpec
     from services.planner.simulator import Slo
     from services.planner.workload import parse_workload

@@ -3,25 +3,16 @@
 A cluster is `nodes` x `gpus_per_node` identical devices. Tensor parallelism stays inside a node
 (it all-reduces every layer); pipeline stages may span nodes. KV moves over NVLink-class links
 inside a node and over the network between nodes; both bandwidths are in bytes per second.
-
-KV capacity of an instance (tokens it can hold) comes from DistServe's published table for the
-A100-80GB (`max_num_tokens.csv`) when the model and (tp, pp) are listed there, else it is computed:
-`(tp * pp * gpu_memory * utilization - weight_bytes) / kv_bytes_per_token`. The default
-utilization 0.92 reproduces the published table within a few per cent (tests check it).
+An instance's KV capacity is `services.common.model_spec.kv_capacity` on the cluster's GPUs.
 """
 
 from __future__ import annotations
 
-import csv
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
+from services.common import model_spec
 from services.common.errors import InvalidRequest
-from services.planner.model_spec import ModelSpec
-
-DATA = Path(__file__).parent / "data" / "distserve-a100"
-GIB = 2**30
+from services.common.model_spec import GIB, MEMORY_UTILIZATION, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -33,7 +24,7 @@ class ClusterSpec:
     gpu_memory_bytes: int = 80 * GIB
     intra_node_bandwidth: float = 300e9
     inter_node_bandwidth: float = 25e9 / 8
-    memory_utilization: float = 0.92
+    memory_utilization: float = MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -64,32 +55,12 @@ class ClusterSpec:
         extra = {"intra_node_bandwidth": bws[0], "inter_node_bandwidth": bws[1]} if bws else {}
         return cls(nodes=nodes, gpus_per_node=gpus, **extra)
 
-    def uses_published_memory(self) -> bool:
-        return self.gpu_memory_bytes == 80 * GIB
-
-
-@functools.cache
-def published_kv_capacity() -> dict[tuple[str, int, int], int]:
-    """DistServe's KV capacity in tokens per (model, tp, pp) on A100-80GB."""
-    with (DATA / "max_num_tokens.csv").open() as f:
-        return {
-            (row["model"], int(row["tp"]), int(row["pp"])): int(row["max_num_tokens"])
-            for row in csv.DictReader(f)
-        }
-
-
-def computed_kv_capacity(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec) -> int:
-    usable = tp * pp * cluster.gpu_memory_bytes * cluster.memory_utilization
-    return max(0, int((usable - model.weight_bytes) // model.kv_bytes_per_token))
-
 
 def kv_capacity(model: ModelSpec, tp: int, pp: int, cluster: ClusterSpec) -> int:
-    """Tokens of KV one instance of (tp, pp) holds once its weights are loaded (0: none fit)."""
-    if cluster.uses_published_memory() and model.published:
-        table = published_kv_capacity()
-        if (model.published, tp, pp) in table:
-            return table[(model.published, tp, pp)]
-    return computed_kv_capacity(model, tp, pp, cluster)
+    """Tokens of KV one instance of (tp, pp) holds on this cluster's GPUs (0: none fit)."""
+    return model_spec.kv_capacity(
+        model, tp, pp, cluster.gpu_memory_bytes, cluster.memory_utilization
+    )
 
 
 def parallel_problem(

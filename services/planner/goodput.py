@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from services.planner.latency import LatencyModel
+from services.common.latency import LatencyModel
 from services.planner.simulator import Instance, SimCluster, Slo, simulate
 from services.planner.workload import Requests, TraceWorkload, Workload
 

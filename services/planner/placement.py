@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequest
+from services.common.latency import LatencyModel
+from services.common.model_spec import ModelSpec
 from services.planner.cluster import ClusterSpec, divisors, kv_capacity, parallel_problem
 from services.planner.goodput import capacity, goodput
-from services.planner.latency import LatencyModel
-from services.planner.model_spec import ModelSpec
 from services.planner.simulator import Instance, SimCluster, Slo
 from services.planner.workload import TraceWorkload, Workload
 

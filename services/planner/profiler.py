@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import InvalidRequest
-from services.planner.latency import FitError, LatencyModel, fit_decode, fit_prefill, with_prefill
+from services.common.latency import FitError, LatencyModel, fit_decode, fit_prefill, with_prefill
 
 GAIN = 1.1  # L_m: doubling the batch must gain at least this factor in throughput
 

@@ -113,9 +113,9 @@ class _searching:
 
 def plan_spec(request, config: PlannerConfig) -> PlanSpec:
     """The PlanSpec of a PlanRequest, with the service's defaults for what it leaves out."""
+    from services.common.latency import for_model
+    from services.common.model_spec import model_spec
     from services.planner.cluster import ClusterSpec
-    from services.planner.latency import for_model
-    from services.planner.model_spec import model_spec
     from services.planner.simulator import Slo
     from services.planner.workload import parse_workload
 

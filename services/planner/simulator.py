@@ -46,7 +46,7 @@ from heapq import heappop, heappush
 import numpy as np
 
 from services.common.errors import InvalidRequest
-from services.planner.latency import LatencyModel, TpLatency
+from services.common.latency import LatencyModel, TpLatency
 from services.planner.workload import Requests
 
 ROLES = ("prefill", "decode", "colocated")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from services.common.latency import load
 from services.planner import cli
-from services.planner.latency import load
 
 
 def test_profile_writes_a_profile_with_a_sane_fit(tiny_model, tmp_path, capsys):

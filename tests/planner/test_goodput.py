@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.latency import for_model
+from services.common.model_spec import PRESETS
 from services.planner.goodput import goodput, max_rate
-from services.planner.latency import for_model
-from services.planner.model_spec import PRESETS
 from services.planner.simulator import Instance, SimCluster, Slo
 from services.planner.workload import LengthDist, Workload
 

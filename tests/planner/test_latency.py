@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from services.common import latency
 from services.common.errors import InvalidRequest
-from services.planner import latency
-from services.planner.model_spec import PRESETS
+from services.common.model_spec import PRESETS
 
 
 def test_published_profile_loads_as_published():

@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidRequest
-from services.planner.cluster import (
+from services.common.latency import for_model
+from services.common.model_spec import (
     GIB,
-    ClusterSpec,
+    PRESETS,
     computed_kv_capacity,
-    kv_capacity,
-    parallel_problem,
+    model_spec,
     published_kv_capacity,
 )
-from services.planner.latency import for_model
-from services.planner.model_spec import PRESETS, model_spec
+from services.planner.cluster import ClusterSpec, kv_capacity, parallel_problem
 from services.planner.placement import Plan, PlanSpec, first_fit, plan
 from services.planner.simulator import Slo
 from services.planner.workload import PRESETS as WORKLOADS
@@ -123,12 +122,12 @@ def test_parallel_constraints_name_the_problem():
 
 
 def test_computed_memory_matches_the_published_table():
-    c = ClusterSpec(1, 8)
     for (name, tp, pp), tokens in published_kv_capacity().items():
         m = model_spec(name)
-        assert computed_kv_capacity(m, tp, pp, c) == pytest.approx(tokens, rel=0.07)
+        assert computed_kv_capacity(m, tp, pp) == pytest.approx(tokens, rel=0.07)
     # another GPU size: computed, and larger memory holds more
     big = ClusterSpec(1, 8, gpu_memory_bytes=141 * GIB)
+    c = ClusterSpec(1, 8)
     assert kv_capacity(PRESETS["opt-13b"], 1, 1, big) > kv_capacity(PRESETS["opt-13b"], 1, 1, c)
 
 

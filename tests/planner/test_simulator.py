@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidRequest
-from services.planner.latency import Coefficients, LatencyModel, TpLatency, for_model
-from services.planner.model_spec import PRESETS
+from services.common.latency import Coefficients, LatencyModel, TpLatency, for_model
+from services.common.model_spec import PRESETS
 from services.planner.simulator import Instance, SimCluster, Slo, simulate, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
 

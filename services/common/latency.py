@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import InvalidRequest
-from services.planner.model_spec import ModelSpec
+from services.common.model_spec import ModelSpec
 
 FORMAT = "distserve-mesh-profile/1"
 DATA = Path(__file__).parent / "data" / "distserve-a100"
@@ -205,7 +205,7 @@ def for_model(spec: ModelSpec, path: str | Path | None, engine: str = "distserve
         raise InvalidRequest(f"profile {path} does not exist", param="profile")
     if spec.published in raw:
         return _published(raw, path, spec.published)
-    from services.planner.model_spec import PRESETS
+    from services.common.model_spec import PRESETS
 
     known = [s for s in PRESETS.values() if s.published in raw]
     if not known:

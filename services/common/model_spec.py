@@ -1,17 +1,30 @@
-"""The shape of a model as the planner sees it: layers, heads, sizes, bytes per parameter.
+"""The shape of a model as the planner and the emulated engine see it, and what fits on a device.
 
-The planner needs only what decides memory and parallelism: weight bytes, KV bytes per token,
-how many heads (tensor parallelism splits them) and layers (pipeline parallelism splits them).
-Presets name the OPT models DistServe evaluates; any other model is read from a Hugging Face
-folder's config.json (our `tiny` and `small` presets are such folders).
+Both need only what decides memory and parallelism: weight bytes, KV bytes per token, how many
+heads (tensor parallelism splits them) and layers (pipeline parallelism splits them). Presets
+name the OPT models DistServe evaluates; any other model is read from a Hugging Face folder's
+config.json (our `tiny` and `small` presets are such folders).
+
+KV capacity of an instance (tokens it can hold, `kv_capacity`) comes from DistServe's published
+table for the A100-80GB (`max_num_tokens.csv`) when the model and (tp, pp) are listed there, else
+it is computed: `(tp * pp * gpu_memory * utilization - weight_bytes) / kv_bytes_per_token`. The
+default utilization 0.92 reproduces the published table within a few per cent (tests check it).
+The planner's simulator and the emulated engine size their KV pools with the same function.
 """
 
 from __future__ import annotations
 
+import csv
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidRequest
+
+DATA = Path(__file__).parent / "data" / "distserve-a100"
+GIB = 2**30
+PUBLISHED_GPU_MEMORY = 80 * GIB  # the A100-80GB of DistServe's table
+MEMORY_UTILIZATION = 0.92
 
 
 @dataclass(frozen=True)
@@ -113,3 +126,39 @@ def from_dir(path: Path) -> ModelSpec:
         dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[mc.dtype],
         mlp_matrices=3,
     )
+
+
+@functools.cache
+def published_kv_capacity() -> dict[tuple[str, int, int], int]:
+    """DistServe's KV capacity in tokens per (model, tp, pp) on A100-80GB."""
+    with (DATA / "max_num_tokens.csv").open() as f:
+        return {
+            (row["model"], int(row["tp"]), int(row["pp"])): int(row["max_num_tokens"])
+            for row in csv.DictReader(f)
+        }
+
+
+def computed_kv_capacity(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    gpu_memory_bytes: int = PUBLISHED_GPU_MEMORY,
+    utilization: float = MEMORY_UTILIZATION,
+) -> int:
+    usable = tp * pp * gpu_memory_bytes * utilization
+    return max(0, int((usable - model.weight_bytes) // model.kv_bytes_per_token))
+
+
+def kv_capacity(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    gpu_memory_bytes: int = PUBLISHED_GPU_MEMORY,
+    utilization: float = MEMORY_UTILIZATION,
+) -> int:
+    """Tokens of KV one instance of (tp, pp) holds once its weights are loaded (0: none fit)."""
+    if gpu_memory_bytes == PUBLISHED_GPU_MEMORY and model.published:
+        table = published_kv_capacity()
+        if (model.published, tp, pp) in table:
+            return table[(model.published, tp, pp)]
+    return computed_kv_capacity(model, tp, pp, gpu_memory_bytes, utilization)
