@@ -6,8 +6,10 @@ engine's, with no duplicate and no missing token, and nothing is left held."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +20,7 @@ from tests.test_mesh import addresses, expected, stats, wait_until
 
 PROMPT = "The decode phase adds one token at a time"
 MAX_TOKENS = 400  # long enough to be cut mid-stream (the tiny model decodes ~2-5 ms a token)
+RELEASE_IN_FLIGHT = Path(__file__).with_name("decode_release_in_flight.py")
 
 
 def _process(mesh, name: str):
@@ -90,6 +93,47 @@ def test_a_decode_instance_killed_mid_stream_is_invisible_to_the_client(mesh_1p2
     # The prefill instance holds nothing: the moved request's KV was pulled and released.
     prefill = addresses(mesh, "prefill")[0]
     wait_until(lambda: stats(prefill, "prefill").load.held_kv_handles == 0, what="KV released")
+
+
+def test_decode_killed_before_its_release_landed_frees_prefill_kv_long_before_the_lease(
+    tiny_model, reference
+):
+    """A decode instance killed after it told the gateway it has the KV but before its release
+    reached the prefill instance (a window of a few ms, held open here: decode-0's releases
+    stay in flight, tests/decode_release_in_flight.py): the gateway, losing the instance,
+    releases the KV itself. The source's lease (30 s) is the safety net, not the way out."""
+    lease_s = 30.0
+    mesh = start_mesh(
+        tiny_model,
+        prefill=1,
+        decode=2,
+        prefill_args=("--lease-s", str(lease_s)),
+        # More free KV: the least-loaded instance, so the request starts there.
+        per_worker_args={"decode-0": ("--kv-cache-mb", "32")},
+        command_prefix={"decode-0": (sys.executable, str(RELEASE_IN_FLIGHT))},
+    )
+    try:
+        killed = []
+
+        def kill(m) -> None:
+            killed.append(_serving_decode(m))
+            _process(m, "decode-0").popen.send_signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        assert _stream_with_fault(mesh, kill) == reference  # moved to decode-1, exactly
+        assert killed[0] == "decode-0"
+        prefill = addresses(mesh, "prefill")[0]
+        wait_until(
+            lambda: stats(prefill, "prefill").load.held_kv_handles == 0,
+            timeout=lease_s / 6,
+            what="the KV of the killed instance's request to be released",
+        )
+        assert time.monotonic() - killed[1] < lease_s / 3
+        s = stats(prefill, "prefill")
+        assert s.leases_expired == 0 and s.blocks_reclaimed == 0
+        assert s.load.free_kv_blocks == s.load.total_kv_blocks
+    finally:
+        stop_now(mesh)
 
 
 def test_a_decode_instance_that_drains_out_of_time_hands_its_streams_off(mesh_1p2d, reference):

@@ -3,8 +3,8 @@
 The first token is streamed as soon as prefill returns it. Text is detokenized here, with stop
 strings held back and cut. Cancellation and deadlines reach every stage: a cancelled client
 cancels the downstream call, whose worker frees what it holds; KV held for a decode call that
-never took it is released here. Each request is one trace: its root span is opened here and its
-context travels with every downstream call.
+never took it, or whose call failed, is released here. Each request is one trace: its root
+span is opened here and its context travels with every downstream call.
 """
 
 from __future__ import annotations
@@ -378,21 +378,25 @@ class Router:
     async def _decode(
         self, decode: DecodeCall, kv, trace
     ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        """Stream a decode call's tokens; KV it never took is released here."""
-        handed_over = False
+        """Stream a decode call's tokens. The decode instance releases the KV once it has pulled
+        it (its first message says it has it); the KV is released here unless that happened
+        and the call did not fail: an instance lost just after its pull may have died before
+        its release reached the source (a second release is answered NOT_FOUND)."""
+        handed_over = failed = False
         try:
             async for r in decode.call:
                 if not handed_over:
-                    handed_over = True  # the decode instance has the KV (and releases it)
+                    handed_over = True
                     decode.worker.answered(decode.ticket)
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
+            failed = True
             if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._lost(decode.worker.worker_id, decode.worker.address)
             raise
         finally:
             decode.cancel()
-            if not handed_over:
+            if failed or not handed_over:
                 await self._release(kv, trace)
 
     def _lost(self, worker_id: str, address: str) -> None:
