@@ -16,6 +16,7 @@ from services.common import mesh_tls
 from services.common.errors import DistServeError
 from services.deploy.cli import register as register_deploy
 from services.edge.options import add_edge_options
+from services.launcher import add_emulation_options, emulated_mesh
 from services.loadgen.cli import register as register_bench
 from services.planner.cli import register as register_planner
 from services.trace_report import register as register_trace_report
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         "--architecture",
         choices=("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
         default="LlamaForCausalLM",
+    )
+    create.add_argument(
+        "--emulated",
+        metavar="SPEC",
+        help="an emulated model's folder instead (no weights): the shape of SPEC (opt-13b, "
+        "opt-66b, opt-175b or a model folder), served only by --engine emulated",
     )
     create.set_defaults(func=_model_create)
 
@@ -73,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
     up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
     up.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for the attainment metric")
+    for role in ("prefill", "decode", "colocated"):
+        up.add_argument(
+            f"--{role}-tp", type=int, default=1, help=f"tensor degree of each {role} instance"
+        )
     add_edge_options(up.add_argument_group("edge (Envoy)"), port_flag="--edge-port")
+    add_emulation_options(up)
     up.set_defaults(func=_up)
 
     client = sub.add_parser("client", help="send one request to the gateway and stream it")
@@ -121,8 +133,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_create(args: argparse.Namespace) -> int:
-    from services.engine.presets import create_model
+    from services.engine.presets import create_emulated, create_model
 
+    if args.emulated:
+        from services.common.model_spec import model_spec
+
+        print(create_emulated(model_spec(args.emulated), args.out))
+        return 0
     out = create_model(
         args.preset, args.out, seed=args.seed, architecture=args.architecture, dtype=args.dtype
     )
@@ -218,6 +235,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.edge.options import edge_config
     from services.launcher import MeshSpec, run_until_signal
 
+    emulation = emulated_mesh(args)
     if args.model is None:
         from services.engine.presets import default_model
 
@@ -243,6 +261,8 @@ def _up(args: argparse.Namespace) -> int:
         edge=None if args.no_edge else edge_config(args, args.host),
         planner=args.planner,
         drain_timeout_s=args.drain_timeout_s,
+        tp={"prefill": args.prefill_tp, "decode": args.decode_tp, "colocated": args.colocated_tp},
+        **emulation,
     )
     return run_until_signal(spec)
 
@@ -277,7 +297,8 @@ def _client(args: argparse.Namespace) -> int:
     with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
-            for reply in stub.Generate(request, timeout=args.timeout, metadata=metadata):
+            call = stub.Generate(request, timeout=args.timeout, metadata=metadata)
+            for reply in call:
                 first = first or time.perf_counter()
                 ids += reply.token_ids
                 text.append(reply.text)
@@ -289,6 +310,8 @@ def _client(args: argparse.Namespace) -> int:
             print(f"distserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2
     end = time.perf_counter()
+    # An emulated mesh runs its time slower than the wall: its latencies are in its own time.
+    scale = float(dict(call.initial_metadata() or ()).get("x-distserve-time-scale", 1.0))
     if args.json:
         reason = common_pb2.FinishReason.Name(last.finish_reason) if last else ""
         print(
@@ -302,8 +325,8 @@ def _client(args: argparse.Namespace) -> int:
                         "prompt_tokens": last.usage.prompt_tokens if last else 0,
                         "completion_tokens": last.usage.completion_tokens if last else 0,
                     },
-                    "ttft_ms": round(((first or end) - start) * 1000, 3),
-                    "latency_ms": round((end - start) * 1000, 3),
+                    "ttft_ms": round(((first or end) - start) * 1000 / scale, 3),
+                    "latency_ms": round((end - start) * 1000 / scale, 3),
                 }
             )
         )

@@ -10,6 +10,7 @@ outlive the grace period. Children die with the launcher even if it is killed
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import mesh_tls, orphan_guard
+from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy import Envoy
@@ -57,6 +59,11 @@ class MeshSpec:
     # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
     # ("ip", "netns", "exec", "NS") to place one in a network namespace; it must exec the rest.
     command_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The tensor degree of each role's instances (an emulated engine models it in one process).
+    tp: dict[str, int] = field(default_factory=dict)
+    engine: str = "torch"  # or "emulated": `model` is an emulated folder (docs/engine.md)
+    emulation_args: tuple[str, ...] = ()  # the emulated workers' device options
+    time_scale: float = 1.0  # an emulated mesh's wall seconds per emulated second
 
 
 @dataclass
@@ -89,6 +96,7 @@ class Mesh:
         self.gateway_http_address = ""
         self.envoy: Envoy | None = None
         self.edge_address = ""  # Envoy's listener, when the spec has an edge
+        self._clock_args: tuple[str, ...] = ()  # every process's --time-scale and --time-epoch
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -103,8 +111,17 @@ class Mesh:
 
     def start(self) -> None:
         spec = self.spec
+        # Every process of an emulated mesh keeps the same clock (services/common/clock.py).
+        self._clock_args = ()
+        if spec.time_scale != 1.0:
+            self._clock_args = (
+                "--time-scale",
+                repr(spec.time_scale),
+                "--time-epoch",
+                repr(time.time()),
+            )
         try:
-            gateway_args = list(spec.gateway_args)
+            gateway_args = [*spec.gateway_args, *self._clock_args]
             if spec.planner:
                 gateway_args += ["--planner", self._start_planner()]
             gateway = self._spawn(
@@ -148,7 +165,12 @@ class Mesh:
                         str(spec.drain_timeout_s),
                         *spec.worker_args,
                         *(spec.prefill_args if role == "prefill" else spec.decode_args),
+                        *self._clock_args,
                     ]
+                    if spec.engine != "torch":
+                        args += ["--engine", spec.engine, *spec.emulation_args]
+                    if spec.tp.get(role, 1) > 1:
+                        args += ["--tensor-parallel-size", str(spec.tp[role])]
                     args += spec.per_worker_args.get(f"{role}-{i}", ())
                     if role != "prefill":
                         args += ["--role", role]
@@ -172,7 +194,7 @@ class Mesh:
     def _start_planner(self) -> str:
         """The planner process; on this single host it splits the disaggregated workers."""
         spec = self.spec
-        args = ["services.planner", "--host", spec.host]
+        args = ["services.planner", "--host", spec.host, *self._clock_args]
         if spec.prefill + spec.decode >= 2:
             args += ["--workers", str(spec.prefill + spec.decode)]
         planner = self._spawn("planner", [*args, *spec.planner_args])
@@ -319,3 +341,63 @@ def run_until_signal(spec: MeshSpec) -> int:
                 mesh.envoy = None
         print("distserve: stopping", flush=True)
     return 0
+
+
+def add_emulation_options(p: argparse.ArgumentParser) -> None:
+    """The options of an emulated mesh, for `distserve up` and `distserve bench goodput`."""
+    g = p.add_argument_group(
+        "emulated engine",
+        "the real mesh with each worker's forward pass replaced by its modelled time on the "
+        "emulated device (docs/engine.md); never a claim about a model's output or speed",
+    )
+    g.add_argument(
+        "--engine",
+        choices=("torch", "emulated"),
+        default="torch",
+        help="torch: run the model (default); emulated: model each step from a latency profile",
+    )
+    g.add_argument(
+        "--model-spec",
+        help="the model an emulated mesh models: opt-13b, opt-66b, opt-175b or a model folder "
+        "(its emulated folder, named <spec>-emulated, is made in the cache)",
+    )
+    g.add_argument("--profile", help="latency profile (default: DistServe's published A100)")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one device")
+    g.add_argument(
+        "--link-gbs",
+        type=float,
+        default=300.0,
+        help="KV link bandwidth, GB/s (300 NVLink, 25 PCIe, 3.1 between nodes)",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per emulated second; every latency reported is in emulated time",
+    )
+
+
+def emulated_mesh(args: argparse.Namespace) -> dict:
+    """MeshSpec fields for `add_emulation_options`' options ({} for the real engine); sets
+    `args.model` to the emulated folder of --model-spec."""
+    if args.engine == "torch":
+        if args.model_spec or args.time_scale != 1.0:
+            raise InvalidRequest("--model-spec and --time-scale are for --engine emulated")
+        return {}
+    from services.common.model_spec import model_spec
+    from services.engine.presets import emulated_model
+
+    if args.model_spec:
+        args.model = emulated_model(model_spec(args.model_spec))
+    elif args.model is None:
+        raise InvalidRequest("--engine emulated needs --model-spec (e.g. opt-13b)")
+    if args.time_scale < 1:
+        raise InvalidRequest("--time-scale must be >= 1 (emulated seconds last that many)")
+    worker_args = ["--gpu-memory-gib", str(args.gpu_memory_gib), "--link-gbs", str(args.link_gbs)]
+    if args.profile:
+        worker_args += ["--profile", str(args.profile)]
+    return {
+        "engine": "emulated",
+        "time_scale": args.time_scale,
+        "emulation_args": tuple(worker_args),
+    }

@@ -16,13 +16,14 @@ per-call layers: the fast paths of `services.common.telemetry` (which decides wh
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
+
+from services.common import clock
 
 
 class W3c:
@@ -177,7 +178,7 @@ class Recorder:
         )
         if not sampled:
             return NonRecordingSpan(ctx)
-        return OpenSpan(self, name, ctx, parent_span, attributes, when or time.time_ns())
+        return OpenSpan(self, name, ctx, parent_span, attributes, when or clock.time_ns())
 
     def emit(self, span) -> None:
         for processor in self.processors:
@@ -225,7 +226,7 @@ class OpenSpan(Span):
         from opentelemetry.sdk.trace import Event
 
         if not self._ended:
-            self._events.append(Event(name, attributes, timestamp or time.time_ns()))
+            self._events.append(Event(name, attributes, timestamp or clock.time_ns()))
 
     def record_exception(self, exception, attributes=None, timestamp=None, escaped=False):
         self.add_event(
@@ -263,7 +264,7 @@ class OpenSpan(Span):
                 events=self._events,
                 status=self._status,
                 start_time=self._start_ns,
-                end_time=end_time or time.time_ns(),
+                end_time=end_time or clock.time_ns(),
                 instrumentation_scope=r.scope,
             )
         )

@@ -43,15 +43,20 @@ def _qwen2_biases(raw: dict) -> Biases:
     return Biases(qkv=True)
 
 
-def _mistral_biases(raw: dict) -> Biases:
+def _no_biases(raw: dict) -> Biases:
     return Biases()
 
+
+# An emulated model's folder (`distserve model create --emulated`): a shape and a tokenizer, no
+# weights; only the emulated engine serves it (docs/engine.md).
+EMULATED = "EmulatedForCausalLM"
 
 # The architectures we build, and how each one's config says which linears carry a bias.
 ARCHITECTURES: dict[str, Callable[[dict], Biases]] = {
     "LlamaForCausalLM": _llama_biases,
     "Qwen2ForCausalLM": _qwen2_biases,
-    "MistralForCausalLM": _mistral_biases,
+    "MistralForCausalLM": _no_biases,
+    EMULATED: _no_biases,
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -77,6 +82,7 @@ class ModelConfig:
     dtype: str = "float32"  # the dtype the weights are stored in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    emulated: str | None = None  # an emulated model's spec (e.g. opt-13b); None: real weights
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -113,7 +119,7 @@ class ModelConfig:
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
         act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if act not in ("silu", "swish") and arch != EMULATED:
             raise UnsupportedModel(f"unsupported hidden_act {act!r}; supported: silu")
         try:
             hidden = int(raw["hidden_size"])
@@ -136,6 +142,7 @@ class ModelConfig:
                 dtype=_dtype(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_ids(raw.get("eos_token_id")),
+                emulated=str(raw["distserve_emulated"]) if arch == EMULATED else None,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from e

@@ -19,10 +19,12 @@ def span_json(span) -> dict:
 
     `trace_id` (32 hex), `span_id` (16 hex), `parent_span_id` (16 hex or null), `name`,
     `service` (`service.name`), `start_unix_nano`, `end_unix_nano`, `attributes`, `status`
-    (`UNSET`, `OK`, `ERROR`), `status_message`, `events` (`name`, `time_unix_nano`, `attributes`).
+    (`UNSET`, `OK`, `ERROR`), `status_message`, `events` (`name`, `time_unix_nano`, `attributes`),
+    and `engine` (`emulated`) on the spans of an emulated mesh, whose times are modelled.
     """
     ctx = span.get_span_context()
-    return {
+    engine = span.resource.attributes.get("distserve.engine")
+    out = {
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
         "parent_span_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
@@ -38,6 +40,9 @@ def span_json(span) -> dict:
             for e in span.events
         ],
     }
+    if engine == "emulated":
+        out["engine"] = engine
+    return out
 
 
 def _plain(attributes: Mapping | None) -> dict:

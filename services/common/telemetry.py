@@ -32,20 +32,25 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
+from services.common import clock
 from services.common.direct_spans import Recorder, W3c
 from services.common.span_file import JsonLinesExporter
 
 log = logging.getLogger("distserve.telemetry")
 
-# wall-clock ns = monotonic s * 1e9 + this offset (spans carry wall-clock times)
-_MONO_TO_WALL_NS = time.time_ns() - time.monotonic_ns()
+
+def _mono_to_wall_ns() -> int:
+    """wall-clock ns = monotonic s * 1e9 + this offset, both on the mesh's clock."""
+    return clock.time_ns() - round(clock.monotonic() * 1e9)
+
+
+_MONO_TO_WALL_NS = _mono_to_wall_ns()  # taken again by `setup` (after the clock's setup)
 
 _provider = None  # the SDK's TracerProvider once `setup` turned tracing on
 _tracer: trace.Tracer = trace.NoOpTracer()
@@ -54,7 +59,8 @@ _w3c = None  # the fast path of `incoming`/`outgoing`, with the default propagat
 
 
 def wall_ns(monotonic_s: float) -> int:
-    """A `time.monotonic()` reading as wall-clock nanoseconds since the epoch."""
+    """A `clock.monotonic()` reading as wall-clock nanoseconds since the epoch (spans carry
+    wall-clock times; an emulated mesh's are emulated)."""
     return round(monotonic_s * 1e9) + _MONO_TO_WALL_NS
 
 
@@ -66,13 +72,15 @@ def tracer() -> trace.Tracer:
     return _tracer
 
 
-def setup(service: str, instance: str = "") -> bool:
+def setup(service: str, instance: str = "", engine: str = "") -> bool:
     """Turn tracing on for this process as the environment says; returns whether it is on.
 
     `service` names the process in every span (`distserve-<service>`), `instance` tells
-    instances of one service apart (`service.instance.id`).
+    instances of one service apart (`service.instance.id`), `engine` says which engine serves
+    (`distserve.engine`: `torch`, or `emulated`, whose times are modelled).
     """
-    global _provider, _tracer, _recorder, _w3c
+    global _provider, _tracer, _recorder, _w3c, _MONO_TO_WALL_NS
+    _MONO_TO_WALL_NS = _mono_to_wall_ns()
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     exporters = _exporters()
@@ -85,6 +93,8 @@ def setup(service: str, instance: str = "") -> bool:
     attributes = {"service.name": f"distserve-{service}"}
     if instance:
         attributes["service.instance.id"] = instance
+    if engine:
+        attributes["distserve.engine"] = engine
     provider = TracerProvider(resource=Resource.create(attributes))
     processors = [BatchSpanProcessor(exporter) for exporter in exporters]
     for processor in processors:
@@ -167,9 +177,9 @@ def start(
     attributes: Mapping | None = None,
     start_s: float | None = None,
 ) -> Span:
-    """Start a span under `parent` (a no-op span when not tracing), now or at monotonic
-    `start_s`. End it with `span.end()`."""
-    when = None if start_s is None else wall_ns(start_s)
+    """Start a span under `parent` (a no-op span when not tracing), now or at `start_s` (on
+    `clock.monotonic()`). End it with `span.end()`."""
+    when = clock.time_ns() if start_s is None else wall_ns(start_s)
     if _recorder is not None:
         return _recorder.start(name, parent, attributes, when)
     return _tracer.start_span(name, context=parent, attributes=attributes, start_time=when)

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
@@ -15,7 +15,12 @@ from services.common.server import run, setup_logging, start_server
 from services.decode.config import ROLES, DecodeConfig
 from services.decode.servicer import DecodeServicer, role_pb, worker_load, worker_stats
 from services.decode.worker import DecodeWorker
-from services.engine.config import EngineConfig, add_engine_args, configure_process
+from services.engine.config import (
+    EngineConfig,
+    add_engine_args,
+    configure_process,
+    process_ranks,
+)
 from services.kvtransfer.puller import PullPolicy
 from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
 
@@ -53,6 +58,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
+    clock.add_args(p)
     args = p.parse_args(argv)
     if args.model is None:
         from services.engine.presets import default_model
@@ -75,8 +81,9 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         kv_transport=args.kv_transport,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
-        engine=EngineConfig.from_args(args),
-        tensor_parallel_size=args.tensor_parallel_size,
+        # an emulated colocated instance steps by the colocated baseline's fit, as the planner
+        engine=EngineConfig.from_args(args, "vllm" if args.role == "colocated" else "distserve"),
+        tensor_parallel_size=process_ranks(args),
         threads=args.threads,
     )
     return config, args
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     config, args = parse(argv)
     configure_process(args)
     configure_ucx(args)
-    telemetry.setup(config.role, config.worker_id)
+    clock.setup_from_args(args)
+    telemetry.setup(config.role, config.worker_id, engine=args.engine)
     run(serve(config))
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
@@ -28,7 +27,7 @@ from services.engine.loop import EngineFailed, EngineLoop, StepInfo
 from services.engine.parallel import kv_heads_of
 from services.engine.sequence import Sequence
 from services.engine.tp_group import start_engine
-from services.kvtransfer.puller import KV_DTYPES, KvPuller, PullReport
+from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport
 
 log = logging.getLogger("distserve.decode")
 
@@ -76,9 +75,13 @@ class DecodeWorker:
             on_step=EngineSteps(registry).observe,
             group=self.group,
         )
-        mc = self.engine.model_config
-        self.heads = kv_heads_of(0, config.tensor_parallel_size, mc.num_kv_heads)  # rank 0's
-        self.puller = KvPuller(config.pull, config.kv_transport)
+        kv = self.engine.kv_geometry
+        self.heads = kv_heads_of(0, config.tensor_parallel_size, kv.num_kv_heads)  # rank 0's
+        link = None
+        if self.engine.emulated:  # the payload moves for real, in the modelled KV's time
+            spec, emulation = self.engine.runner.spec, config.engine.emulation
+            link = ModelledLink(spec.kv_bytes_per_token, emulation.link_gbs * 1e9)
+        self.puller = KvPuller(config.pull, config.kv_transport, link)
         self._admissions: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self.pulling = 0
@@ -147,11 +150,11 @@ class DecodeWorker:
         decoded, decode_start = 0, None  # decode_start: when decoding began
         try:
             if handle is None:
-                submitted = time.monotonic()
+                submitted = clock.monotonic()
                 self.loop.submit(request_id, AddRequest(prompt, params, request_id))
                 ids, reason, info = await self._next_tokens(queue)
                 self.prefill.record(trace, submitted, info)
-                decode_start = time.monotonic()
+                decode_start = clock.monotonic()
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
             else:
@@ -162,7 +165,7 @@ class DecodeWorker:
                 # The KV is here: the source may free it; decoding does not wait for that.
                 self._release_later(handle, handoff)
                 pending_handle = None
-                decode_start = time.monotonic()
+                decode_start = clock.monotonic()
                 yield pulled
             while not finished:
                 ids, reason, _ = await self._next_tokens(queue)
@@ -173,7 +176,7 @@ class DecodeWorker:
             if decode_start is not None:
                 # Here, not after the loop: the caller cancels the call once the last token
                 # is in, and that may close this generator at its last `yield`.
-                end = time.monotonic()
+                end = clock.monotonic()
                 attributes = {
                     "gen_ai.usage.output_tokens": decoded,
                     "decode.tpot_ms": (end - decode_start) * 1000 / decoded if decoded else 0.0,
@@ -238,25 +241,25 @@ class DecodeWorker:
         self._check(handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
-        queued = time.monotonic()
+        queued = clock.monotonic()
         self.pulling += 1
         span = None
         try:
             await self.loop.call(AddPrefilled(prompt, first_token, params, request_id))
             blocks = await admission
-            started = time.monotonic()
+            started = clock.monotonic()
             self.queue_seconds.observe(started - queued)
             telemetry.record("decode.queue", trace, queued, started)
             span = telemetry.start("kv.handoff", trace, {"kv.source": handle.source_instance})
             handoff = telemetry.context_of(span)
             try:
                 report = await self._pull_heads(request_id, handle, blocks, handoff)
-                done = time.monotonic()
+                done = clock.monotonic()
                 prefill_done = started  # the prompt was computed before the pull began
                 late_first = None
                 if handle.streaming:
                     late_first, done_unix_s = await self.puller.first_token(handle, handoff)
-                    prefill_done = time.monotonic() - (time.time() - done_unix_s)
+                    prefill_done = clock.monotonic() - (clock.time_s() - done_unix_s)
             except BaseException as e:  # failed, or cancelled with its request
                 if isinstance(e, DistServeError):
                     self.pulls_failed += 1
@@ -296,12 +299,14 @@ class DecodeWorker:
                 "kv.streaming": report.streaming,
             }
         )
+        if report.modelled_bytes:  # an emulated engine: the payload stood for this much KV
+            span.set_attribute("kv.emulated_bytes", report.modelled_bytes)
 
     def _check(self, handle: KvHandle) -> None:
         """FailedPrecondition if the handle's KV cannot be used here (another model shape, an
         unknown dtype); another block size or dtype is converted as it is pulled."""
-        mc = self.engine.model_config
-        shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        kv = self.engine.kv_geometry
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
         theirs = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
         if shape != theirs:
             raise FailedPrecondition(

@@ -1,4 +1,4 @@
-"""Configuration of one engine instance."""
+"""Configuration of one engine instance: the real (torch) engine, or the emulated one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,37 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
 from services.common.model_config import DTYPES
+
+ENGINES = ("torch", "emulated")
+PROFILE_FITS = ("distserve", "vllm")
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """What an emulated engine models (services/engine/emulated.py, docs/engine.md): the model
+    folder's shape on `tp` devices of `gpu_memory_gib` each, stepping as the latency profile says.
+
+    profile: a latency profile file (`distserve profile` output, or DistServe's published JSON);
+    None: DistServe's published A100 profile, scaled for models it lacks. profile_fit: which fit
+    of a published file: `distserve` (its disaggregated engine) or `vllm` (the colocated
+    baseline's, as the planner times colocated instances). link_gbs: the bandwidth KV arrives
+    over at this instance (GB/s; 300: NVLink, 25: PCIe, 3.1: 25 Gb/s between nodes).
+    """
+
+    profile: str | None = None
+    profile_fit: str = "distserve"
+    gpu_memory_gib: float = 80.0
+    memory_utilization: float = 0.92
+    tp: int = 1
+    link_gbs: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.profile_fit not in PROFILE_FITS:
+            raise InvalidRequest(f"profile fit must be one of {', '.join(PROFILE_FITS)}")
+        if self.gpu_memory_gib <= 0 or not 0 < self.memory_utilization <= 1:
+            raise InvalidRequest("gpu memory must be positive and its utilization in (0, 1]")
+        if self.tp < 1 or self.link_gbs <= 0:
+            raise InvalidRequest("an emulated instance needs tp >= 1 and a positive link")
 
 
 @dataclass(frozen=True)
@@ -30,6 +61,7 @@ class EngineConfig:
     attention: str = "auto"  # auto | torch | flash
     seed: int = 0  # seeds requests that give no seed of their own
     tune_gemm: bool = True  # on CPU, time decode's small GEMM forms at start (engine/gemm.py)
+    emulation: Emulation | None = None  # set: the emulated engine (no weights, modelled steps)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -44,7 +76,18 @@ class EngineConfig:
             raise InvalidRequest("attention must be auto, torch or flash")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+    def from_args(cls, args: argparse.Namespace, profile_fit: str = "distserve") -> EngineConfig:
+        """The options of `add_engine_args`; `profile_fit`: the published fit an emulated
+        engine steps by unless --profile-fit names one."""
+        emulation = None
+        if args.engine == "emulated":
+            emulation = Emulation(
+                profile=args.profile,
+                profile_fit=args.profile_fit or profile_fit,
+                gpu_memory_gib=args.gpu_memory_gib,
+                tp=args.tensor_parallel_size,
+                link_gbs=args.link_gbs,
+            )
         return cls(
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_mb * 2**20,
@@ -53,7 +96,14 @@ class EngineConfig:
             device=args.device,
             dtype=args.dtype,
             tune_gemm=args.tune_gemm,
+            emulation=emulation,
         )
+
+
+def process_ranks(args: argparse.Namespace) -> int:
+    """The processes of one instance: its tensor degree for the real engine, 1 for an emulated
+    one (which models its tp devices in one process)."""
+    return 1 if args.engine == "emulated" else args.tensor_parallel_size
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +128,38 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="ranks of one instance (tensor parallelism): this process serves and starts the "
-        "others; on CUDA, rank r uses GPU r",
+        "others; on CUDA, rank r uses GPU r (emulated engine: the devices it models)",
+    )
+    g = p.add_argument_group(
+        "emulated engine",
+        "the forward pass replaced by its modelled time on another device; everything else "
+        "is the real mesh (docs/engine.md). Never a claim about a model's output or speed.",
+    )
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="torch",
+        help="torch: run the model (default); emulated: model its steps from a latency profile",
+    )
+    g.add_argument(
+        "--profile",
+        help="latency profile (`distserve profile` output or DistServe's published JSON; "
+        "default: the published A100 one, scaled for models it lacks)",
+    )
+    g.add_argument(
+        "--profile-fit",
+        choices=PROFILE_FITS,
+        help="a published profile's fit: distserve, or vllm (default for colocated instances, "
+        "as the planner times them)",
+    )
+    g.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="memory of one emulated device"
+    )
+    g.add_argument(
+        "--link-gbs",
+        type=float,
+        default=300.0,
+        help="bandwidth KV arrives over, GB/s (300 NVLink, 25 PCIe, 3.1 between nodes)",
     )
 
 

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import InvalidRequest, ModelLoadError
+from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.engine import gemm
+from services.engine import emulated, gemm
 from services.engine.attention import make_backend
 from services.engine.block_pool import BlockPool, BlockTable
 from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
-from services.engine.kv_cache import KvCache
+from services.engine.emulated import PAYLOAD, EmulatedRunner
+from services.engine.kv_cache import KvCache, KvGeometry
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
@@ -77,9 +78,31 @@ class LLMEngine:
                 f"is {mc.vocab_size}: they do not belong to the same model"
             )
         check_tp(mc, self.tp.world_size)
+        if config.emulation is not None:
+            self.runner, num_blocks = self._emulated(mc, config)
+        else:
+            self.runner, num_blocks = self._loaded(mc, config)
+        self.pool = BlockPool(num_blocks)
+        self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
+        self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
+        self.waiting: deque[Sequence] = deque()
+        self.pull_waiting: deque[Sequence] = deque()
+        # (kind, sequences, tokens) of the last step, for the services' timing and traces.
+        self.last_step: tuple[str, int, int] = ("none", 0, 0)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def _loaded(self, mc: ModelConfig, config: EngineConfig) -> tuple[ModelRunner, int]:
+        """The real runner: the model's weights (this rank's share), its KV cache, attention."""
+        if mc.emulated:
+            raise UnsupportedModel(
+                f"{self.model_dir} is an emulated model ({mc.emulated}: a shape, no weights); "
+                "serve it with --engine emulated"
+            )
         # The KV heads this rank computes and caches (all of them with tp == 1).
         self.kv_heads = kv_heads_of(self.tp.rank, self.tp.world_size, mc.num_kv_heads)
         num_heads, num_kv_heads = mc.num_heads // self.tp.world_size, len(self.kv_heads)
+        self.kv_geometry = KvGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
         model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
@@ -111,16 +134,27 @@ class LLMEngine:
             device=self.device,
             dtype=self.dtype,
         )
-        self.pool = BlockPool(num_blocks)
-        self.runner = ModelRunner(model, cache, backend, config.max_num_seqs)
-        self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
-        self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
-        self.waiting: deque[Sequence] = deque()
-        self.pull_waiting: deque[Sequence] = deque()
-        # (kind, sequences, tokens) of the last step, for the services' timing and traces.
-        self.last_step: tuple[str, int, int] = ("none", 0, 0)
-        self._requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
+        return ModelRunner(model, cache, backend, config.max_num_seqs), num_blocks
+
+    def _emulated(self, mc: ModelConfig, config: EngineConfig) -> tuple[EmulatedRunner, int]:
+        """The emulated runner (no weights, modelled steps; services/engine/emulated.py)."""
+        if not mc.emulated:
+            raise UnsupportedModel(
+                f"--engine emulated serves an emulated model's folder, and {self.model_dir} holds "
+                "a real model: `distserve model create --emulated SPEC --out DIR` makes one "
+                "(SPEC: opt-13b, opt-66b, opt-175b or a model folder), and `distserve up "
+                "--engine emulated --model-spec SPEC` makes it for you"
+            )
+        self.kv_heads = range(PAYLOAD.num_kv_heads)
+        self.kv_geometry = PAYLOAD
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.gemm_forms = {}
+        return emulated.build(self.model_dir, mc, config, self.tokenizer.vocab_size)
+
+    @property
+    def emulated(self) -> bool:
+        """Whether this engine models its steps instead of running a model."""
+        return isinstance(self.runner, EmulatedRunner)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -204,6 +238,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether a step would do work (held and pulling requests wait on others)."""
         return bool(self.waiting or self.running.seqs)
+
+    def idle(self) -> None:
+        """The caller found no work and waits for some: the next step does not follow the last
+        one back to back (an emulated runner then starts its time when the step is called)."""
+        self.runner.idle()
 
     @property
     def num_requests(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,16 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     out = raw[skip : skip + nbytes].view(dtype).view(shape)
     out.zero_()
     return out
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """The KV an engine keeps per token, over all its ranks (a rank holds a share of the heads):
+    what a KV handle describes, and what prefill and decode instances must agree on."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class KvCache:

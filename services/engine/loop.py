@@ -16,11 +16,11 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.common import clock
 from services.common.errors import InvalidRequest
 from services.engine.commands import AdmitPulls, EngineCommand, PrefillStep, Step
 from services.engine.engine import LLMEngine
@@ -36,7 +36,8 @@ STEP_MS_WEIGHT = 0.2  # of the newest decode step in EngineLoad.decode_step_ms
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One engine step: what kind, how big, when it started (monotonic s) and how long it took."""
+    """One engine step: what kind, how big, when it started (`clock.monotonic()` s) and how long
+    it took (s of the mesh's clock)."""
 
     kind: str  # "prefill" or "decode"
     batch_size: int
@@ -165,6 +166,7 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(self._fail_all, e)
             self._snapshot()
             if self._commands.empty() and not self._busy():
+                self.engine.idle()
                 self._wake.wait(timeout=0.1)
 
     def _busy(self) -> bool:
@@ -179,7 +181,7 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(self._on_admitted, admitted)
         if not self._busy():
             return
-        started = time.monotonic()
+        started = clock.monotonic()
         if self.hold:
             if self.group is not None:
                 self.group.broadcast(PrefillStep())
@@ -194,7 +196,7 @@ class EngineLoop:
         if not outputs:
             return
         kind, size, tokens = engine.last_step
-        info = StepInfo(kind, size, tokens, started, time.monotonic() - started)
+        info = StepInfo(kind, size, tokens, started, clock.monotonic() - started)
         if kind == "decode":
             self._step_ms += STEP_MS_WEIGHT * (info.seconds * 1000 - self._step_ms)
         self._loop.call_soon_threadsafe(self._dispatch, outputs, info)

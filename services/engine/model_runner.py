@@ -120,6 +120,9 @@ class ModelRunner:
         )
         return self.model.logits(hidden)
 
+    def idle(self) -> None:
+        """The engine waits for work (nothing to do here: a real step takes what it takes)."""
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Pick the next token of each sequence (uses one draw of its stream if not greedy)."""
         temps = [s.params.temperature for s in seqs]

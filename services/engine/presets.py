@@ -12,12 +12,15 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from services.common.errors import InvalidRequest
+from services.common.model_config import EMULATED
+from services.common.model_spec import ModelSpec
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 1
@@ -194,6 +197,57 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> N
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def create_emulated(spec: ModelSpec, out: str | Path) -> Path:
+    """Write an emulated model's folder for `spec`: its shape in config.json (architecture
+    `EmulatedForCausalLM`, the whole spec under `distserve_model_spec`) and the presets' byte-level
+    tokenizer; no weights. Only the emulated engine serves it (docs/engine.md)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    cfg = {
+        "architectures": [EMULATED],
+        "model_type": "emulated",
+        "distserve_emulated": spec.name,
+        "distserve_model_spec": asdict(spec),
+        "vocab_size": max(spec.vocab_size, tok.get_vocab_size()),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_context,
+        "torch_dtype": {4: "float32"}.get(spec.dtype_bytes, "float16"),
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+    tok.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def emulated_model(spec: ModelSpec) -> Path:
+    """The emulated folder of `spec`, made on first use in the cache directory; its name (the
+    served model's, by default) is `<spec>-emulated`."""
+    key = json.dumps([PRESET_VERSION, asdict(spec)], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    path = cache_dir() / "emulated" / digest / f"{spec.name}-emulated"
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=path.parent))
+    try:
+        create_emulated(spec, tmp)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def cache_dir() -> Path:

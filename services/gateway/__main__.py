@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.common import mesh_tls, telemetry
+from services.common import clock, mesh_tls, telemetry
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -57,6 +57,8 @@ class GatewayConfig:
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
     local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 rules
+    time_scale: float = 1.0  # an emulated mesh's clock (services/common/clock.py)
+    time_epoch: float | None = None
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
@@ -128,6 +130,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         default=0.95,
         help="share of a decode instance's KV in use past which new prompts wait",
     )
+    clock.add_args(p)
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -152,6 +155,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         profile=a.profile,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         admission=_admission_config(p, a),
+        time_scale=a.time_scale,
+        time_epoch=a.time_epoch,
     )
 
 
@@ -170,9 +175,13 @@ def _admission_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> Admi
 
 async def serve(config: GatewayConfig) -> None:
     model = ModelConfig.from_dir(config.model)
+    engine = "emulated" if model.emulated else "torch"
+    telemetry.setup("gateway", engine=engine)
     tokenizer = Tokenizer.from_dir(config.model)
     registry = Registry(config.worker_lease_s)
     served = config.served_model_name or config.model.resolve().name
+    if model.emulated and "emulated" not in served:
+        served += "-emulated"  # an emulated model is never mistaken for a real one
     metrics = GatewayMetrics(worker_registry(), config.slo)
     metrics.watch(registry)
     feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
@@ -211,6 +220,7 @@ async def serve(config: GatewayConfig) -> None:
             HttpApiConfig(
                 model_names=(served,),
                 max_body_bytes=config.max_body_bytes,
+                engine=engine,
             ),
             router,
             registry,
@@ -253,8 +263,9 @@ def _local_prefill(config: GatewayConfig, model: ModelConfig) -> LocalPrefill | 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    telemetry.setup("gateway")
-    run(serve(parse(argv)))
+    config = parse(argv)
+    clock.setup(config.time_scale, config.time_epoch)
+    run(serve(config))
 
 
 if __name__ == "__main__":

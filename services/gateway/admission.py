@@ -40,11 +40,11 @@ import contextlib
 import itertools
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from services.common import clock
 from services.common.errors import Overloaded
 from services.gateway.registry import Registry, Worker
 
@@ -196,9 +196,9 @@ class Admission:
         request waits here, and its prediction is made again at every poll: the requests let go
         together when the watermark clears join one prefill queue, so each sees the ones let go
         before it (they count from the moment they are sent) and the time it already waited."""
-        start = time.monotonic()
+        start = clock.monotonic()
         for poll in itertools.count():
-            waited_ms = (time.monotonic() - start) * 1000 if poll else 0.0
+            waited_ms = (clock.monotonic() - start) * 1000 if poll else 0.0
             predicted = self.predicted_ttft_ms(prompt_tokens)
             ms, queued = predicted if predicted is not None else (0.0, 0)
             saturated = max_tokens != 1 and self._decode_saturated(max_tokens)

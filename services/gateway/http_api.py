@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.errors import (
     DistServeError,
     InvalidRequest,
@@ -70,6 +70,7 @@ MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)  # --max-body-bytes, for the 
 class HttpApiConfig:
     model_names: tuple[str, ...]  # names a request's `model` may use; the first is listed first
     max_body_bytes: int = 8 * 2**20
+    engine: str = "torch"  # "emulated": the workers model their steps (said in /v1/models)
 
 
 class HttpApi:
@@ -125,7 +126,15 @@ class HttpApi:
         return web.Response(text=self._openapi, content_type="application/json")
 
     def _model(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "distserve"}
+        engine = self.config.engine
+        owner = "distserve" if engine == "torch" else f"distserve ({engine})"
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": owner,
+            "distserve_engine": self.config.engine,
+        }
 
     def _served(self, name: str | None) -> str:
         if name is None:
@@ -139,7 +148,7 @@ class HttpApi:
         return name
 
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        received = time.monotonic()
+        received = clock.monotonic()
         try:
             body = json.loads(await request.read())
         except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting

@@ -9,12 +9,11 @@ kept over a sliding window.
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from services.gateway.admission import Admission, Verdict
 from services.gateway.request import Request
@@ -40,11 +39,11 @@ class SloWindow:
         self._done: collections.deque[tuple[float, bool]] = collections.deque()
 
     def add(self, ok: bool, now: float | None = None) -> None:
-        self._done.append((time.monotonic() if now is None else now, ok))
+        self._done.append((clock.monotonic() if now is None else now, ok))
 
     def attainment(self, now: float | None = None) -> tuple[float, int]:
         """(share of requests that met both SLOs, how many requests); (1.0, 0) when idle."""
-        cutoff = (time.monotonic() if now is None else now) - self.slo.window_s
+        cutoff = (clock.monotonic() if now is None else now) - self.slo.window_s
         while self._done and self._done[0][0] < cutoff:
             self._done.popleft()
         n = len(self._done)
@@ -193,8 +192,8 @@ class RequestObserver:
         self.operation = operation
         self.mode = "none"  # no serving path yet
         self.prompt_tokens = len(req.prompt_ids)
-        self.start = time.monotonic() if received is None else received
-        self.arrival_unix_s = time.time() - (time.monotonic() - self.start)
+        self.start = clock.monotonic() if received is None else received
+        self.arrival_unix_s = clock.time_s() - (clock.monotonic() - self.start)
         self.first: float | None = None  # first token out
         self.second: float | None = None  # the message with the second token
         self.last: float | None = None
@@ -242,7 +241,7 @@ class RequestObserver:
     def tokens_out(self, n: int) -> None:
         if n <= 0:
             return
-        now = time.monotonic()
+        now = clock.monotonic()
         if self.first is None:
             self.first = now
             if n > 1:
@@ -263,7 +262,7 @@ class RequestObserver:
         """The request ended: with a finish reason, or an error (None: the client left)."""
         m = self.metrics
         m.in_flight.dec()
-        end = time.monotonic()
+        end = clock.monotonic()
         genai = (self.operation, self.model)
         outcome = reason or _error_type(error)
         m.requests.labels(outcome).inc()

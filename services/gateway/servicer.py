@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.convert import finish_to_pb
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import (
@@ -25,6 +23,10 @@ ROLE_NAMES = {
 ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
 
 
+# Initial metadata of a Generate call on an emulated mesh: wall seconds per emulated second.
+TIME_SCALE_HEADER = "x-distserve-time-scale"
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, router: Router, tokenizer: Tokenizer, limits: Limits) -> None:
         self.router = router
@@ -32,12 +34,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
 
     async def Generate(self, request, context):
-        received = time.monotonic()
+        received = clock.monotonic()
         # Behind Envoy, its x-request-id names the request (as in its access log).
         edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         req = await validate(
             request, self.tokenizer, self.limits, context.time_remaining(), edge_id
         )
+        if clock.scale() != 1.0:  # an emulated mesh: the client reports latencies in its time
+            await context.send_initial_metadata(((TIME_SCALE_HEADER, repr(clock.scale())),))
         completion = 0
         pieces = self.router.generate(req, telemetry.incoming(context), received=received)
         async for piece in pieces:
@@ -77,7 +81,7 @@ class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
         return gateway_pb2.DeregisterResponse()
 
     async def ListWorkers(self, request, context):
-        now, wall = time.monotonic(), time.time()
+        now, wall = clock.monotonic(), clock.time_s()
         return gateway_pb2.ListWorkersResponse(
             workers=[
                 gateway_pb2.WorkerInfo(

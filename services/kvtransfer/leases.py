@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from services.common import clock
 from services.common.errors import NotFound, PermissionDenied
 from services.common.kv_handle import KvHandle
 
@@ -32,7 +33,7 @@ class Lease:
     closed: bool = False
     first_token: asyncio.Future | None = None  # (token id, prefill done unix s), streaming only
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    created: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=clock.monotonic)  # reported (the lease span)
     chunks_sent: int = 0
     bytes_sent: int = 0
     blocks: list[int] = field(default_factory=list)

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 import torch
 
-from services.common import mesh_tls, telemetry
+from services.common import clock, mesh_tls, telemetry
 from services.common.errors import (
     DistServeError,
     FailedPrecondition,
@@ -97,6 +97,25 @@ class PullReport:
     nbytes: int = 0
     retries: int = 0
     streaming: bool = False  # pulled while prefill computed the layers
+    modelled_bytes: int = 0  # an emulated engine's: the KV the payload stands for
+
+
+@dataclass
+class ModelledLink:
+    """An emulated instance's KV link (services/engine/emulated.py): the payload moves for real,
+    and a pull ends no earlier than the KV it stands for (`bytes_per_token` of the modelled
+    model) takes over a link of `bytes_per_s`; pulls into the instance take turns on it, as the
+    planner's simulator has them. Times are on the mesh's clock."""
+
+    bytes_per_token: int
+    bytes_per_s: float
+    free_at: float = 0.0  # clock.monotonic() when the link is next free
+
+    def reserve(self, num_tokens: int) -> float:
+        """Book the link for a pull of `num_tokens` starting now; when it ends."""
+        start = max(clock.monotonic(), self.free_at)
+        self.free_at = start + num_tokens * self.bytes_per_token / self.bytes_per_s
+        return self.free_at
 
 
 class ChecksumMismatch(Exception):
@@ -106,10 +125,17 @@ class ChecksumMismatch(Exception):
 class KvPuller:
     """Pulls KV from prefill instances over UCX, or gRPC where UCX is not available."""
 
-    def __init__(self, policy: PullPolicy | None = None, transport: str = "auto") -> None:
+    def __init__(
+        self,
+        policy: PullPolicy | None = None,
+        transport: str = "auto",
+        link: ModelledLink | None = None,
+    ) -> None:
+        """`link`: an emulated instance's modelled link (None: the pull takes what it takes)."""
         if transport not in ("auto", "ucx", "grpc"):
             raise InvalidRequest("transport must be auto, ucx or grpc")
         self.policy = policy or PullPolicy()
+        self.link = link
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._grpc = GrpcTransport(self._channel)
         self._ucx = None
@@ -177,6 +203,7 @@ class KvPuller:
         Raises Unavailable when the source cannot be reached or a chunk runs out of attempts,
         PermissionDenied or NotFound when the source refuses the handle.
         """
+        ends = self.link.reserve(handle.num_tokens) if self.link is not None else None
         src_blocks = handle.blocks()
         if len(src_blocks) != len(dst_blocks):
             raise InvalidRequest(
@@ -252,6 +279,9 @@ class KvPuller:
         if errors:
             raise errors[0]
         report.nbytes = sum(results)
+        if ends is not None:
+            report.modelled_bytes = handle.num_tokens * self.link.bytes_per_token
+            await clock.sleep(ends - clock.monotonic())
         return report
 
     async def _batch(

@@ -61,7 +61,7 @@ class RankKv:
         transport: str = "auto",
     ) -> None:
         self.engine = engine
-        self.heads = kv_heads_of(tp.rank, tp.world_size, engine.model_config.num_kv_heads)
+        self.heads = kv_heads_of(tp.rank, tp.world_size, engine.kv_geometry.num_kv_heads)
         self._events = events
         self._write_lock = threading.Lock()
         self._batch: list[str] = []  # the prefill batch running now (engine thread)
@@ -136,7 +136,7 @@ class RankKv:
             source = ChunkSource(
                 self.leases,
                 self.engine.runner.cache.region,
-                self.engine.model_config.num_layers,
+                self.engine.kv_geometry.num_layers,
                 self.heads,
                 adopt_wait_s=ADOPT_WAIT_S,
             )

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 import numpy as np
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer.leases import Lease, LeaseTable
@@ -41,11 +40,15 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
     async def Release(self, request, context):
         """Free held KV. The caller's trace context (the pull's span) gets the source's side of
         the release as a span: how long freeing took once the last sends stopped."""
-        start = time.monotonic()
+        start = clock.monotonic()
         lease = self.leases.pop(request.handle_id, request.access_token)
         freed = await self.free(lease)
         telemetry.record(
-            "kv.release", telemetry.incoming(context), start, time.monotonic(), {"kv.blocks": freed}
+            "kv.release",
+            telemetry.incoming(context),
+            start,
+            clock.monotonic(),
+            {"kv.blocks": freed},
         )
         return kvtransfer_pb2.ReleaseResponse(blocks_freed=freed)
 

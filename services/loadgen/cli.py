@@ -24,8 +24,13 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.errors import DistServeError
+from services.launcher import add_emulation_options, emulated_mesh
+
+if TYPE_CHECKING:
+    from services.loadgen.emulated import EmulatedCluster
 
 MODES = ("disaggregated", "colocated")
 # Engine options of every worker in both modes: a 384 MB KV pool (16k tokens of the `small`
@@ -69,6 +74,10 @@ class BenchSpec:
     out: Path = Path("bench-goodput")
     progress: bool = True
     worker_args: tuple[str, ...] = WORKER_ARGS
+    # The emulated engine (docs/engine.md): the cluster it models, and its mesh's time scale;
+    # None: the real engine, one pinned core per worker.
+    emulated: EmulatedCluster | None = None
+    time_scale: float = 1.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -109,10 +118,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--colocated", type=int, default=2, help="workers of the colocated mesh (default 2)"
     )
+    add_emulation_options(p)
     p.set_defaults(func=goodput_command)
 
 
 def goodput_command(args: argparse.Namespace) -> int:
+    try:
+        emulation = emulated_mesh(args)
+    except DistServeError as e:
+        print(f"distserve: error: {e}", file=sys.stderr)
+        return 2
+    emulated = None
+    if emulation:  # the mesh's instances as the planner's simulator sees them
+        from services.common.model_spec import GIB
+        from services.loadgen.emulated import EmulatedCluster
+
+        emulated = EmulatedCluster.of(
+            args.model_spec,
+            args.profile,
+            gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
+            link_gbs=args.link_gbs,
+        )
     if args.model is None:
         from services.engine.presets import default_model
 
@@ -146,6 +172,8 @@ def goodput_command(args: argparse.Namespace) -> int:
         colocated=args.colocated,
         out=args.out,
         progress=not args.no_progress,
+        emulated=emulated,
+        time_scale=args.time_scale,
     )
     try:
         report = run_bench(spec)
@@ -159,7 +187,7 @@ def goodput_command(args: argparse.Namespace) -> int:
 
 def mesh_spec(spec: BenchSpec, mode: str):
     """The mesh of one mode: its workers (`spec.prefill` + `spec.decode`, or `spec.colocated`),
-    pinned, one core each."""
+    pinned, one core each; emulated, one emulated A100 each (the planner's engine limits)."""
     from services.edge.config import EdgeConfig
     from services.launcher import MeshSpec
 
@@ -168,6 +196,11 @@ def mesh_spec(spec: BenchSpec, mode: str):
     else:
         roles = {"prefill": 0, "decode": 0, "colocated": spec.colocated}
     edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="") if spec.edge else None
+    if spec.emulated is not None:
+        from services.loadgen.emulated import Shape
+
+        shape = Shape(**{role: (n, 1) for role, n in roles.items()})
+        return spec.emulated.mesh_spec(shape, spec.model, spec.time_scale, edge=edge)
     return MeshSpec(
         model=spec.model,
         gateway_port=0,
@@ -182,9 +215,13 @@ def mesh_spec(spec: BenchSpec, mode: str):
 def target_of(mesh, spec: BenchSpec):
     from services.loadgen.targets import GrpcTarget, HttpTarget
 
+    scale = spec.time_scale
     if spec.protocol == "grpc":
-        return GrpcTarget(mesh.edge_address if spec.edge else mesh.gateway_address)
-    return HttpTarget(f"http://{mesh.edge_address if spec.edge else mesh.gateway_http_address}")
+        return GrpcTarget(
+            mesh.edge_address if spec.edge else mesh.gateway_address, time_scale=scale
+        )
+    address = mesh.edge_address if spec.edge else mesh.gateway_http_address
+    return HttpTarget(f"http://{address}", time_scale=scale)
 
 
 def run_bench(spec: BenchSpec) -> dict:
@@ -200,7 +237,9 @@ def run_bench(spec: BenchSpec) -> dict:
     for mode in spec.modes:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}")
-    workload = g.resolve_workload(spec.workload, spec.arrivals, spec.model)
+    # an emulated mesh serves the planner's workloads at full length (its devices are A100s)
+    scaled = spec.emulated is None
+    workload = g.resolve_workload(spec.workload, spec.arrivals, spec.model, scaled=scaled)
     base = workload.sample(spec.requests, spec.seed)
     vocab = ModelConfig.from_dir(spec.model).vocab_size
     meshes: dict[str, Mesh] = {}
@@ -272,6 +311,10 @@ def build_report(spec: BenchSpec, workload: str, slo, alone, cores, searches) ->
         "worker_args": list(spec.worker_args),
         "protocol": spec.protocol + (" via envoy" if spec.edge else ""),
         "cpu_count": os.cpu_count(),
+        # per core: one worker per core; emulated: one emulated device per worker, in emulated
+        # time (docs/engine.md)
+        "engine": "torch" if spec.emulated is None else "emulated",
+        "time_scale": spec.time_scale,
         "slo": {"ttft_ms": round(slo.ttft_s * 1000, 3), "tpot_ms": round(slo.tpot_s * 1000, 3)},
         "slo_rule": "explicit"
         if spec.slo

@@ -83,16 +83,17 @@ SCALED: dict[str, Workload] = {
 
 
 def resolve_workload(
-    text: str, arrivals: str = "poisson", tokenizer_dir: Path | None = None
+    text: str, arrivals: str = "poisson", tokenizer_dir: Path | None = None, scaled: bool = True
 ) -> Workload | TraceWorkload:
-    """`chat`, `code`, `summarization` (the CPU-scaled `SCALED` presets), `trace:FILE`, or
-    `prompt=DIST,output=DIST` (as the planner parses it); `arrivals` is `poisson` or
-    `gamma:CV` (CV > 1 is burstier than Poisson; a trace keeps its own arrivals)."""
+    """`chat`, `code`, `summarization` (the CPU-scaled `SCALED` presets; `scaled=False`: the
+    planner's, at full length), `trace:FILE`, or `prompt=DIST,output=DIST` (as the planner
+    parses it); `arrivals` is `poisson` or `gamma:CV` (CV > 1 is burstier than Poisson; a trace
+    keeps its own arrivals)."""
     if text.startswith("trace:"):
         if arrivals != "poisson":
             raise InvalidRequest("a trace keeps its own arrivals: drop --arrivals")
         return load_trace(Path(text.removeprefix("trace:")), tokenizer_dir)
-    workload = SCALED.get(text) or parse_workload(text)
+    workload = (SCALED.get(text) if scaled else None) or parse_workload(text)
     cv = parse_arrivals(arrivals)
     if cv == 1.0:
         return workload

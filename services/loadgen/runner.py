@@ -19,7 +19,14 @@ async def run_load(
     One task schedules: it sleeps until the next arrival and starts that request's task, so the
     schedule does not drift with the number of requests. `timeout_s` bounds each request
     (DEADLINE_EXCEEDED or an HTTP timeout then counts as its error).
+
+    Against an emulated mesh (`target.time_scale` > 1, services/common/clock.py) arrivals,
+    timeouts and every time measured are in its time, which runs that many times slower than
+    the wall.
     """
+    time_scale = target.time_scale
+    if timeout_s is not None:
+        timeout_s *= time_scale
     records = [RequestRecord(r.arrival_s, len(r.prompt_ids), r.max_tokens) for r in requests]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     await target.open()
@@ -27,10 +34,13 @@ async def run_load(
         t0 = time.perf_counter()
         tasks = []
         for i in order:
-            delay = t0 + requests[i].arrival_s - time.perf_counter()
+            delay = t0 + requests[i].arrival_s * time_scale - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(target, requests[i], records[i], t0, timeout_s)))
+            record = records[i]
+            tasks.append(
+                asyncio.create_task(_one(target, requests[i], record, t0, time_scale, timeout_s))
+            )
         await asyncio.gather(*tasks)
         ends = [r.message_s[-1] for r in records if r.message_s]
         first = min((r.sent_s for r in records), default=0.0)
@@ -41,12 +51,17 @@ async def run_load(
 
 
 async def _one(
-    target: Target, req: LoadRequest, rec: RequestRecord, t0: float, timeout_s: float | None
+    target: Target,
+    req: LoadRequest,
+    rec: RequestRecord,
+    t0: float,
+    scale: float,
+    timeout_s: float | None,
 ) -> None:
-    rec.sent_s = time.perf_counter() - t0
+    rec.sent_s = (time.perf_counter() - t0) / scale
     try:
         async for chunk in target.stream(req, timeout_s):
-            now = time.perf_counter() - t0
+            now = (time.perf_counter() - t0) / scale
             if chunk.tokens != 0:
                 rec.message_s.append(now)
                 rec.message_tokens.append(chunk.tokens)

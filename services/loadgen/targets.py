@@ -42,6 +42,7 @@ class LoadError(Exception):
 
 class Target(Protocol):
     name: str
+    time_scale: float  # an emulated mesh's wall seconds per emulated second (1: real time)
 
     async def open(self) -> None: ...
 
@@ -53,9 +54,10 @@ class Target(Protocol):
 class GrpcTarget:
     """`Gateway.Generate` over one grpc.aio channel (HTTP/2 multiplexes every request on it)."""
 
-    def __init__(self, address: str, api_key: str | None = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None, time_scale: float = 1.0) -> None:
         self.name = f"grpc://{address}"
         self.address = address
+        self.time_scale = time_scale
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: gateway_pb2_grpc.GatewayStub | None = None
@@ -93,8 +95,15 @@ class HttpTarget:
     """`POST /v1/completions` with `stream: true` and usage on; one aiohttp session (HTTP/1.1,
     one connection per request in flight, no pool limit). `base_url`: `http://host:port`."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
         self.name = base_url
+        self.time_scale = time_scale
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -41,7 +41,9 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--drift-length", type=float, default=0.25, help="relative length shift")
     p.add_argument("--drift-confirm", type=int, default=2, help="drifting windows in a row")
     add_metrics_args(p)
+    clock.add_args(p)
     a = p.parse_args(argv)
+    clock.setup_from_args(a)  # spans on the mesh's clock (an emulated mesh's is slower)
     return PlannerConfig(
         host=a.host,
         port=a.port,
@@ -78,9 +80,10 @@ async def serve(config: PlannerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
+    config = parse(argv)
     telemetry.setup("planner")
     try:
-        run(serve(parse(argv)))
+        run(serve(config))
     finally:
         telemetry.shutdown()
 

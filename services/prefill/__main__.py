@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import (
     common_pb2,
@@ -18,7 +18,12 @@ from services.common.gen.distserve.v1 import (
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
-from services.engine.config import EngineConfig, add_engine_args, configure_process
+from services.engine.config import (
+    EngineConfig,
+    add_engine_args,
+    configure_process,
+    process_ranks,
+)
 from services.kvtransfer.servicer import KvTransferServicer
 from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
 from services.prefill.config import PrefillConfig
@@ -43,6 +48,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
+    clock.add_args(p)
     args = p.parse_args(argv)
     if args.model is None:
         from services.engine.presets import default_model
@@ -62,7 +68,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=process_ranks(args),
         threads=args.threads,
         **extra,
     )
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     config, args = parse(argv)
     configure_process(args)
     configure_ucx(args)
-    telemetry.setup("prefill", config.worker_id)
+    clock.setup_from_args(args)
+    telemetry.setup("prefill", config.worker_id, engine=args.engine)
     run(serve(config))
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
-from services.common import telemetry
+from services.common import clock, telemetry
 from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import FailedPrecondition, Unavailable, UnsupportedModel
 from services.common.kv_handle import KvHandle, RankSource
@@ -72,14 +71,14 @@ class PrefillWorker:
         self._early: dict[str, tuple[asyncio.Future, int, object]] = {}
         self._streaming: dict[str, Lease] = {}
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
-        mc = self.engine.model_config
+        kv = self.engine.kv_geometry
         tp = config.tensor_parallel_size
         # This rank's heads; a tensor-parallel instance's other ranks serve theirs themselves.
         self.source = ChunkSource(
             self.leases,
             self.engine.runner.cache.region,
-            mc.num_layers,
-            kv_heads_of(0, tp, mc.num_kv_heads),
+            kv.num_layers,
+            kv_heads_of(0, tp, kv.num_kv_heads),
             FaultInjector(config.kv_faults) if config.kv_faults else None,
         )
         # The UCX data plane when ucxx is here and wanted; the gRPC fallback is always served.
@@ -158,7 +157,7 @@ class PrefillWorker:
                 f"{self.config.worker_id} is shutting down: send the prompt to another instance"
             )
         self.requests_total += 1
-        submitted = time.monotonic()
+        submitted = clock.monotonic()
         queue = self.loop.subscribe(request_id)
         if early is not None and not discard_kv:
             self._early[request_id] = (early, len(prompt), trace)
@@ -206,8 +205,8 @@ class PrefillWorker:
                 await self.loop.call(Release(request_id))
             return PrefillResult(handle=None, **result)
         if streaming is not None:
-            streaming.publish(self.engine.model_config.num_layers)
-            streaming.first_token.set_result((result["first_token"], time.time()))
+            streaming.publish(self.engine.kv_geometry.num_layers)
+            streaming.first_token.set_result((result["first_token"], clock.time_s()))
             return PrefillResult(handle=streaming.handle, **result)
         template = self._template(len(prompt), list(out.held_runs))
         handle = self._lease(request_id, template, trace)
@@ -250,7 +249,7 @@ class PrefillWorker:
 
     def _lease_ended(self, lease: Lease, outcome: str, blocks: int) -> None:
         """The span and histogram of the time a prompt's KV was held, with what was sent."""
-        now = time.monotonic()
+        now = clock.monotonic()
         self.lease_seconds.observe(now - lease.created)
         telemetry.record(
             "kv.lease",
@@ -294,14 +293,14 @@ class PrefillWorker:
                 log.info("lease of %s lapsed; freed %d blocks", lease.request_id, freed)
 
     def _template(self, num_tokens: int, runs: list[tuple[int, int]]) -> KvHandle:
-        mc = self.engine.model_config
+        kv = self.engine.kv_geometry
         cache = self.engine.runner.cache
         tp = self.config.tensor_parallel_size
         ranks = ()
         if self.group is not None:
             ports = [self.chunks.port] + [f.ucx_port for f in self.group.followers]
             ranks = tuple(
-                RankSource(r, self.config.host, port, kv_heads_of(r, tp, mc.num_kv_heads))
+                RankSource(r, self.config.host, port, kv_heads_of(r, tp, kv.num_kv_heads))
                 for r, port in enumerate(ports)
             )
         return KvHandle(
@@ -312,9 +311,9 @@ class PrefillWorker:
             ucx_port=self.chunks.port if self.chunks is not None else 0,
             num_tokens=num_tokens,
             block_size=cache.block_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+            num_layers=kv.num_layers,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
             dtype=str(cache.data.dtype).removeprefix("torch."),
             runs=tuple(runs),
             block_bytes=cache.block_bytes * tp,  # every head (a rank holds 1 / tp of them)

@@ -45,6 +45,7 @@ class Span:
     status: str = "UNSET"
     status_message: str = ""
     events: tuple[SpanEvent, ...] = ()
+    emulated: bool = False  # from an emulated mesh: its times are modelled (docs/engine.md)
 
     @property
     def duration_ms(self) -> float:
@@ -59,6 +60,11 @@ class SpanFile:
     spans: list[Span]
     lines: int
     skipped: int
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the spans come from an emulated mesh."""
+        return any(s.emulated for s in self.spans)
 
 
 def _is_int(v: object) -> bool:
@@ -102,6 +108,7 @@ def parse_span(line: str) -> Span | None:
             for e in events
             if isinstance(e, dict) and _is_int(e.get("time_unix_nano"))
         ),
+        emulated=obj.get("engine") == "emulated",
     )
 
 

@@ -100,6 +100,8 @@ def format_report(
     head = f"{span_file.path}: {len(rows)} requests from {len(span_file.spans)} spans"
     if span_file.skipped:
         head += f", unparsable lines skipped: {span_file.skipped}"
+    if span_file.emulated:
+        head += "\nengine: emulated (times are modelled, in emulated time; docs/engine.md)"
     lines = [head, "", *format_rows(rows, limit), "", "ms (tokens for in/out)"]
     lines += [*format_percentiles(percentiles(rows)), "", *format_summary(summary, rule)]
     return "\n".join(lines)
@@ -112,6 +114,7 @@ def report_json(
         "file": str(span_file.path),
         "spans": len(span_file.spans),
         "skipped_lines": span_file.skipped,
+        "engine": "emulated" if span_file.emulated else "torch",
         "bubble_rule": asdict(rule),
         "requests": [asdict(r) for r in rows],
         "percentiles": percentiles(rows),

@@ -1,0 +1,313 @@
+"""The mesh at the scale it is for, on the emulated engine: fidelity to the planner's simulator,
+goodput of the planner's placements over colocated serving, and one gateway's ceiling.
+
+Engine: **emulated** (docs/engine.md): every process of the mesh is real (gateway, workers, UCX
+handoff, leases, batching), each worker's forward pass is its modelled time on an A100 from
+DistServe's published profiles, and the mesh runs `--time-scale K` times slower than the wall.
+Every latency and rate here is in emulated time. Nothing here is a claim about a model's output
+or a kernel's speed (those come from the real engine: bench/engine.py).
+
+Parts (`--parts`, default all):
+
+* `fidelity`: OPT-13B, prompts 512 / outputs 64 (DistServe's seed example), SLO TTFT 400 ms /
+  TPOT 40 ms. For colocated x4 and the planner's best disaggregated placement on 4 GPUs, the
+  rates where the simulator (the same instances, `services.loadgen.emulated`) predicts 95, 80,
+  65 and 50% attainment; each rate's requests through the mesh twice. `emulated_fidelity_max_
+  gap_pp` (prediction against the mean of the runs), `emulated_repeat_spread_pp` (between runs).
+* `opt13b`: the same two meshes' goodput (the highest rate with >= 90% of the middle half of the
+  requests meeting both SLOs, as the planner judges it, by bisection from the planner's
+  prediction) per GPU: `emulated_goodput_ratio_opt13b`, the planner's predicted ratio beside it.
+* `workloads`: 8 A100s, DistServe's workloads and SLOs (its Table 1): chat on OPT-13B (TTFT
+  250 ms, TPOT 100 ms), code and summarisation on OPT-66B (125 ms / 200 ms; 15 s / 150 ms);
+  the planner's placement against its colocated baseline: `emulated_goodput_ratio_<workload>`.
+* `gateway`: 16P16D with very short steps behind one gateway (bench/emulated_gateway.py): the
+  most tokens/s it delivers (`gateway_max_tokens_per_s_32_workers`), its CPU per token, and
+  where that CPU goes (py-spy, top 5).
+
+    .venv/bin/python bench/emulated.py [--parts fidelity,opt13b,workloads,gateway] [--time-scale K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import host, percentiles
+from services.engine.presets import emulated_model
+from services.launcher import Mesh
+from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
+from services.loadgen.goodput import Probe, search_goodput
+from services.planner.cluster import ClusterSpec
+from services.planner.placement import PlanSpec, plan
+from services.planner.simulator import Slo, simulate
+from services.planner.workload import LengthDist, Requests, Workload, parse_workload
+
+SEED_WORKLOAD = Workload(
+    "prompt=512,output=64",
+    LengthDist("fixed", 512, 0, 512, 512),
+    LengthDist("fixed", 64, 0, 64, 64),
+)
+SEED_SLO = Slo(0.4, 0.04)
+ALPHA = 0.9
+TARGETS = (0.95, 0.8, 0.65, 0.5)
+# DistServe's Table 1: workload -> (model, SLO)
+WORKLOADS = {
+    "chat": ("opt-13b", Slo(0.25, 0.1)),
+    "code": ("opt-66b", Slo(0.125, 0.2)),
+    "summarization": ("opt-66b", Slo(15.0, 0.15)),
+}
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def planned(cluster: EmulatedCluster, gpus: int, workload, slo: Slo):
+    """The planner's plan on one node of `gpus` A100s (pp = 1: what the workers implement)."""
+    spec = PlanSpec(
+        model=cluster.model,
+        cluster=ClusterSpec(1, gpus),
+        workload=workload,
+        slo=slo,
+        latency=cluster.latency,
+        colocated_latency=cluster.colocated_latency,
+        alpha=ALPHA,
+        max_pp=1,
+    )
+    return plan(spec)
+
+
+def rate_for(
+    cluster: EmulatedCluster, shape: Shape, base: Requests, slo: Slo, target: float
+) -> float:
+    """The rate at which the simulator predicts `target` attainment over all of `base`."""
+    sim = cluster.sim_cluster(shape)
+    lo, hi = 0.05, 1000.0
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        if simulate(sim, base.at_rate(mid)).attainment(slo) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return round(lo, 3)
+
+
+class EmulatedMesh:
+    """One shape's running emulated mesh, and its CPU bookkeeping."""
+
+    def __init__(self, cluster: EmulatedCluster, shape: Shape, time_scale: float) -> None:
+        self.cluster, self.shape, self.time_scale = cluster, shape, time_scale
+        spec = cluster.mesh_spec(
+            shape, emulated_model(cluster.model), time_scale, ready_timeout_s=600
+        )
+        self.mesh = Mesh(spec)
+        self.vocab = cluster.model.vocab_size
+        self.requests = 0
+        self.cpu_s = 0.0
+        self.emulated_s = 0.0
+
+    def __enter__(self) -> EmulatedMesh:
+        self.mesh.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mesh.stop()
+
+    def run(self, requests: Requests, seed: int = 0):
+        cpu = cpu_seconds(self.mesh)
+        result = run(self.mesh, self.time_scale, requests, self.vocab, seed)
+        self.cpu_s += cpu_seconds(self.mesh) - cpu
+        self.requests += len(requests)
+        return result
+
+    def cpu_per_request_ms(self) -> float:
+        """The mesh's CPU (all its processes) per request, in emulated ms."""
+        return self.cpu_s / max(1, self.requests) / self.time_scale * 1000
+
+
+def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[dict]:
+    rows = []
+    sim_cluster = em.cluster.sim_cluster(em.shape)
+    for target in TARGETS:
+        rate = rate_for(em.cluster, em.shape, base, slo, target)
+        requests = base.at_rate(rate)
+        sim = simulate(sim_cluster, requests)
+        runs = [em.run(requests) for _ in range(repeats)]
+        measured = [r.attainment(slo) for r in runs]
+        row = {
+            "rate_rps": rate,
+            "predicted": round(sim.attainment(slo), 4),
+            "measured_runs": [round(m, 4) for m in measured],
+            "gap_pp": round(abs(sim.attainment(slo) - float(np.mean(measured))) * 100, 2),
+            "spread_pp": round((max(measured) - min(measured)) * 100, 2),
+            "errors": int(sum((~r.ok).sum() for r in runs)),
+            "ttft_ms": {
+                "sim": percentiles(sim.ttft, scale=1000),
+                "mesh": percentiles(runs[0].ttft_s, scale=1000),
+            },
+            "tpot_ms": {
+                "sim": percentiles(sim.tpot, scale=1000),
+                "mesh": percentiles(runs[0].tpot_s, scale=1000),
+            },
+        }
+        log(
+            f"  {em.shape} @ {rate:.2f} req/s: predicted {row['predicted']:.3f}, "
+            f"mesh {row['measured_runs']}, gap {row['gap_pp']} pp"
+        )
+        rows.append(row)
+    return rows
+
+
+def goodput_on(em: EmulatedMesh, base: Requests, slo: Slo, hint: float, probes: int) -> dict:
+    """The mesh's goodput by bisection from the planner's prediction `hint` (judged as the
+    planner judges it), with the simulator's attainment of each probe beside it."""
+    sim_cluster = em.cluster.sim_cluster(em.shape)
+    n = len(base)
+    sims = {}
+
+    def measure(rate: float) -> Probe:
+        requests = base.at_rate(rate)
+        result = em.run(requests)
+        sims[rate] = float(np.mean(simulate(sim_cluster, requests).attainment(slo, n // 4)))
+        probe = dataclasses.replace(Probe.of(rate, result, slo), attainment=judged(result, slo))
+        log(
+            f"  {em.shape} @ {rate:.2f} req/s: attainment {probe.attainment:.3f} "
+            f"(simulator {sims[rate]:.3f})"
+        )
+        return probe
+
+    search = search_goodput(
+        measure,
+        alpha=ALPHA,
+        rate_lo=0.85 * hint,
+        rate_hi=1.15 * hint,
+        max_probes=probes,
+        rel_tol=0.05,
+    )
+    out = search.to_json()
+    for p in out["probes"]:
+        p["simulator_attainment"] = round(sims[p["rate_rps"]], 4) if p["rate_rps"] in sims else None
+    out["per_gpu_rps"] = round(search.goodput / em.shape.devices, 4)
+    return out
+
+
+def compare(cluster, gpus, workload, slo, args, parts) -> dict:
+    """The planner's placement and colocated baseline for (workload, slo) on `gpus` GPUs:
+    fidelity rows and/or goodput on the emulated mesh, with the planner's prediction."""
+    result = planned(cluster, gpus, workload, slo)
+    shapes = {"disaggregated": Shape.of(result.placement), "colocated": Shape.of(result.colocated)}
+    base = workload.sample(args.requests, args.seed)
+    out = {
+        "model": cluster.model.name,
+        "workload": workload.name,
+        "slo_ms": [slo.ttft_s * 1000, slo.tpot_s * 1000],
+        "predicted": {
+            "disaggregated": {
+                "shape": str(shapes["disaggregated"]),
+                "goodput_rps": round(result.placement.goodput, 3),
+                "per_gpu_rps": round(result.placement.per_device, 4),
+            },
+            "colocated": {
+                "shape": str(shapes["colocated"]),
+                "goodput_rps": round(result.colocated.goodput, 3),
+                "per_gpu_rps": round(result.colocated.per_device, 4),
+            },
+            "ratio": round(result.ratio, 3),
+        },
+    }
+    hints = {"disaggregated": result.placement.goodput, "colocated": result.colocated.goodput}
+    for mode, shape in shapes.items():
+        log(f"{workload.name} on {cluster.model.name}, {mode} {shape}:")
+        started = time.time()
+        with EmulatedMesh(cluster, shape, args.time_scale) as em:
+            rss = rss_bytes(em.mesh)
+            entry = {
+                "shape": str(shape),
+                "devices": shape.devices,
+                "worker_rss_mb_max": round(max(rss.values()) / 2**20, 1),
+            }
+            if "fidelity" in parts:
+                entry["fidelity"] = fidelity(em, base, slo, args.repeats)
+            if "goodput" in parts:
+                entry["goodput"] = goodput_on(em, base, slo, hints[mode], args.probes)
+            entry["mesh_cpu_per_request_ms"] = round(em.cpu_per_request_ms(), 3)
+        entry["wall_s"] = round(time.time() - started, 1)
+        out[mode] = entry
+    if "goodput" in parts:
+        d, c = (
+            out["disaggregated"]["goodput"]["per_gpu_rps"],
+            out["colocated"]["goodput"]["per_gpu_rps"],
+        )
+        out["measured_ratio"] = round(d / c, 3) if c > 0 else None
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="fidelity,opt13b,workloads,gateway")
+    p.add_argument("--time-scale", type=float, default=4.0, help="wall s per emulated s")
+    p.add_argument("--requests", type=int, default=200, help="per run")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each fidelity rate")
+    p.add_argument("--probes", type=int, default=4, help="goodput probes per mesh")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write the full JSON here too")
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+    started = time.time()
+    report: dict = {
+        "engine": "emulated (DistServe's published A100 profiles)",
+        "hardware": host(),
+        "time_scale": args.time_scale,
+    }
+    summary: dict = {}
+    if parts & {"fidelity", "opt13b"}:
+        cluster = EmulatedCluster.of("opt-13b")
+        which = {"fidelity"} if "fidelity" in parts else set()
+        which |= {"goodput"} if "opt13b" in parts else set()
+        seed = compare(cluster, 4, SEED_WORKLOAD, SEED_SLO, args, which)
+        report["opt13b_4gpu"] = seed
+        if "fidelity" in parts:
+            rows = seed["disaggregated"]["fidelity"] + seed["colocated"]["fidelity"]
+            summary["emulated_fidelity_max_gap_pp"] = max(r["gap_pp"] for r in rows)
+            summary["emulated_repeat_spread_pp"] = max(r["spread_pp"] for r in rows)
+        if "opt13b" in parts:
+            summary["emulated_goodput_ratio_opt13b"] = seed["measured_ratio"]
+            summary["emulated_goodput_ratio_opt13b_predicted"] = seed["predicted"]["ratio"]
+    if "workloads" in parts:
+        for name, (model, slo) in WORKLOADS.items():
+            cluster = EmulatedCluster.of(model)
+            entry = compare(cluster, 8, parse_workload(name), slo, args, {"goodput"})
+            report[f"{name}_8gpu"] = entry
+            summary[f"emulated_goodput_ratio_{name}"] = entry["measured_ratio"]
+            summary[f"emulated_goodput_ratio_{name}_predicted"] = entry["predicted"]["ratio"]
+    cpu = [
+        v["mesh_cpu_per_request_ms"]
+        for k, e in report.items()
+        if isinstance(e, dict)
+        for v in e.values()
+        if isinstance(v, dict) and "mesh_cpu_per_request_ms" in v
+    ]
+    summary["mesh_cpu_per_request_emulated_ms_max"] = max(cpu) if cpu else None
+    summary["time_scale"] = args.time_scale
+    summary["engine"] = "emulated"
+    summary["hardware"] = host()
+    summary["wall_s"] = round(time.time() - started, 1)
+    report["summary"] = summary
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""One gateway's ceiling: 16 prefill and 16 decode emulated workers with very short steps behind
+one gateway, offered more and more tokens until the gateway (or this host) saturates.
+
+The workers' steps take ~1 ms (a made-up fast device: the point is that they out-produce the
+gateway), time scale 1. Each probe offers Poisson arrivals for `PROBE_S` seconds of prompts of
+32-128 tokens and `OUTPUT_TOKENS`-token answers, at double the rate of the one before, until the
+tokens delivered fall below 90% of those offered or the gateway's CPU passes 90% of a core. The
+figures: the most tokens/s delivered, the gateway's CPU per token (so: tokens/s per gateway
+core), the whole host's CPU beside it (on a 2-core host the 32 workers and the load generator
+share the cores: whichever saturates first is named), and where the gateway's CPU went at the
+last probe (py-spy, top 5 functions by own time).
+
+Used by bench/emulated.py (`--parts gateway`); alone: `python bench/emulated_gateway.py`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.presets import emulated_model
+from services.launcher import Mesh
+from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, run
+from services.planner.workload import LengthDist, Workload
+
+OUTPUT_TOKENS = 200
+PROBE_S = 8.0
+FIRST_RATE = 10.0
+MAX_PROBES = 7
+# A fast device: prefill 0.5 ms + 0.5 us per token, every decode step 1 ms.
+FAST = {
+    "prefill": [0.5, 0.0005, 0.0],
+    "decoding_smallbs": [1.0, 0.0, 0.0],
+    "decoding_largebs": [1.0, 0.0, 0.0],
+    "decoding_large_small_bs_threshold": 95,
+}
+
+
+def fast_profile(folder: Path) -> Path:
+    path = folder / "fast-device.json"
+    raw = {"format": "distserve-mesh-profile/1", "model": "opt-13b", "tp": {"1": FAST}}
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu() -> float:
+    """Busy CPU seconds of the whole host so far."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def top_functions(raw: str, n: int = 5) -> list[dict]:
+    """The n functions with the most own samples in py-spy's raw (collapsed stack) output."""
+    own: collections.Counter[str] = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            own[stack.rsplit(";", 1)[-1]] += int(count)
+    total = sum(own.values()) or 1
+    return [{"function": f, "share": round(c / total, 3)} for f, c in own.most_common(n)]
+
+
+def profile_gateway(pid: int, seconds: float, folder: Path) -> list[dict]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out = folder / "gateway.raw"
+    try:
+        subprocess.run(
+            [
+                spy,
+                "record",
+                "-p",
+                str(pid),
+                "-d",
+                str(int(seconds)),
+                "-r",
+                "200",
+                "-f",
+                "raw",
+                "-o",
+                str(out),
+                "--nonblocking",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=seconds + 60,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return [{"function": f"py-spy failed: {e}", "share": 0.0}]
+    return top_functions(out.read_text())
+
+
+def measure(log=print) -> dict:
+    workload = Workload(
+        "gateway",
+        LengthDist("uniform", low=32, high=128),
+        LengthDist("fixed", OUTPUT_TOKENS, 0, OUTPUT_TOKENS, OUTPUT_TOKENS),
+    )
+    probes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        cluster = EmulatedCluster.of("opt-13b", fast_profile(folder))
+        shape = Shape(prefill=(16, 1), decode=(16, 1))
+        started = time.time()
+        spec = cluster.mesh_spec(shape, emulated_model(cluster.model), 1.0, ready_timeout_s=600)
+        with Mesh(spec) as mesh:
+            log(f"  16P16D up in {time.time() - started:.0f} s")
+            gateway = next(p for p in mesh.processes if p.name == "gateway").popen.pid
+            rate, top = FIRST_RATE, []
+            for i in range(MAX_PROBES):
+                n = max(20, int(rate * PROBE_S))
+                requests = workload.sample(n, seed=i).at_rate(rate)
+                last = i == MAX_PROBES - 1
+                g0, h0, m0, t0 = process_cpu(gateway), host_cpu(), cpu_seconds(mesh), time.time()
+                if last or (probes and probes[-1]["gateway_cpu_cores"] > 0.6):
+                    # profile this probe's middle (it may be the last)
+                    spy = SpyInBackground(gateway, PROBE_S / 2, folder)
+                else:
+                    spy = None
+                result = run(mesh, 1.0, requests, 933, seed=i)
+                wall = time.time() - t0
+                if spy is not None:
+                    spy.join()
+                    top = spy.result
+                tokens = int(result.output_tokens.sum())
+                process_cpu(gateway) - g0
+                offered = rate * OUTPUT_TOKENS
+                probe = {
+                    "rate_rps": rate,
+                    "offered_tokens_per_s": round(offered),
+                    "delivered_tokens_per_s": round(tokens / result.duration_s),
+                    "errors": int((~result.ok).sum()),
+                    "tpot_p50_ms": round(float(np.nanmedian(result.tpot_s)) * 1000, 2),
+                    "gateway_cpu_cores": round((process_cpu(gateway) - g0) / wall, 3),
+                    "gateway_cpu_us_per_token": round(
+                        (process_cpu(gateway) - g0) / tokens * 1e6, 1
+                    ),
+                    "mesh_cpu_cores": round((cpu_seconds(mesh) - m0) / wall, 3),
+                    "host_cpu_cores": round((host_cpu() - h0) / wall, 3),
+                }
+                log(f"  {probe}")
+                probes.append(probe)
+                saturated = (
+                    probe["delivered_tokens_per_s"] < 0.9 * probe["offered_tokens_per_s"]
+                    or probe["gateway_cpu_cores"] > 0.9
+                    or probe["host_cpu_cores"] > 0.95 * os.cpu_count()
+                )
+                if saturated:
+                    if not top:
+                        top = profile_gateway(gateway, PROBE_S, folder)  # already past it
+                    break
+                rate *= 2
+    best = max(probes, key=lambda p: p["delivered_tokens_per_s"])
+    last = probes[-1]
+    limit = "gateway" if last["gateway_cpu_cores"] > 0.9 else "host"
+    return {
+        "engine": "emulated (a fast made-up device: 1 ms decode steps), time scale 1",
+        "shape": "16P16D",
+        "gateway_max_tokens_per_s_32_workers": best["delivered_tokens_per_s"],
+        "gateway_cpu_us_per_token": best["gateway_cpu_us_per_token"],
+        "tokens_per_s_per_gateway_core": round(1e6 / best["gateway_cpu_us_per_token"]),
+        "saturated_by": limit,
+        "gateway_cpu_top5": top,
+        "probes": probes,
+    }
+
+
+class SpyInBackground:
+    """py-spy on the gateway for `seconds`, started after a quarter of a probe."""
+
+    def __init__(self, pid: int, seconds: float, folder: Path) -> None:
+        import threading
+
+        self.result: list[dict] = []
+
+        def go() -> None:
+            time.sleep(PROBE_S / 4)
+            self.result = profile_gateway(pid, seconds, folder)
+
+        self._thread = threading.Thread(target=go, daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+if __name__ == "__main__":
+    report = measure(lambda *a: print(*a, file=sys.stderr, flush=True))
+    print(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "probes"}))
