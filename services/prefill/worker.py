@@ -241,7 +241,12 @@ class PrefillWorker:
                 lease.publish(layer + 1)
 
     async def free(self, lease: Lease, outcome: str = "released") -> int:
-        """Free a lease's blocks, once the sends still reading them are cancelled."""
+        """Free a lease's blocks, once the sends still reading them are cancelled. The caller
+        has taken the lease out of the table, so nobody else would free them: this runs to the
+        end even if the caller is cancelled meanwhile (a Release whose client gave up)."""
+        return await asyncio.shield(self._free(lease, outcome))
+
+    async def _free(self, lease: Lease, outcome: str) -> int:
         await lease.stop_sends()
         freed = await self.loop.call(Release(lease.request_id))
         self._lease_ended(lease, outcome, freed)
