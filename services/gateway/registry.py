@@ -39,12 +39,15 @@ class Worker:
     address: str
     load: Load = field(default_factory=Load)
     last_seen: float = field(default_factory=time.monotonic)
-    # The calls this gateway has open on the worker, by ticket. A heartbeat's load is a snapshot
-    # the worker took a moment ago (its engine only sees a call between two steps), so it can
-    # miss calls just sent and the batch being computed; the gateway's own count of what it
-    # sent misses what other gateways sent. The worker's figures are the larger of the two.
+    # The calls this gateway has open on the worker, by ticket: exact and current for its own
+    # work. A heartbeat's load is a snapshot the worker took a moment ago (its engine only sees
+    # a call between two steps), so it misses calls just sent and still shows calls that have
+    # just ended; what it shows beyond what this gateway had open when it came is other
+    # gateways' work. The worker's figures are this gateway's own plus those others'.
     _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
     _tickets: itertools.count = field(default_factory=itertools.count, repr=False)
+    # (queued tokens, waiting, open) of this gateway's own calls when the last heartbeat came
+    _own_at_heartbeat: tuple[int, int, int] = (0, 0, 0)
 
     def send(self, prompt_tokens: int = 0) -> int:
         """A call is going to this worker with a prompt of this many tokens to prefill (0: the
@@ -63,24 +66,44 @@ class Worker:
         """The call ended (idempotent)."""
         self._calls.pop(ticket, None)
 
+    def _own(self) -> tuple[int, int, int]:
+        calls = self._calls.values()
+        return sum(c.tokens for c in calls), sum(c.waiting for c in calls), len(self._calls)
+
+    def heard(self, load: Load) -> None:
+        """A heartbeat's load: remember what of it was this gateway's own work."""
+        self.load = load
+        self._own_at_heartbeat = self._own()
+
+    def _reported(self) -> tuple[int, int, int]:
+        load = self.load
+        return (
+            load.queued_prompt_tokens,
+            load.pending_pulls,
+            load.running_seqs + load.waiting_seqs + load.pending_pulls,
+        )
+
+    def _now(self, i: int) -> int:
+        """Figure i (queued tokens, waiting, open) now: this gateway's own, plus what the last
+        heartbeat showed beyond this gateway's own at the time (other gateways' work)."""
+        own = self._own()[i]
+        return own + max(0, self._reported()[i] - self._own_at_heartbeat[i])
+
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens queued for prefill there, the batch being computed included."""
-        own = sum(c.tokens for c in self._calls.values())
-        return max(self.load.queued_prompt_tokens, own)
+        return self._now(0)
 
     @property
     def waiting_requests(self) -> int:
         """Requests there that have not streamed a token yet (decode: pulling their KV or
         waiting for a seat)."""
-        own = sum(c.waiting for c in self._calls.values())
-        return max(self.load.pending_pulls, own)
+        return self._now(1)
 
     @property
     def open_requests(self) -> int:
         """Requests there: running, waiting or pulling."""
-        load = self.load
-        return max(load.running_seqs + load.waiting_seqs + load.pending_pulls, len(self._calls))
+        return self._now(2)
 
 
 class Registry:
@@ -97,7 +120,7 @@ class Registry:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
-        worker.load = load
+        worker.heard(load)
         worker.last_seen = time.monotonic()
         return True
 

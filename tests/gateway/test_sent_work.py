@@ -33,6 +33,26 @@ def test_a_call_counts_until_it_is_answered_and_ends_whatever_heartbeats_say():
     assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (0, 0, 0)
 
 
+def test_a_heartbeat_counts_other_gateways_work_but_not_calls_ended_since():
+    """The heartbeat's snapshot still shows this gateway's call that ended since: that call is
+    not counted on (the next request would avoid an instance that just freed up), while what
+    the snapshot shows beyond this gateway's own calls (another gateway's) is."""
+    r = Registry(lease_s=60)
+    r.register("a", "colocated", "a:1", Load())
+    r.register("b", "colocated", "b:1", Load())
+    a, b = r.live("colocated")
+    ours = [a.send(10) for _ in range(3)]
+    r.heartbeat("a", Load(running_seqs=3))  # our 3 calls
+    r.heartbeat("b", Load(running_seqs=2))  # 2 calls of another gateway
+    assert (a.open_requests, b.open_requests) == (3, 2)
+    for ticket in ours[:2]:
+        a.settle(ticket)  # ended; a's next heartbeat has not come yet
+    assert (a.open_requests, b.open_requests) == (1, 2)
+    assert r.pick_decode("colocated") is a
+    b.send(5)
+    assert b.open_requests == 3 and b.queued_tokens == 5
+
+
 def test_finished_requests_between_heartbeats_never_saturate_decode_or_queue_prefill():
     """Many more short requests than the pull watermark, one after another, between two
     heartbeats: none is refused, none waits, and the prefill queue ahead stays empty."""
