@@ -142,6 +142,10 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(traced
         assert a["gen_ai.usage.output_tokens"] == len(seen.ids)
         assert a["gen_ai.response.finish_reasons"] == ["length"]
         assert a["distserve.mode"] == "disaggregated"
+        assert (a["distserve.prefill.instance"], a["distserve.decode.instance"]) == (
+            "prefill-0",
+            "decode-0",
+        )
         # The tree: every phase of the request hangs off the root, in its own process.
         kids = children(spans, root)
         services = {n: {s["service"] for s in kids[n]} for n in kids}
@@ -336,6 +340,7 @@ def test_colocated_request_spans_and_the_trace_file(tiny_model, tmp_path):
     [root] = [s for s in mine if "gen_ai.operation.name" in s["attributes"]]
     assert root["parent_span_id"] == "00f067aa0ba902b7"  # the client's span
     assert root["attributes"]["distserve.mode"] == "colocated"
+    assert root["attributes"]["distserve.decode.instance"] == "colocated-0"
     kids = children(mine, root)
     assert set(kids) == {"prefill.queue", "prefill.compute", "decode"}
     assert {s["service"] for k in kids.values() for s in k} == {"distserve-colocated"}

@@ -189,6 +189,12 @@ def context_of(span: Span) -> Context:
     return trace.set_span_in_context(span)
 
 
+def annotate(ctx: Context | None, attributes: Mapping) -> None:
+    """Set attributes on the span of `ctx` (a request's root span, while it is open)."""
+    if ctx is not None:
+        trace.get_current_span(ctx).set_attributes(attributes)
+
+
 def record(
     name: str,
     parent: Context | None,

@@ -299,6 +299,7 @@ class Router:
         the prompt was scheduled: it pulls the layers while they are computed."""
         prefill = self.registry.pick_prefill(exclude=tried)
         tried.add(prefill.worker_id)
+        telemetry.annotate(trace, {"distserve.prefill.instance": prefill.worker_id})
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         if early is None:
             # A request of one token ends at prefill's: nothing to pull, no decode to start. A
@@ -362,6 +363,7 @@ class Router:
         instance (`first_token` None: a streaming handle; the decode instance asks the source
         for it), another than those in `failed` if there is one."""
         decode = self.registry.pick_decode(exclude=failed)
+        telemetry.annotate(trace, {"distserve.decode.instance": decode.worker_id})
         call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
@@ -425,6 +427,7 @@ class Router:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role)
+        telemetry.annotate(trace, {"distserve.decode.instance": worker.worker_id})
         call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
             decode_pb2.DecodeRequest(
                 request_id=req.worker_request_id,
