@@ -9,7 +9,9 @@ doing both) of any size. What it models, and what it leaves out:
   `max_batch_size` of them (1 turns batching off). With pipeline degree pp the batch passes pp
   stages of `prefill / pp + hop`; a new batch enters stage 0 as soon as stage 0 is free. The
   first token comes out of the last stage.
-* Decode instances: continuous batching, one token per running request per iteration. A request
+* Decode instances: continuous batching, one token per running request per iteration. The router
+  sends a prefilled request (colocated: a new one) to the instance with the fewest requests
+  routed there and not finished, then the most free KV, as the gateway does. A request
   is admitted FCFS when its whole context (prompt + output) fits the free KV capacity and a seat
   is free (no preemption: the engine also reserves a request's growth when admitting it); then its
   KV is transferred (bytes / link bandwidth, transfers into an instance one after another) and it
@@ -225,9 +227,9 @@ class _Lane:
         "joiners",
         "k",
         "link_free",
-        "load",
         "max_tokens",
         "n_sched",
+        "open",
         "overhead",
         "pending",
         "prefill_coeffs",
@@ -264,7 +266,7 @@ class _Lane:
         self.joiners: list[int] = []  # requests whose KV arrived, waiting for a boundary
         self.pending: deque[int] = deque()  # decode: waiting for memory; colocated: for prefill
         self.inflight = 0  # decode: admitted, KV in transfer
-        self.load = 0  # tokens reserved or queued here (the router's measure)
+        self.open = 0  # requests routed here and not finished (the router's measure)
         self.link_free = 0.0  # decode: when the inbound link is next free
 
     def span(self, n: int) -> float:
@@ -383,9 +385,8 @@ class _Sim:
         if self.colocated or self.decode_only:
             if self.decode_only:
                 self.first[i] = t
-            lane = min(self.lanes, key=_load)
-            need = self.prompt[i] + self.output[i]
-            lane.load += need
+            lane = min(self.lanes, key=_least_loaded)
+            lane.open += 1
             lane.pending.append(i)
             self.kick(lane, t)
             return
@@ -446,10 +447,10 @@ class _Sim:
     # -- decode lanes --------------------------------------------------------------------------
 
     def route(self, p: _Prefill, i: int, t: float) -> None:
-        """Hand request i, prefilled on p, to the least loaded decode lane."""
+        """Hand request i, prefilled on p, to the least-loaded decode lane."""
         lanes = self.lanes
-        lane = min(lanes, key=_load) if len(lanes) > 1 else lanes[0]
-        lane.load += self.prompt[i] + self.output[i]
+        lane = min(lanes, key=_least_loaded) if len(lanes) > 1 else lanes[0]
+        lane.open += 1
         lane.pending.append(i)
         self.source[i] = p.index
         self.admit(lane, t)
@@ -519,7 +520,7 @@ class _Sim:
                 self.remaining -= 1
             need = prompt[i] + output[i]
             lane.free += need
-            lane.load -= need
+            lane.open -= 1
             lane.size -= 1
             lane.context -= need
         for i in lane.joiners:
@@ -605,14 +606,16 @@ class _Sim:
                 if i < self.until:
                     self.remaining -= 1
                 lane.free += prompt[i] + 1
-                lane.load -= prompt[i] + 1
+                lane.open -= 1
             else:
                 lane.joiners.append(i)
         lane.batch = None
 
 
-def _load(lane: _Lane) -> int:
-    return lane.load
+def _least_loaded(lane: _Lane) -> tuple[int, int, int]:
+    """The gateway's rule (`Registry.pick_decode`): the fewest requests routed there and not
+    finished, then the most free KV, then the first."""
+    return lane.open, -lane.free, lane.index
 
 
 def _queued(p: _Prefill) -> int:
