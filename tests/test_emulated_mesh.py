@@ -53,10 +53,12 @@ def emulated_mesh(model, **kwargs) -> Mesh:
     return mesh
 
 
-async def generate_ids(address: str, prompt: list[int]) -> tuple[list[int], dict]:
+async def generate_ids(
+    address: str, prompt: list[int], max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], dict]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        params = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=params
         )
@@ -109,6 +111,58 @@ def test_the_emulated_handoff_moves_bytes_and_refetches_a_corrupt_chunk(opt13b, 
         [decode] = [w for w in mesh.workers if w.name.startswith("decode")]
         metrics = scrape(decode.ready["metrics_address"])
         assert value(metrics, "distserve_kv_transfer_seconds_count") == len(PROMPTS)
+        wait_until(lambda: kv_all_free(mesh), what="KV to be freed on both sides")
+    finally:
+        stop_now(mesh)
+
+
+def test_an_emulated_source_killed_mid_pull_is_replaced_by_prefilling_again(opt13b, engine_tokens):
+    mesh = emulated_mesh(
+        opt13b,
+        prefill=2,
+        decode=1,
+        decode_args=("--chunk-timeout-s", "2"),
+        per_worker_args={"prefill-0": ("--kv-faults", "exit@2")},
+    )
+    try:
+        ids, _ = asyncio.run(asyncio.wait_for(generate_ids(mesh.gateway_address, PROMPTS[1]), 60))
+        assert ids == engine_tokens[1]
+        dead = next(p for p in mesh.workers if p.name == "prefill-0")
+        assert dead.popen.wait(timeout=10) == 17  # it really died mid-pull
+        d = stats(addresses(mesh, "decode")[0], "decode")
+        # The first pull ends either failed (its retries ran out) or aborted (the gateway saw
+        # the source's stream drop first: emulated chunks are tiny, so that race goes both ways).
+        assert d.pulls_total == 1 and d.pulls_failed + d.requests_aborted == 1
+        assert stats(addresses(mesh, "prefill")[1], "prefill").requests_total == 1
+        mesh.processes.remove(dead)
+        wait_until(lambda: kv_all_free(mesh), what="KV to be freed on the live instances")
+    finally:
+        stop_now(mesh)
+
+
+def test_a_request_waiting_for_decode_room_keeps_its_kv_past_the_lease(opt13b):
+    """A decode instance full with one long request (an emulated device of 28 GiB: room for
+    1,761 tokens of OPT-13B's KV) makes the next one wait for room longer than its KV's lease
+    at the prefill instance (1 s): the lease is renewed while it waits, and it completes."""
+    mesh = emulated_mesh(
+        opt13b,
+        prefill=1,
+        decode=1,
+        prefill_args=("--lease-s", "1"),
+        decode_args=("--gpu-memory-gib", "28"),
+    )
+    try:
+
+        async def both():
+            long = asyncio.create_task(generate_ids(mesh.gateway_address, [7] * 1500, 150))
+            await asyncio.sleep(0.5)  # its decode runs ~3 s (150 steps of ~20 ms)
+            waiting = await generate_ids(mesh.gateway_address, [9] * 300, 20)
+            return await long, waiting
+
+        (long, _), (waiting, _) = asyncio.run(asyncio.wait_for(both(), 60))
+        assert (len(long), len(waiting)) == (150, 20)
+        p = stats(addresses(mesh, "prefill")[0], "prefill")
+        assert p.leases_expired == 0
         wait_until(lambda: kv_all_free(mesh), what="KV to be freed on both sides")
     finally:
         stop_now(mesh)

@@ -246,7 +246,8 @@ class DecodeWorker:
         span = None
         try:
             await self.loop.call(AddPrefilled(prompt, first_token, params, request_id))
-            blocks = await admission
+            async with self.puller.holding(handle, trace):  # its KV stays while it waits
+                blocks = await admission
             started = clock.monotonic()
             self.queue_seconds.observe(started - queued)
             telemetry.record("decode.queue", trace, queued, started)

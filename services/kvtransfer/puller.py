@@ -22,10 +22,12 @@ use the destination: partial KV is never decoded from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -375,6 +377,18 @@ class KvPuller:
             )
             todo = failed
         raise Unavailable(f"KV pull from {where} failed after {policy.attempts} attempts: {error}")
+
+    @contextlib.asynccontextmanager
+    async def holding(
+        self, handle: KvHandle, trace: telemetry.Context | None = None
+    ) -> AsyncIterator[None]:
+        """Renew the handle's lease while inside (a request waiting for room to pull into, so
+        that its KV is still there when the room comes)."""
+        renewer = asyncio.ensure_future(self._keep_lease(handle, trace))
+        try:
+            yield
+        finally:
+            renewer.cancel()
 
     async def _keep_lease(self, handle: KvHandle, trace: telemetry.Context | None) -> None:
         """Renew the handle's lease while the pull runs, well before it lapses (most pulls end
