@@ -391,8 +391,8 @@ def emulated_mesh(args: argparse.Namespace) -> dict:
         args.model = emulated_model(model_spec(args.model_spec))
     elif args.model is None:
         raise InvalidRequest("--engine emulated needs --model-spec (e.g. opt-13b)")
-    if args.time_scale < 1:
-        raise InvalidRequest("--time-scale must be >= 1 (emulated seconds last that many)")
+    if args.time_scale <= 0:
+        raise InvalidRequest("--time-scale must be positive (wall seconds per emulated second)")
     worker_args = ["--gpu-memory-gib", str(args.gpu_memory_gib), "--link-gbs", str(args.link_gbs)]
     if args.profile:
         worker_args += ["--profile", str(args.profile)]

@@ -2,7 +2,8 @@
 
 An emulated mesh (`--engine emulated`, docs/engine.md) models a device's step times; run at
 `--time-scale K`, an emulated second lasts K wall seconds, so that the mesh's own CPU work (Python,
-gRPC, UCX) is small beside an emulated step. Every latency the mesh reports (metrics, traces,
+gRPC, UCX) is small beside an emulated step (K < 1 runs faster than the wall: for models whose
+steps are long beside that work). Every latency the mesh reports (metrics, traces,
 TTFT and TPOT, `client --json`, benchmark JSON) is read from this clock, so it is in emulated
 time; with scale 1 (the default, every real engine) it is the real clock.
 
@@ -28,8 +29,8 @@ def setup(scale: float = 1.0, epoch_unix_s: float | None = None) -> None:
     """Run this process's clock `scale` times slower than the wall from `epoch_unix_s` (default:
     now). Call before anything reads it (telemetry takes its offset from it)."""
     global _scale, _epoch
-    if not scale >= 1.0:
-        raise ValueError(f"time scale must be >= 1, got {scale}")
+    if not scale > 0:
+        raise ValueError(f"time scale must be positive, got {scale}")
     _scale = float(scale)
     _epoch = time.time() if epoch_unix_s is None else float(epoch_unix_s)
 

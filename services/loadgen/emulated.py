@@ -127,7 +127,8 @@ class EmulatedCluster:
         for role, (n, tp) in zip(
             ROLES, (shape.prefill, shape.decode, shape.colocated), strict=True
         ):
-            instances += [self.instance(role, tp)] * n
+            if n:
+                instances += [self.instance(role, tp)] * n
         return SimCluster(
             instances=tuple(instances),
             latency=self.latency,
@@ -182,11 +183,20 @@ class EmulatedCluster:
         )
 
 
-def run(mesh, time_scale: float, requests: Requests, vocab_size: int, seed: int) -> LoadResult:
+def run(
+    mesh,
+    time_scale: float,
+    requests: Requests,
+    vocab_size: int,
+    seed: int,
+    until: int | None = None,
+) -> LoadResult:
     """`requests` (arrivals in emulated seconds) through an emulated mesh's gateway, open loop;
-    every time in the result is emulated."""
+    every time in the result is emulated. `until`: the run ends once the first `until`
+    requests have (`run_load`)."""
     target = GrpcTarget(mesh.gateway_address, time_scale=time_scale)
-    return asyncio.run(run_load(target, load_requests(requests, vocab_size, seed), timeout_s=600))
+    load = load_requests(requests, vocab_size, seed)
+    return asyncio.run(run_load(target, load, timeout_s=600, until=until))
 
 
 def judged(result: LoadResult, slo: Slo) -> float:
