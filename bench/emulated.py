@@ -15,16 +15,15 @@ Parts (`--parts`, default all):
   65 and 50% attainment; each rate's requests through the mesh twice. `emulated_fidelity_max_
   gap_pp` (prediction against the mean of the runs), `emulated_repeat_spread_pp` (between runs).
 * `opt13b`: the same two meshes' goodput (the highest rate with >= 90% of the middle half of the
-  requests meeting both SLOs, as the planner judges it, by bisection from the planner's
-  prediction) per GPU: `emulated_goodput_ratio_opt13b`, the planner's predicted ratio beside it.
-* `workloads`: 8 A100s, DistServe's workloads and SLOs (its Table 1): chat on OPT-13B (TTFT
-  250 ms, TPOT 100 ms), code and summarisation on OPT-66B (125 ms / 200 ms; 15 s / 150 ms);
-  the planner's placement against its colocated baseline: `emulated_goodput_ratio_<workload>`.
-* `gateway`: 16P16D with very short steps behind one gateway (bench/emulated_gateway.py): the
-  most tokens/s it delivers (`gateway_max_tokens_per_s_32_workers`), its CPU per token, and
-  where that CPU goes (py-spy, top 5).
+  requests meeting both SLOs, as the planner judges it, searched in steps from the simulator's
+  goodput on the same requests) per GPU: `emulated_goodput_ratio_opt13b`, the planner's predicted ratio beside it.
+* The planner's workloads on 8 A100s: bench/emulated_workloads.py (its own 25 minutes).
+* `gateway`: 16P16D emulated A100s at their own speed behind one gateway
+  (bench/emulated_gateway.py): the most tokens/s it delivers here
+  (`gateway_max_tokens_per_s_32_workers`), its CPU per token (`tokens_per_s_per_gateway_core`),
+  which saturates first (the gateway or this host), and where its CPU goes (py-spy, top 5).
 
-    .venv/bin/python bench/emulated.py [--parts fidelity,opt13b,workloads,gateway] [--time-scale K]
+    .venv/bin/python bench/emulated.py [--parts fidelity,opt13b,gateway] [--time-scale K]
 """
 
 from __future__ import annotations
@@ -45,11 +44,12 @@ from bench.common import host, percentiles
 from services.engine.presets import emulated_model
 from services.launcher import Mesh
 from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
-from services.loadgen.goodput import Probe, search_goodput
+from services.loadgen.goodput import GoodputSearch, Probe
 from services.planner.cluster import ClusterSpec
+from services.planner.goodput import max_rate
 from services.planner.placement import PlanSpec, plan
 from services.planner.simulator import Slo, simulate
-from services.planner.workload import LengthDist, Requests, Workload, parse_workload
+from services.planner.workload import LengthDist, Requests, Workload
 
 SEED_WORKLOAD = Workload(
     "prompt=512,output=64",
@@ -59,12 +59,6 @@ SEED_WORKLOAD = Workload(
 SEED_SLO = Slo(0.4, 0.04)
 ALPHA = 0.9
 TARGETS = (0.95, 0.8, 0.65, 0.5)
-# DistServe's Table 1: workload -> (model, SLO)
-WORKLOADS = {
-    "chat": ("opt-13b", Slo(0.25, 0.1)),
-    "code": ("opt-66b", Slo(0.125, 0.2)),
-    "summarization": ("opt-66b", Slo(15.0, 0.15)),
-}
 
 
 def log(*args) -> None:
@@ -122,16 +116,29 @@ class EmulatedMesh:
     def __exit__(self, *exc) -> None:
         self.mesh.stop()
 
-    def run(self, requests: Requests, seed: int = 0):
+    def run(self, requests: Requests, seed: int = 0, until: int | None = None):
         cpu = cpu_seconds(self.mesh)
-        result = run(self.mesh, self.time_scale, requests, self.vocab, seed)
+        result = run(self.mesh, self.time_scale, requests, self.vocab, seed, until)
         self.cpu_s += cpu_seconds(self.mesh) - cpu
-        self.requests += len(requests)
+        self.requests += int(np.isfinite(result.sent_s).sum())  # those sent
         return result
 
     def cpu_per_request_ms(self) -> float:
         """The mesh's CPU (all its processes) per request, in emulated ms."""
         return self.cpu_s / max(1, self.requests) / self.time_scale * 1000
+
+    def mean_step_ms(self) -> float:
+        """The mean emulated step (decode, or a colocated instance's any) over the workers."""
+        total = count = 0.0
+        for p in self.mesh.workers:
+            if p.name.startswith("prefill"):
+                continue
+            for sample in p.metrics():
+                if sample.name == "distserve_engine_step_seconds_sum":
+                    total += sample.value
+                elif sample.name == "distserve_engine_step_seconds_count":
+                    count += sample.value
+        return total / count * 1000 if count else float("nan")
 
 
 def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[dict]:
@@ -167,17 +174,44 @@ def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[d
     return rows
 
 
+def step_search(measure, start: float, probes: int, step: float = 0.04) -> GoodputSearch:
+    """The highest passing rate near `start` (the simulator's goodput): from 0.97 x start, up
+    or down by `step` until a pass and a fail are adjacent, then halfway between them with
+    what probes are left. (The goodput bisection of `services.loadgen.goodput` halves a
+    failing range, too coarse where the answer is known to within ~10%.)"""
+    done: list[Probe] = []
+    rate = 0.97 * start
+    while len(done) < probes:
+        done.append(measure(rate))
+        passed = [p.rate for p in done if p.attainment >= ALPHA]
+        top = max(passed, default=0.0)
+        above = [p.rate for p in done if p.attainment < ALPHA and p.rate > top]
+        if passed and above:  # bracketed: halfway
+            rate = (top + min(above)) / 2
+        elif passed:  # every probe passed: up
+            rate = top * (1 + step)
+        else:  # every probe failed: down
+            rate = min(p.rate for p in done) * (1 - step)
+    return GoodputSearch(ALPHA, tuple(done))
+
+
 def goodput_on(em: EmulatedMesh, base: Requests, slo: Slo, hint: float, probes: int) -> dict:
-    """The mesh's goodput by bisection from the planner's prediction `hint` (judged as the
-    planner judges it), with the simulator's attainment of each probe beside it."""
+    """The mesh's goodput (judged as the planner judges it), searched in steps from the
+    simulator's goodput on the same requests and instances (`hint`: the planner's, where the
+    search for that starts), with the simulator's attainment of each probe beside it."""
     sim_cluster = em.cluster.sim_cluster(em.shape)
     n = len(base)
+
+    def simulated(rate: float) -> float:  # the middle half, as the mesh's probes are judged
+        return simulate(sim_cluster, base.at_rate(rate), n - n // 4).attainment(slo, n // 4)
+
+    predicted = max_rate(lambda r: simulated(r) if r > 0 else 1.0, ALPHA, hint, rel_tol=0.01)
     sims = {}
 
     def measure(rate: float) -> Probe:
         requests = base.at_rate(rate)
-        result = em.run(requests)
-        sims[rate] = float(np.mean(simulate(sim_cluster, requests).attainment(slo, n // 4)))
+        result = em.run(requests, until=n - n // 4)  # the judged ones ended: enough
+        sims[rate] = simulated(rate)
         probe = dataclasses.replace(Probe.of(rate, result, slo), attainment=judged(result, slo))
         log(
             f"  {em.shape} @ {rate:.2f} req/s: attainment {probe.attainment:.3f} "
@@ -185,30 +219,35 @@ def goodput_on(em: EmulatedMesh, base: Requests, slo: Slo, hint: float, probes: 
         )
         return probe
 
-    search = search_goodput(
-        measure,
-        alpha=ALPHA,
-        rate_lo=0.85 * hint,
-        rate_hi=1.15 * hint,
-        max_probes=probes,
-        rel_tol=0.05,
-    )
+    search = step_search(measure, predicted, probes)
     out = search.to_json()
-    for p in out["probes"]:
-        p["simulator_attainment"] = round(sims[p["rate_rps"]], 4) if p["rate_rps"] in sims else None
+    out["simulator_goodput_rps"] = round(predicted, 3)
+    for p, probe in zip(out["probes"], sorted(search.probes, key=lambda p: p.rate), strict=True):
+        p["simulator_attainment"] = round(sims[probe.rate], 4)
     out["per_gpu_rps"] = round(search.goodput / em.shape.devices, 4)
     return out
 
 
-def compare(cluster, gpus, workload, slo, args, parts) -> dict:
+def compare(
+    cluster: EmulatedCluster,
+    gpus: int,
+    workload,
+    slo: Slo,
+    parts: set[str],
+    args: argparse.Namespace,
+    time_scale: float | None = None,
+) -> dict:
     """The planner's placement and colocated baseline for (workload, slo) on `gpus` GPUs:
-    fidelity rows and/or goodput on the emulated mesh, with the planner's prediction."""
+    fidelity rows and/or goodput on the emulated mesh, with the planner's prediction. `args`:
+    requests (per run), repeats, probes, seed and time_scale (unless `time_scale` is given)."""
+    time_scale = time_scale or args.time_scale
     result = planned(cluster, gpus, workload, slo)
     shapes = {"disaggregated": Shape.of(result.placement), "colocated": Shape.of(result.colocated)}
     base = workload.sample(args.requests, args.seed)
     out = {
         "model": cluster.model.name,
         "workload": workload.name,
+        "time_scale": time_scale,
         "slo_ms": [slo.ttft_s * 1000, slo.tpot_s * 1000],
         "predicted": {
             "disaggregated": {
@@ -228,7 +267,7 @@ def compare(cluster, gpus, workload, slo, args, parts) -> dict:
     for mode, shape in shapes.items():
         log(f"{workload.name} on {cluster.model.name}, {mode} {shape}:")
         started = time.time()
-        with EmulatedMesh(cluster, shape, args.time_scale) as em:
+        with EmulatedMesh(cluster, shape, time_scale) as em:
             rss = rss_bytes(em.mesh)
             entry = {
                 "shape": str(shape),
@@ -239,7 +278,9 @@ def compare(cluster, gpus, workload, slo, args, parts) -> dict:
                 entry["fidelity"] = fidelity(em, base, slo, args.repeats)
             if "goodput" in parts:
                 entry["goodput"] = goodput_on(em, base, slo, hints[mode], args.probes)
+            # K is large enough when the mesh's own CPU per request is under a tenth of a step
             entry["mesh_cpu_per_request_ms"] = round(em.cpu_per_request_ms(), 3)
+            entry["mean_step_ms"] = round(em.mean_step_ms(), 3)
         entry["wall_s"] = round(time.time() - started, 1)
         out[mode] = entry
     if "goodput" in parts:
@@ -253,7 +294,7 @@ def compare(cluster, gpus, workload, slo, args, parts) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="fidelity,opt13b,workloads,gateway")
+    p.add_argument("--parts", default="fidelity,opt13b,gateway")
     p.add_argument("--time-scale", type=float, default=4.0, help="wall s per emulated s")
     p.add_argument("--requests", type=int, default=200, help="per run")
     p.add_argument("--repeats", type=int, default=2, help="runs of each fidelity rate")
@@ -273,7 +314,7 @@ def main() -> int:
         cluster = EmulatedCluster.of("opt-13b")
         which = {"fidelity"} if "fidelity" in parts else set()
         which |= {"goodput"} if "opt13b" in parts else set()
-        seed = compare(cluster, 4, SEED_WORKLOAD, SEED_SLO, args, which)
+        seed = compare(cluster, 4, SEED_WORKLOAD, SEED_SLO, which, args)
         report["opt13b_4gpu"] = seed
         if "fidelity" in parts:
             rows = seed["disaggregated"]["fidelity"] + seed["colocated"]["fidelity"]
@@ -282,21 +323,29 @@ def main() -> int:
         if "opt13b" in parts:
             summary["emulated_goodput_ratio_opt13b"] = seed["measured_ratio"]
             summary["emulated_goodput_ratio_opt13b_predicted"] = seed["predicted"]["ratio"]
-    if "workloads" in parts:
-        for name, (model, slo) in WORKLOADS.items():
-            cluster = EmulatedCluster.of(model)
-            entry = compare(cluster, 8, parse_workload(name), slo, args, {"goodput"})
-            report[f"{name}_8gpu"] = entry
-            summary[f"emulated_goodput_ratio_{name}"] = entry["measured_ratio"]
-            summary[f"emulated_goodput_ratio_{name}_predicted"] = entry["predicted"]["ratio"]
-    cpu = [
-        v["mesh_cpu_per_request_ms"]
-        for k, e in report.items()
+    if "gateway" in parts:
+        from bench.emulated_gateway import measure
+
+        log("one gateway, 16P16D, short steps:")
+        gateway = measure(log)
+        report["gateway"] = gateway
+        for key in ("gateway_max_tokens_per_s_32_workers", "tokens_per_s_per_gateway_core"):
+            summary[key] = gateway[key]
+        summary["gateway_saturated_by"] = gateway["saturated_by"]
+        summary["gateway_cpu_top5"] = [f["function"] for f in gateway["gateway_cpu_top5"]["own"]]
+    meshes = [
+        v
+        for e in report.values()
         if isinstance(e, dict)
         for v in e.values()
         if isinstance(v, dict) and "mesh_cpu_per_request_ms" in v
     ]
-    summary["mesh_cpu_per_request_emulated_ms_max"] = max(cpu) if cpu else None
+    if meshes:  # K is large enough when the mesh's CPU per request is under a tenth of a step
+        worst = max(meshes, key=lambda m: m["mesh_cpu_per_request_ms"] / m["mean_step_ms"])
+        summary["mesh_cpu_per_request_emulated_ms"] = worst["mesh_cpu_per_request_ms"]
+        summary["mesh_cpu_per_request_over_step"] = round(
+            worst["mesh_cpu_per_request_ms"] / worst["mean_step_ms"], 3
+        )
     summary["time_scale"] = args.time_scale
     summary["engine"] = "emulated"
     summary["hardware"] = host()

@@ -1,14 +1,15 @@
-"""One gateway's ceiling: 16 prefill and 16 decode emulated workers with very short steps behind
-one gateway, offered more and more tokens until the gateway (or this host) saturates.
+"""One gateway's ceiling: 16 prefill and 16 decode emulated A100s (OPT-13B) behind one gateway,
+at the device's own speed (time scale 1: decode steps of ~20 ms, one token a message, as on a
+real deployment), offered more and more tokens until the gateway (or this host) saturates.
 
-The workers' steps take ~1 ms (a made-up fast device: the point is that they out-produce the
-gateway), time scale 1. Each probe offers Poisson arrivals for `PROBE_S` seconds of prompts of
-32-128 tokens and `OUTPUT_TOKENS`-token answers, at double the rate of the one before, until the
-tokens delivered fall below 90% of those offered or the gateway's CPU passes 90% of a core. The
-figures: the most tokens/s delivered, the gateway's CPU per token (so: tokens/s per gateway
-core), the whole host's CPU beside it (on a 2-core host the 32 workers and the load generator
-share the cores: whichever saturates first is named), and where the gateway's CPU went at the
-last probe (py-spy, top 5 functions by own time).
+Each probe offers Poisson arrivals for `PROBE_S` seconds of prompts of 32-128 tokens and
+`OUTPUT_TOKENS`-token answers, at double the rate of the one before, until the gateway's CPU
+passes 90% of a core, the host's CPU 90% of its cores, or the median TPOT 1.5x the first
+probe's. The figures: the most tokens/s delivered, the gateway's CPU per token beyond its idle
+cost (32 workers' heartbeats), so the tokens/s one gateway core forwards, the whole host's CPU
+beside it (on a 2-core host the 32 workers and the load generator share the cores: whichever
+saturates first is named), and where the gateway's CPU goes at the last probe (py-spy: the top 5
+functions by own time, and the top 5 of the mesh's own code by inclusive time).
 
 Used by bench/emulated.py (`--parts gateway`); alone: `python bench/emulated_gateway.py`.
 """
@@ -38,20 +39,7 @@ OUTPUT_TOKENS = 200
 PROBE_S = 8.0
 FIRST_RATE = 10.0
 MAX_PROBES = 7
-# A fast device: prefill 0.5 ms + 0.5 us per token, every decode step 1 ms.
-FAST = {
-    "prefill": [0.5, 0.0005, 0.0],
-    "decoding_smallbs": [1.0, 0.0, 0.0],
-    "decoding_largebs": [1.0, 0.0, 0.0],
-    "decoding_large_small_bs_threshold": 95,
-}
-
-
-def fast_profile(folder: Path) -> Path:
-    path = folder / "fast-device.json"
-    raw = {"format": "distserve-mesh-profile/1", "model": "opt-13b", "tp": {"1": FAST}}
-    path.write_text(json.dumps(raw))
-    return path
+IDLE_S = 5.0
 
 
 def process_cpu(pid: int) -> float:
@@ -66,18 +54,29 @@ def host_cpu() -> float:
     return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def top_functions(raw: str, n: int = 5) -> list[dict]:
-    """The n functions with the most own samples in py-spy's raw (collapsed stack) output."""
+def top_functions(raw: str, n: int = 5) -> dict[str, list[dict]]:
+    """From py-spy's raw (collapsed stack) output: the n functions with the most own samples,
+    and the n of the mesh's code (services/) in the most samples' stacks."""
     own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            own[stack.rsplit(";", 1)[-1]] += int(count)
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        own[frames[-1]] += int(count)
+        for frame in set(frames):
+            if "services/" in frame:
+                inclusive[frame] += int(count)
     total = sum(own.values()) or 1
-    return [{"function": f, "share": round(c / total, 3)} for f, c in own.most_common(n)]
+
+    def top(counter: collections.Counter) -> list[dict]:
+        return [{"function": f, "share": round(c / total, 3)} for f, c in counter.most_common(n)]
+
+    return {"own": top(own), "inclusive_services": top(inclusive)}
 
 
-def profile_gateway(pid: int, seconds: float, folder: Path) -> list[dict]:
+def profile_gateway(pid: int, seconds: float, folder: Path) -> dict[str, list[dict]]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out = folder / "gateway.raw"
     try:
@@ -102,7 +101,7 @@ def profile_gateway(pid: int, seconds: float, folder: Path) -> list[dict]:
             timeout=seconds + 60,
         )
     except (OSError, subprocess.SubprocessError) as e:
-        return [{"function": f"py-spy failed: {e}", "share": 0.0}]
+        return {"own": [{"function": f"py-spy failed: {e}", "share": 0.0}]}
     return top_functions(out.read_text())
 
 
@@ -115,14 +114,17 @@ def measure(log=print) -> dict:
     probes = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        cluster = EmulatedCluster.of("opt-13b", fast_profile(folder))
+        cluster = EmulatedCluster.of("opt-13b")
         shape = Shape(prefill=(16, 1), decode=(16, 1))
         started = time.time()
         spec = cluster.mesh_spec(shape, emulated_model(cluster.model), 1.0, ready_timeout_s=600)
         with Mesh(spec) as mesh:
             log(f"  16P16D up in {time.time() - started:.0f} s")
             gateway = next(p for p in mesh.processes if p.name == "gateway").popen.pid
-            rate, top = FIRST_RATE, []
+            g0 = process_cpu(gateway)
+            time.sleep(IDLE_S)
+            idle = (process_cpu(gateway) - g0) / IDLE_S  # cores: heartbeats, metrics
+            rate, top = FIRST_RATE, {}
             for i in range(MAX_PROBES):
                 n = max(20, int(rate * PROBE_S))
                 requests = workload.sample(n, seed=i).at_rate(rate)
@@ -157,9 +159,10 @@ def measure(log=print) -> dict:
                 log(f"  {probe}")
                 probes.append(probe)
                 saturated = (
-                    probe["delivered_tokens_per_s"] < 0.9 * probe["offered_tokens_per_s"]
-                    or probe["gateway_cpu_cores"] > 0.9
-                    or probe["host_cpu_cores"] > 0.95 * os.cpu_count()
+                    probe["gateway_cpu_cores"] > 0.9
+                    or probe["host_cpu_cores"] > 0.9 * os.cpu_count()
+                    or probe["tpot_p50_ms"] > 1.5 * probes[0]["tpot_p50_ms"]
+                    or probe["errors"]
                 )
                 if saturated:
                     if not top:
@@ -169,9 +172,12 @@ def measure(log=print) -> dict:
     best = max(probes, key=lambda p: p["delivered_tokens_per_s"])
     last = probes[-1]
     limit = "gateway" if last["gateway_cpu_cores"] > 0.9 else "host"
+    if len(probes) == MAX_PROBES and not saturated:
+        limit = "none (the probes ran out)"
     return {
-        "engine": "emulated (a fast made-up device: 1 ms decode steps), time scale 1",
+        "engine": "emulated OPT-13B on A100s (DistServe's profile), time scale 1",
         "shape": "16P16D",
+        "gateway_idle_cpu_cores": round(idle, 4),
         "gateway_max_tokens_per_s_32_workers": best["delivered_tokens_per_s"],
         "gateway_cpu_us_per_token": best["gateway_cpu_us_per_token"],
         "tokens_per_s_per_gateway_core": round(1e6 / best["gateway_cpu_us_per_token"]),
@@ -187,7 +193,7 @@ class SpyInBackground:
     def __init__(self, pid: int, seconds: float, folder: Path) -> None:
         import threading
 
-        self.result: list[dict] = []
+        self.result: dict[str, list[dict]] = {}
 
         def go() -> None:
             time.sleep(PROBE_S / 4)
