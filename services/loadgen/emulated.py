@@ -163,8 +163,9 @@ class EmulatedCluster:
             gateway_port=0,
             worker_args=common,
             prefill_args=(
-                "--max-batch-tokens",
-                str(self.max_batch_tokens("prefill", shape.prefill[1])),
+                ("--max-batch-tokens", str(self.max_batch_tokens("prefill", shape.prefill[1])))
+                if shape.prefill[0]
+                else ()
             ),
             decode_args=(
                 "--max-batch-tokens",
