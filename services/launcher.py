@@ -56,6 +56,10 @@ class MeshSpec:
     edge: EdgeConfig | None = None  # Envoy in front of the gateway; None: no edge
     planner: bool = False  # a planner, fed the live workload by the gateway
     planner_args: tuple[str, ...] = ()
+    # > 0: the planner resizes the running mesh within this many devices, through the
+    # launcher's actuator (services/planner/actuator.py); planner_args must name the model
+    # spec and the SLO it plans for.
+    budget: int = 0
     # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
     # ("ip", "netns", "exec", "NS") to place one in a network namespace; it must exec the rest.
     command_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -97,6 +101,8 @@ class Mesh:
         self.envoy: Envoy | None = None
         self.edge_address = ""  # Envoy's listener, when the spec has an edge
         self._clock_args: tuple[str, ...] = ()  # every process's --time-scale and --time-epoch
+        self.actuator = None  # a LocalActuator when the planner resizes the mesh (spec.budget)
+        self._actuator_server = None
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -142,43 +148,17 @@ class Mesh:
             self._wait_ready([gateway])
             self.gateway_address = gateway.ready["address"]
             self.gateway_http_address = gateway.ready.get("http_address", "")
-            cores = sorted(os.sched_getaffinity(0))
-            started = []
-            roles = [
-                ("prefill", spec.prefill),
-                ("decode", spec.decode),
-                ("colocated", spec.colocated),
+            started = [
+                self._spawn_worker(role, i)
+                for role, count in (
+                    ("prefill", spec.prefill),
+                    ("decode", spec.decode),
+                    ("colocated", spec.colocated),
+                )
+                for i in range(count)
             ]
-            for role, count in roles:
-                for i in range(count):
-                    args = [
-                        "services.prefill" if role == "prefill" else "services.decode",
-                        "--model",
-                        str(spec.model),
-                        "--gateway",
-                        self.gateway_address,
-                        "--host",
-                        spec.host,
-                        "--worker-id",
-                        f"{role}-{i}",
-                        "--drain-timeout-s",
-                        str(spec.drain_timeout_s),
-                        *spec.worker_args,
-                        *(spec.prefill_args if role == "prefill" else spec.decode_args),
-                        *self._clock_args,
-                    ]
-                    if spec.engine != "torch":
-                        args += ["--engine", spec.engine, *spec.emulation_args]
-                    if spec.tp.get(role, 1) > 1:
-                        args += ["--tensor-parallel-size", str(spec.tp[role])]
-                    args += spec.per_worker_args.get(f"{role}-{i}", ())
-                    if role != "prefill":
-                        args += ["--role", role]
-                    if spec.pin:
-                        args += ["--cpu", str(cores[len(started) % len(cores)]), "--threads", "1"]
-                    started.append(self._spawn(f"{role}-{i}", args))
             self._wait_ready(started)
-            self._wait_registered(len(started))
+            self._wait_listed(lambda ws: len(ws) >= len(started))
             if spec.edge is not None:
                 upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
                 edge = spec.edge
@@ -191,20 +171,120 @@ class Mesh:
             self.stop()
             raise
 
+    def _spawn_worker(self, role: str, i: int) -> Process:
+        """Start the worker `{role}-{i}` (not waiting for it)."""
+        spec = self.spec
+        args = [
+            "services.prefill" if role == "prefill" else "services.decode",
+            "--model",
+            str(spec.model),
+            "--gateway",
+            self.gateway_address,
+            "--host",
+            spec.host,
+            "--worker-id",
+            f"{role}-{i}",
+            "--drain-timeout-s",
+            str(spec.drain_timeout_s),
+            *spec.worker_args,
+            *(spec.prefill_args if role == "prefill" else spec.decode_args),
+            *self._clock_args,
+        ]
+        if spec.engine != "torch":
+            args += ["--engine", spec.engine, *spec.emulation_args]
+        if spec.tp.get(role, 1) > 1:
+            args += ["--tensor-parallel-size", str(spec.tp[role])]
+        args += spec.per_worker_args.get(f"{role}-{i}", ())
+        if role != "prefill":
+            args += ["--role", role]
+        if spec.pin:
+            cores = sorted(os.sched_getaffinity(0))
+            args += ["--cpu", str(cores[len(self.workers) % len(cores)]), "--threads", "1"]
+        return self._spawn(f"{role}-{i}", args)
+
+    def free_name(self, role: str) -> str:
+        """The name a new `role` worker gets: the lowest index no running worker has."""
+        taken = {p.name for p in self.processes}
+        return next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+
+    def add_worker(self, role: str, name: str | None = None) -> Process:
+        """Start one more `role` worker (named `name`, default `free_name(role)`); return once
+        it is ready and registered with the gateway."""
+        if role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"no worker role {role!r}")
+        name = name or self.free_name(role)
+        if not name.startswith(f"{role}-") or name in {p.name for p in self.processes}:
+            raise ValueError(f"{name!r} is not a free name for a {role} worker")
+        proc = self._spawn_worker(role, int(name.rsplit("-", 1)[1]))
+        try:
+            self._wait_ready([proc])
+            self._wait_listed(lambda ws: any(w.address == proc.ready["address"] for w in ws))
+        except BaseException:
+            self.stop_worker(proc.name, grace_s=0)
+            raise
+        return proc
+
+    def stop_worker(self, name: str, grace_s: float | None = None) -> None:
+        """Drain the worker `name` and wait until it exits: it leaves the gateway's registry at
+        once (nothing new is routed to it), its requests in flight finish or move to another
+        instance, its held KV is released; SIGKILL if it outlives the drain timeout and 10 s."""
+        proc = next((p for p in self.workers if p.name == name), None)
+        if proc is None:
+            raise ValueError(f"no worker named {name!r}")
+        grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+        if proc in self.processes:  # `distserve up`'s watch may have seen it exit first
+            self.processes.remove(proc)
+
+    def worker_loads(self) -> dict:
+        """Each registered worker's last reported load (`WorkerLoad`), by name."""
+        with mesh_tls.channel(self.gateway_address) as channel:
+            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+            workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+        return {w.worker_id: w.load for w in workers}
+
     def _start_planner(self) -> str:
-        """The planner process; on this single host it splits the disaggregated workers."""
+        """The planner process; on this single host it splits the disaggregated workers, or,
+        with a budget, resizes the mesh through the launcher's actuator."""
         spec = self.spec
         args = ["services.planner", "--host", spec.host, *self._clock_args]
-        if spec.prefill + spec.decode >= 2:
+        if spec.budget:
+            args += self._serve_actuator()
+        elif spec.prefill + spec.decode >= 2:
             args += ["--workers", str(spec.prefill + spec.decode)]
         planner = self._spawn("planner", [*args, *spec.planner_args])
         self._wait_ready([planner])
         return planner.ready["address"]
 
+    def _serve_actuator(self) -> list[str]:
+        """Serve a LocalActuator for the planner; its command-line options for it."""
+        from services.planner.actuator import LocalActuator, serve
+
+        spec = self.spec
+        roles = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated}
+        roles = {r: n for r, n in roles.items() if n}
+        devices = sum(n * spec.tp.get(r, 1) for r, n in roles.items())
+        if devices > spec.budget:
+            raise InvalidRequest(f"the mesh starts with {devices} devices, over its budget")
+        self.actuator = LocalActuator(self)
+        self._actuator_server, address = serve(self.actuator, spec.host)
+        tp = ",".join(f"{r}={spec.tp.get(r, 1)}" for r in roles)
+        return ["--actuator", address, "--budget", str(spec.budget), "--tp", tp]
+
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM Envoy, the workers, then the gateway; SIGKILL what outlives the grace
         period (default: the workers' drain timeout and 10 s)."""
         grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
+        if self._actuator_server is not None:
+            self._actuator_server.stop(0)
+            self._actuator_server = None
+            self.actuator.close(timeout_s=grace_s + self.spec.ready_timeout_s)
         if self.envoy is not None:
             self.envoy.stop(grace_s)
             self.envoy = None
@@ -239,16 +319,9 @@ class Mesh:
         self.processes[i] = proc
         threading.Thread(target=_watch_stdout, args=(proc,), daemon=True).start()
         self._wait_ready([proc])
-        deadline = time.monotonic() + 30
-        with mesh_tls.channel(self.gateway_address) as channel:
-            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
-            while True:
-                workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
-                if any(w.worker_id == name and w.address == proc.ready["address"] for w in workers):
-                    return proc
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not register again within 30 s")
-                time.sleep(0.1)
+        address = proc.ready["address"]
+        self._wait_listed(lambda ws: any(w.worker_id == name and w.address == address for w in ws))
+        return proc
 
     def _spawn(self, name: str, module_args: list[str]) -> Process:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
@@ -279,16 +352,18 @@ class Mesh:
                         f"{p.name} was not ready within {self.spec.ready_timeout_s} s"
                     )
 
-    def _wait_registered(self, count: int) -> None:
-        deadline = time.monotonic() + 30
+    def _wait_listed(self, done, timeout_s: float = 30.0) -> None:
+        """Wait until `done(workers)` holds for the gateway's registry (its WorkerInfo list)."""
+        deadline = time.monotonic() + timeout_s
         with mesh_tls.channel(self.gateway_address) as channel:
             stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
             while True:
                 workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
-                if len(workers) >= count:
+                if done(workers):
                     return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(workers)} of {count} workers registered")
+                    names = sorted(w.worker_id for w in workers)
+                    raise TimeoutError(f"the gateway's registry did not settle: it lists {names}")
                 time.sleep(0.1)
 
 

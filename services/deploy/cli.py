@@ -15,7 +15,7 @@ from services.common.errors import DistServeError, InvalidRequest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `deploy render` to a subparsers object, with its `func`."""
+    """Add `deploy render` and `deploy scale` to a subparsers object, with their `func`."""
     from services.deploy.render import RenderOptions
 
     d = RenderOptions()
@@ -66,6 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--cluster-domain", default=d.cluster_domain)
     r.set_defaults(func=render_command)
+    sc = deploy.add_parser(
+        "scale",
+        help="replica patches (and kubectl commands) moving a rendered mesh to a new placement",
+        description="Write merge patches of the worker Deployments rendered for --placement "
+        "that give them the replica counts of --to, and print the kubectl commands that apply "
+        "them (scale-downs first). Only replicas change: a placement of other pool shapes "
+        "needs `deploy render` again.",
+    )
+    sc.add_argument("--placement", required=True, type=Path, help="the plan.json deployed now")
+    sc.add_argument("--to", required=True, type=Path, help="the plan.json to scale to")
+    sc.add_argument("--out", required=True, type=Path, help="folder to write the patches to")
+    sc.add_argument("--namespace", default=d.namespace)
+    sc.add_argument("--baseline", action="store_true", help="the plans' colocated baselines")
+    sc.set_defaults(func=scale_command)
 
 
 def render_command(args: argparse.Namespace) -> int:
@@ -102,6 +116,25 @@ def render_command(args: argparse.Namespace) -> int:
         for group in groups:
             print(f"  kubectl label node NODE {NODE_GROUP}={group}")
     print(f"apply with: kubectl apply -k {args.out}")
+    return 0
+
+
+def scale_command(args: argparse.Namespace) -> int:
+    from services.deploy.actuator import KubernetesActuator
+    from services.deploy.render import RenderOptions
+
+    plans = []
+    for path in (args.placement, args.to):
+        try:
+            plans.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(f"cannot read the placement {path}: {e}") from e
+    options = RenderOptions(namespace=args.namespace, baseline=args.baseline)
+    commands = KubernetesActuator(plans[0], args.out, options).apply(plans[1])
+    if not commands:
+        print("the replica counts already match: nothing to change")
+    for command in commands:
+        print(command)
     return 0
 
 

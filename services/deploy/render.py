@@ -81,7 +81,8 @@ class RenderOptions:
         return f"{name}.{self.namespace}.svc.{self.cluster_domain}:{port}"
 
 
-def _gpus_per_node(plan: dict) -> int | None:
+def gpus_per_node(plan: dict) -> int | None:
+    """GPUs per node from a plan's cluster (None when it does not say)."""
     n = (plan.get("cluster") or {}).get("gpus_per_node")
     return n if isinstance(n, int) and n > 0 else None
 
@@ -90,7 +91,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     """File name -> Kubernetes objects: the whole mesh for the plan's placement."""
     o = options or RenderOptions()
     placement = select_placement(plan, o.baseline)
-    pools = worker_pools(placement, _gpus_per_node(plan))
+    pools = worker_pools(placement, gpus_per_node(plan))
     mesh = _mesh_config(plan, o)
     mesh_hash = _digest(mesh["data"])
     edge = _envoy_config(o)
@@ -127,7 +128,7 @@ def node_groups(plan: dict, options: RenderOptions | None = None) -> list[str]:
     """The `distserve.io/node-group` values the rendered pods require (low affinity), in order:
     label one node per value before applying."""
     o = options or RenderOptions()
-    pools = worker_pools(select_placement(plan, o.baseline), _gpus_per_node(plan))
+    pools = worker_pools(select_placement(plan, o.baseline), gpus_per_node(plan))
     return sorted({p.node_group for p in pools if p.node_group}, key=lambda g: int(g[5:]))
 
 
