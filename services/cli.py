@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from services.common import mesh_tls
-from services.common.errors import DistServeError
+from services.common.errors import DistServeError, InvalidRequest
 from services.deploy.cli import register as register_deploy
 from services.edge.options import add_edge_options
 from services.launcher import add_emulation_options, emulated_mesh
@@ -78,6 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
+    up.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="with --planner: devices (workers x tp) the planner may resize the mesh to; it "
+        "applies its decisions (needs --slo-ttft-ms and --slo-tpot-ms, and an emulated "
+        "--model-spec or a --profile of the real one)",
+    )
+    up.add_argument(
+        "--advise", action="store_true", help="with --budget: the planner decides, never applies"
+    )
     up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
     up.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for the attainment metric")
     for role in ("prefill", "decode", "colocated"):
@@ -248,6 +259,9 @@ def _up(args: argparse.Namespace) -> int:
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if value is not None:
             gateway_args += [flag, str(value)]
+    planner_args: list[str] = []
+    if args.budget:
+        planner_args = _autoscale_args(args)
     spec = MeshSpec(
         model=args.model,
         prefill=args.prefill,
@@ -259,12 +273,33 @@ def _up(args: argparse.Namespace) -> int:
         gateway_args=tuple(gateway_args),
         pin=args.pin,
         edge=None if args.no_edge else edge_config(args, args.host),
-        planner=args.planner,
+        planner=args.planner or bool(args.budget),
+        planner_args=tuple(planner_args),
+        budget=args.budget,
         drain_timeout_s=args.drain_timeout_s,
         tp={"prefill": args.prefill_tp, "decode": args.decode_tp, "colocated": args.colocated_tp},
         **emulation,
     )
     return run_until_signal(spec)
+
+
+def _autoscale_args(args: argparse.Namespace) -> list[str]:
+    """The planner's options to resize the mesh `distserve up` starts (--budget)."""
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise InvalidRequest("--budget needs the SLO to size for: --slo-ttft-ms and --slo-tpot-ms")
+    if args.model_spec:
+        spec = args.model_spec
+    elif args.profile:
+        spec = str(args.model)
+    else:
+        raise InvalidRequest(
+            "--budget needs the model's step times: --engine emulated --model-spec NAME, or "
+            "--profile FILE (`distserve profile` of the model on this machine)"
+        )
+    out = ["--model-spec", spec, "--slo", f"{args.slo_ttft_ms:g},{args.slo_tpot_ms:g}"]
+    if args.profile:
+        out += ["--profile", str(args.profile)]
+    return out + (["--advise"] if args.advise else [])
 
 
 def _client(args: argparse.Namespace) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
+from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -17,7 +19,10 @@ from services.common.server import (
     start_server,
     wait_for_signal,
 )
-from services.planner.config import PlannerConfig
+from services.planner.actuator import RemoteActuator
+from services.planner.autoscale import AutoscaleConfig, Autoscaler
+from services.planner.config import Autoscale, PlannerConfig
+from services.planner.control import ControlLoop
 from services.planner.drift import DriftConfig
 from services.planner.metrics import PlannerMetrics
 from services.planner.replanner import Replanner
@@ -40,10 +45,39 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--drift-rate", type=float, default=0.3, help="relative rate shift")
     p.add_argument("--drift-length", type=float, default=0.25, help="relative length shift")
     p.add_argument("--drift-confirm", type=int, default=2, help="drifting windows in a row")
+    g = p.add_argument_group(
+        "autoscaling", "resize the running mesh within a budget (services/planner/control.py)"
+    )
+    g.add_argument("--budget", type=int, default=0, help="devices the mesh may use (0: off)")
+    g.add_argument("--actuator", help="host:port of the Actuator service (the launcher's)")
+    g.add_argument("--model-spec", help="the model served: opt-13b, ... or a model folder")
+    g.add_argument("--slo", help="TTFT_MS,TPOT_MS the mesh is sized for")
+    g.add_argument("--attainment", type=float, default=0.9)
+    g.add_argument("--tp", default="prefill=1,decode=1", help="ROLE=TP,...: the mesh's roles")
+    g.add_argument("--decide-every-s", type=float, default=5.0)
+    g.add_argument("--window-s", type=float, default=60.0, help="the workload measured")
+    g.add_argument("--cooldown-s", type=float, default=30.0, help="after a change lands")
+    g.add_argument("--advise", action="store_true", help="decide and report, never apply")
     add_metrics_args(p)
     clock.add_args(p)
     a = p.parse_args(argv)
     clock.setup_from_args(a)  # spans on the mesh's clock (an emulated mesh's is slower)
+    autoscale = None
+    if a.budget:
+        if not (a.actuator and a.model_spec and a.slo):
+            raise InvalidRequest("--budget needs --actuator, --model-spec and --slo")
+        ttft, tpot = (float(x) for x in a.slo.split(","))
+        autoscale = Autoscale(
+            actuator=a.actuator,
+            model_spec=a.model_spec,
+            ttft_slo_ms=ttft,
+            tpot_slo_ms=tpot,
+            tp={r: int(n) for r, n in (kv.split("=") for kv in a.tp.split(","))},
+            config=AutoscaleConfig(budget=a.budget, window_s=a.window_s, cooldown_s=a.cooldown_s),
+            attainment=a.attainment,
+            interval_s=a.decide_every_s,
+            advisory=a.advise,
+        )
     return PlannerConfig(
         host=a.host,
         port=a.port,
@@ -55,12 +89,45 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         num_requests=a.num_requests,
         drift=DriftConfig(a.drift_window, a.drift_rate, a.drift_length, a.drift_confirm),
         metrics_port=a.metrics_port,
+        autoscale=autoscale,
+    )
+
+
+def control_loop(config: PlannerConfig, registry) -> ControlLoop:
+    """The loop that resizes the mesh (config.autoscale)."""
+    from services.common.latency import for_model
+    from services.common.model_spec import model_spec
+    from services.planner.cluster import ClusterSpec
+    from services.planner.placement import PlanSpec
+    from services.planner.simulator import Slo
+    from services.planner.workload import PRESETS
+
+    auto = config.autoscale
+    model = model_spec(auto.model_spec)
+    spec = PlanSpec(
+        model=model,
+        cluster=ClusterSpec(1, auto.config.budget),
+        workload=PRESETS["chat"],  # unused: the loop plans for the measured workload
+        slo=Slo(auto.ttft_slo_ms / 1000, auto.tpot_slo_ms / 1000),
+        latency=for_model(model, config.profile),
+        colocated_latency=for_model(model, config.colocated_profile or config.profile, "vllm"),
+        alpha=auto.attainment,
+        max_num_seqs=config.max_num_seqs,
+    )
+    return ControlLoop(
+        Autoscaler(spec, auto.tp, auto.config),
+        RemoteActuator(auto.actuator),
+        registry,
+        interval_s=auto.interval_s,
+        advisory=auto.advisory,
     )
 
 
 async def serve(config: PlannerConfig) -> None:
     metrics = PlannerMetrics(worker_registry())
-    servicer = PlannerServicer(config, Replanner(config.drift, config.workers), metrics)
+    control = control_loop(config, metrics.registry) if config.autoscale else None
+    replanner = Replanner(config.drift, config.workers)
+    servicer = PlannerServicer(config, replanner, metrics, control)
 
     def add(server) -> None:
         planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
@@ -72,8 +139,11 @@ async def serve(config: PlannerConfig) -> None:
         address=f"{config.host}:{port}",
         metrics_address=serve_metrics(metrics.registry, config.host, config.metrics_port),
     )
+    loop = asyncio.create_task(control.run()) if control is not None else None
     sig = await wait_for_signal()
     log.info("signal %d: stopping", sig)
+    if loop is not None:
+        loop.cancel()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.common.errors import DistServeError
+from services.common.errors import DistServeError, InvalidRequest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,9 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan", help="search the placement with the best goodput per GPU for a workload and SLO"
     )
     p.add_argument(
-        "--model-spec",
-        required=True,
-        help="opt-13b, opt-66b, opt-175b, or a model folder with a config.json",
+        "--model-spec", help="opt-13b, opt-66b, opt-175b, or a model folder with a config.json"
     )
     p.add_argument(
         "--profile",
@@ -36,9 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="latency of the colocated baseline (default: the vLLM fit published beside a "
         "DistServe profile, else --profile)",
     )
-    p.add_argument(
-        "--cluster", required=True, help="NODESxGPUS[,INTRA_GBS,INTER_GBS], e.g. 4x8,300,3.1"
-    )
+    p.add_argument("--cluster", help="NODESxGPUS[,INTRA_GBS,INTER_GBS], e.g. 4x8,300,3.1")
     p.add_argument(
         "--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)"
     )
@@ -47,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="chat",
         help="chat | code | summarization [:cv=X] | trace:FILE | prompt=DIST,output=DIST[,cv=X]",
     )
-    p.add_argument("--slo", required=True, help="TTFT_MS,TPOT_MS, e.g. 400,100")
+    p.add_argument("--slo", help="TTFT_MS,TPOT_MS, e.g. 400,100")
     p.add_argument("--attainment", type=float, default=0.9, help="fraction meeting both SLOs")
     p.add_argument("--rate", type=float, help="target requests/s (default: fill the cluster)")
     p.add_argument("--affinity", choices=("auto", "high", "low"), default="auto")
@@ -62,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "only; 0: any, DistServe's search, as a what-if)",
     )
     p.add_argument("--out", type=Path, default=Path("plan.json"), help="where to write the JSON")
+    p.add_argument(
+        "--watch",
+        metavar="ADDRESS",
+        help="instead of a search: print the running planner's view and decision (host:port of "
+        "a planner resizing a mesh, `distserve up --budget`), every --every-s seconds",
+    )
+    p.add_argument("--every-s", type=float, default=2.0, help="with --watch (0: once)")
     p.set_defaults(func=plan_command)
 
     q = sub.add_parser("profile", help="measure the engine here and fit the latency model")
@@ -113,11 +116,57 @@ def plan_spec(args: argparse.Namespace):
 def plan_command(args: argparse.Namespace) -> int:
     from services.planner.placement import plan
 
+    if args.watch:
+        return watch(args.watch, args.every_s)
+    missing = [f for f in ("model_spec", "cluster", "slo") if not getattr(args, f)]
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        raise InvalidRequest(f"a plan needs {flags} (or --watch ADDRESS)")
     result = plan(plan_spec(args))
     print(describe_plan(result))
     args.out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def watch(address: str, every_s: float) -> int:
+    """Print the planner's latest decision at `address`, every `every_s` seconds (0: once)."""
+    import time
+
+    import grpc
+
+    from services.common import mesh_tls
+    from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+
+    with mesh_tls.channel(address) as channel:
+        stub = planner_pb2_grpc.PlannerStub(channel)
+        while True:
+            try:
+                d = stub.GetDecision(planner_pb2.GetDecisionRequest(), timeout=10)
+                print(describe_decision(d), flush=True)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise InvalidRequest(f"planner at {address}: {e.details()}") from None
+                print(f"planner at {address}: {e.details()}", flush=True)
+            if every_s <= 0:
+                return 0
+            time.sleep(every_s)
+
+
+def describe_decision(d) -> str:
+    """One decision as a person reads it."""
+    import time
+
+    counts = lambda c: " ".join(f"{r}={c[r]}" for r in sorted(c)) or "-"  # noqa: E731
+    observed = "-" if d.observed_attainment < 0 else f"{d.observed_attainment:.1%}"
+    predicted = ", ".join(f"{k} {v:.1%}" for k, v in sorted(d.predicted_attainment.items()))
+    stamp = time.strftime("%H:%M:%S", time.localtime(d.decided_unix_s))
+    mode = " (advisory)" if d.advisory else ""
+    return (
+        f"{stamp} {d.action}{mode}: {counts(d.current)} -> {counts(d.target)} "
+        f"(budget {d.budget}); {d.samples} requests at {d.rate_rps:.3g} req/s, attainment "
+        f"observed {observed}, predicted {predicted or '-'}; {d.reason}"
+    )
 
 
 def describe_plan(result) -> str:

@@ -6,7 +6,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.errors import InvalidRequest
+from services.planner.autoscale import AutoscaleConfig
 from services.planner.drift import DriftConfig
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """The control loop's settings (services/planner/control.py): what it plans for, through
+    which actuator, how often."""
+
+    actuator: str  # host:port of the Actuator service (the launcher's)
+    model_spec: str  # opt-13b, ... or a model folder
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    tp: dict[str, int]  # each role's tensor degree in the mesh (its roles)
+    config: AutoscaleConfig
+    attainment: float = 0.9
+    interval_s: float = 5.0  # between decisions (the mesh's clock)
+    advisory: bool = False  # decide and report, never apply
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
+            raise InvalidRequest("autoscaling needs a positive SLO: --slo TTFT_MS,TPOT_MS")
+        if self.interval_s <= 0:
+            raise InvalidRequest("--decide-every-s must be positive")
 
 
 @dataclass(frozen=True)
@@ -27,6 +50,7 @@ class PlannerConfig:
     num_requests: int = 1000  # simulated per instance per goodput probe
     drift: DriftConfig = field(default_factory=DriftConfig)
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    autoscale: Autoscale | None = None  # resize the running mesh (None: recommend only)
 
     def __post_init__(self) -> None:
         if self.workers == 1 or self.workers < 0:

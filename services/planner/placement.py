@@ -228,6 +228,34 @@ def split_workers(spec: PlanSpec, workers: int) -> Placement:
     return best
 
 
+def sim_instance(
+    spec: PlanSpec, role: str, tp: int, pp: int = 1, nodes: tuple[int, ...] = ()
+) -> Instance:
+    """One instance of `role` as the spec's model, cluster and latency make it."""
+    lat = spec.colocated_latency if role == "colocated" else spec.latency
+    return Instance(
+        role=role,
+        tp=tp,
+        pp=pp,
+        kv_capacity=kv_capacity(spec.model, tp, pp, spec.cluster),
+        max_batch_tokens=lat.saturation_tokens(tp),
+        max_num_seqs=max(spec.max_num_seqs, pp),
+        nodes=nodes or tuple(range(pp)),
+    )
+
+
+def sim_cluster(spec: PlanSpec, instances) -> SimCluster:
+    """The simulator's cluster of `instances` on the spec's cluster and latency models."""
+    return SimCluster(
+        instances=tuple(instances),
+        latency=spec.latency,
+        kv_bytes_per_token=spec.model.kv_bytes_per_token,
+        intra_node_bandwidth=spec.cluster.intra_node_bandwidth,
+        inter_node_bandwidth=spec.cluster.inter_node_bandwidth,
+        colocated_latency=spec.colocated_latency,
+    )
+
+
 class _Search:
     """The configurations of one spec, their goodputs (memoised) and the three algorithms."""
 
@@ -261,30 +289,12 @@ class _Search:
     # -- simulation ------------------------------------------------------------------------------
 
     def instance(self, role: str, tp: int, pp: int, nodes: tuple[int, ...] = ()) -> Instance:
-        s = self.spec
-        lat = s.colocated_latency if role == "colocated" else s.latency
-        return Instance(
-            role=role,
-            tp=tp,
-            pp=pp,
-            kv_capacity=kv_capacity(s.model, tp, pp, s.cluster),
-            max_batch_tokens=lat.saturation_tokens(tp),
-            max_num_seqs=max(s.max_num_seqs, pp),
-            nodes=nodes or tuple(range(pp)),
-        )
+        return sim_instance(self.spec, role, tp, pp, nodes)
 
     def simulate_goodput(self, instances: list[Instance], slo: Slo) -> float:
         s = self.spec
-        cluster = SimCluster(
-            instances=tuple(instances),
-            latency=s.latency,
-            kv_bytes_per_token=s.model.kv_bytes_per_token,
-            intra_node_bandwidth=s.cluster.intra_node_bandwidth,
-            inter_node_bandwidth=s.cluster.inter_node_bandwidth,
-            colocated_latency=s.colocated_latency,
-        )
         return goodput(
-            cluster,
+            sim_cluster(s, instances),
             s.workload,
             slo,
             s.alpha,

@@ -8,10 +8,11 @@ import logging
 import time
 
 from services.common import telemetry
-from services.common.errors import DistServeError, InvalidRequest
+from services.common.errors import DistServeError, InvalidRequest, NotFound
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
 from services.planner.config import PlannerConfig
+from services.planner.control import ControlLoop
 from services.planner.drift import Drift, Sample
 from services.planner.metrics import PlannerMetrics
 from services.planner.placement import Placement, PlanSpec
@@ -22,11 +23,16 @@ log = logging.getLogger("distserve.planner")
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(
-        self, config: PlannerConfig, replanner: Replanner, metrics: PlannerMetrics
+        self,
+        config: PlannerConfig,
+        replanner: Replanner,
+        metrics: PlannerMetrics,
+        control: ControlLoop | None = None,
     ) -> None:
         self.config = config
         self.replanner = replanner
         self.metrics = metrics
+        self.control = control  # resizes the mesh from the samples (None: recommend only)
 
     async def Plan(self, request, context):
         spec = plan_spec(request, self.config)
@@ -44,6 +50,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def GetPlacement(self, request, context):
         return placement_to_pb(self.replanner.placement())
 
+    async def GetDecision(self, request, context):
+        if self.control is None:
+            raise NotFound("this planner resizes no mesh: start it with --budget")
+        return self.control.to_pb()
+
     async def ReportWorkload(self, request_iterator, context):
         # Client streaming is not covered by the shared ErrorInterceptor: map errors here.
         try:
@@ -57,6 +68,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             sample = Sample(
                 pb.arrival_unix_s, pb.prompt_tokens, pb.output_tokens, pb.ttft_ms, pb.tpot_ms
             )
+            if self.control is not None:
+                self.control.observe(sample)
             drift = self.replanner.observe(sample)
             samples += 1
             self.metrics.samples.inc()

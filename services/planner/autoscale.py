@@ -1,0 +1,214 @@
+"""The planner's decisions on a running mesh: how many instances of each role, from the
+workload it measures, within a budget of devices, never oscillating.
+
+`Autoscaler.decide(view)` is pure (no I/O, its own clock given in the view): the service calls
+it on a timer with what it measured and hands a `scale` decision to an actuator
+(services/planner/actuator.py). The rules, each against a fault users of other planners report:
+
+* **One change at a time.** While a change is in flight (the actuator is applying one, or the
+  registry does not yet show the last target) the answer is `wait`, and for `cooldown_s` after
+  a change lands it is `hold`: a decision is taken on what the new placement measures, never
+  on what the old one left behind (NVIDIA Dynamo #9774).
+* **Up when the SLO is at risk.** The measured window (its requests' arrival gaps and lengths,
+  replayed by the simulator at the measured rate) is predicted to miss the attainment target on
+  the current placement, or missed it as observed. The new placement is the smallest within
+  the budget predicted to meet it at `up_headroom` x the rate, or, when none does, the one
+  predicted best at the rate; it is taken only if it predicts `margin` more attainment than
+  the current one (a reshape of the same size included: a workload change may need more
+  decode and less prefill, not more devices).
+* **Down only when it stays safe.** A smaller placement is taken only if it is predicted to
+  meet the target at `down_headroom` x the rate (above `up_headroom`: a band in which neither
+  rule fires, so noise in the measured rate cannot scale 2 -> 1 -> 2 under a constant load,
+  Dynamo #9294), and only when the current one meets the SLO as observed.
+* **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
+* **Idle shrinks**: fewer than MIN_SAMPLES requests over a whole window since the last change
+  (or the start) scale the pool down to its smallest placement.
+
+The tensor degree of each role is the mesh's (instances are resized, not re-sharded).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.common.errors import InvalidRequest
+from services.planner.drift import Sample
+from services.planner.placement import PlanSpec, sim_cluster, sim_instance
+from services.planner.simulator import simulate
+from services.planner.workload import Requests
+
+MIN_SAMPLES = 20  # a window with fewer finished requests decides nothing
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    budget: int  # devices the mesh may use
+    window_s: float = 60.0  # the measured workload: requests that arrived this long ago at most
+    up_headroom: float = 1.2
+    down_headroom: float = 1.5
+    margin: float = 0.05  # attainment a change must add (a scale-up or a reshape)
+    cooldown_s: float = 30.0
+    replay: int = 600  # requests the simulator replays per prediction (the window repeated)
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise InvalidRequest(f"a budget is >= 1 device, got {self.budget}", "budget")
+        if not 1.0 <= self.up_headroom < self.down_headroom:
+            raise InvalidRequest(
+                "headrooms: 1 <= up < down (the band between them is what keeps a constant "
+                f"load from scaling back and forth), got up {self.up_headroom}, "
+                f"down {self.down_headroom}"
+            )
+
+
+@dataclass(frozen=True)
+class View:
+    """What the planner sees now."""
+
+    now_s: float
+    samples: tuple[Sample, ...]  # finished requests, in arrival order (any age)
+    counts: Mapping[str, int]  # instances per role now (the registry's view)
+    in_flight: bool = False  # a change is being applied
+    last_change_s: float = -math.inf  # when the last change landed
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "scale", "hold" or "wait"
+    reason: str
+    counts: dict[str, int]  # the target (the current counts unless action is "scale")
+    rate: float = 0.0  # measured, requests/s
+    observed: float = math.nan  # attainment observed in the window
+    predicted: dict[str, float] = field(default_factory=dict)  # "current"/"target" at the rate
+
+    def to_json(self) -> dict:
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "counts": self.counts,
+            "rate_rps": round(float(self.rate), 4),
+            "observed_attainment": None if math.isnan(self.observed) else round(self.observed, 4),
+            "predicted_attainment": {k: round(v, 4) for k, v in self.predicted.items()},
+        }
+
+
+class Autoscaler:
+    """Decisions for one pool. `spec` gives the model, SLO, attainment target and latency
+    models (its workload and rate are ignored: the measured ones are used); `tp` is each
+    role's tensor degree in the mesh."""
+
+    def __init__(self, spec: PlanSpec, tp: Mapping[str, int], config: AutoscaleConfig) -> None:
+        self.spec, self.tp, self.config = spec, dict(tp), config
+        roles = sorted(self.tp)
+        if not roles or not (set(roles) <= {"prefill", "decode"} or roles == ["colocated"]):
+            raise InvalidRequest(f"roles {roles}: prefill and decode, or colocated alone")
+        self.roles = roles
+        self._instances = {r: sim_instance(spec, r, self.tp[r]) for r in roles}
+
+    def devices(self, counts: Mapping[str, int]) -> int:
+        return sum(counts.get(r, 0) * self.tp[r] for r in self.roles)
+
+    def candidates(self) -> list[dict[str, int]]:
+        """Every instance count per role (each >= 1) within the budget, fewest devices first."""
+        ranges = [range(1, self.config.budget // self.tp[r] + 1) for r in self.roles]
+        out = [
+            dict(zip(self.roles, c, strict=True))
+            for c in itertools.product(*ranges)
+            if self.devices(dict(zip(self.roles, c, strict=True))) <= self.config.budget
+        ]
+        return sorted(out, key=lambda c: (self.devices(c), tuple(c.values())))
+
+    def predict(self, counts: Mapping[str, int], requests: Requests) -> float:
+        """Attainment the simulator predicts for `requests` on `counts` instances."""
+        instances = tuple(
+            inst for r in self.roles for inst in [self._instances[r]] * counts.get(r, 0)
+        )
+        if not any(i.role in ("decode", "colocated") for i in instances) or not any(
+            i.role in ("prefill", "colocated") for i in instances
+        ):
+            return 0.0
+        return simulate(sim_cluster(self.spec, instances), requests).attainment(self.spec.slo)
+
+    def decide(self, view: View) -> Decision:
+        current = {r: view.counts.get(r, 0) for r in self.roles}
+        if view.in_flight:
+            return Decision("wait", "a change is being applied", current)
+        if view.now_s - view.last_change_s < self.config.cooldown_s:
+            return Decision("hold", "cooling down after the last change", current)
+        window = [s for s in view.samples if s.arrival_s >= view.now_s - self.config.window_s]
+        if len(window) < MIN_SAMPLES:
+            smallest = self.candidates()[0]
+            idle = view.now_s - view.last_change_s >= self.config.window_s
+            if idle and self.devices(smallest) < self.devices(current):
+                why = f"{len(window)} requests in {self.config.window_s:g} s: idle"
+                return Decision("scale", why, smallest)
+            return Decision("hold", f"{len(window)} requests measured: too few to decide", current)
+        rate, requests = _replay(window, self.config.replay)
+        slo = self.spec.slo
+        observed = float(
+            np.mean(
+                [s.ttft_ms <= slo.ttft_s * 1000 and s.tpot_ms <= slo.tpot_s * 1000 for s in window]
+            )
+        )
+
+        def at(factor: float):
+            return requests.at_rate(rate * factor)
+
+        alpha = self.spec.alpha
+        now = self.predict(current, at(1.0))
+        base = {"current": now}
+        if now < alpha or observed < alpha:
+            ranked = []  # the smallest that meets it at the headroom, else the best at it
+            for c in self.candidates():
+                ranked.append((self.predict(c, at(self.config.up_headroom)), c))
+                if ranked[-1][0] >= alpha:
+                    break
+            target = max(ranked, key=lambda x: x[0])[1]
+            then = self.predict(target, at(1.0))
+            predicted = {**base, "target": then}
+            why = (
+                f"SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
+                f"{observed:.1%}, target {alpha:.0%})"
+            )
+            if target == current or then < now + self.config.margin:
+                return Decision(
+                    "hold",
+                    why + ": no placement in the budget does better",
+                    current,
+                    rate,
+                    observed,
+                    predicted,
+                )
+            return Decision("scale", why, target, rate, observed, predicted)
+        for c in self.candidates():
+            if self.devices(c) >= self.devices(current):
+                break
+            if self.predict(c, at(self.config.down_headroom)) >= alpha:
+                predicted = {**base, "target": self.predict(c, at(1.0))}
+                why = (
+                    f"{self.devices(c)} devices meet the SLO at {self.config.down_headroom:g}x "
+                    f"the measured {rate:.3g} req/s"
+                )
+                return Decision("scale", why, c, rate, observed, predicted)
+        return Decision(
+            "hold", "the SLO is met and no smaller placement is safe", current, rate, observed, base
+        )
+
+
+def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
+    """The window's rate and its requests (gaps and lengths as measured) at 1 request/s,
+    repeated to `n`: enough for the simulator to reach a steady state."""
+    t = np.array([s.arrival_s for s in window], dtype=float)
+    t -= t[0]
+    span = t[-1] * len(t) / (len(t) - 1) if t[-1] > 0 else float(len(t))
+    rate = len(t) / span
+    reps = -(-n // len(t))
+    arrivals = np.concatenate([t + k * span for k in range(reps)])[:n] * rate
+    prompt = np.tile([s.prompt_tokens for s in window], reps)[:n]
+    output = np.tile([s.output_tokens for s in window], reps)[:n]
+    return rate, Requests(arrivals, prompt, output)

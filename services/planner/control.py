@@ -1,0 +1,164 @@
+"""The planner's control loop: every `interval_s`, what the mesh measures -> a decision
+(services/planner/autoscale.py) -> the actuator (services/planner/actuator.py).
+
+Each tick asks the actuator's status first: while it applies a change, the decision is `wait`;
+the moment a change lands starts the cool-down. Every decision is a log line (changes at INFO,
+holds at DEBUG), a span `planner.decide` with its inputs and predictions, and a count in
+`distserve_planner_decisions_total{action}`; the latest is `latest` (what `distserve plan
+--watch` prints). Advisory mode decides and reports but never applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common import clock, telemetry
+from services.planner.actuator import Actuator
+from services.planner.autoscale import Autoscaler, Decision, View
+from services.planner.drift import Sample
+
+log = logging.getLogger("distserve.planner")
+
+
+class ControlLoop:
+    def __init__(
+        self,
+        autoscaler: Autoscaler,
+        actuator: Actuator,
+        registry: CollectorRegistry,
+        interval_s: float = 5.0,
+        pool: str = "default",
+        advisory: bool = False,
+    ) -> None:
+        self.autoscaler, self.actuator = autoscaler, actuator
+        self.interval_s, self.pool, self.advisory = interval_s, pool, advisory
+        self.samples: collections.deque[Sample] = collections.deque()
+        self.latest: Decision | None = None
+        self.latest_at_s = math.nan
+        self._latest_view: View | None = None
+        self._changes_seen: int | None = None  # the actuator's count of changes, last tick
+        self._was_changing = False
+        self._last_change_s = clock.time_s()  # the start counts as a change: none is judged
+        # on a window the loop did not see
+        self.decisions = Counter(
+            "distserve_planner_decisions",
+            "The planner's decisions on the running mesh, by action (scale, hold, wait).",
+            ["action"],
+            registry=registry,
+        )
+        self.target = Gauge(
+            "distserve_planner_target_instances",
+            "Instances per role the planner's latest decision wants.",
+            ["role"],
+            registry=registry,
+        )
+        self.measured_rate = Gauge(
+            "distserve_planner_measured_rate_rps",
+            "Arrival rate over the planner's window (requests/s, the mesh's clock).",
+            registry=registry,
+        )
+
+    def observe(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        horizon = clock.time_s() - self.autoscaler.config.window_s
+        while self.samples and self.samples[0].arrival_s < horizon:
+            self.samples.popleft()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(clock.wall_seconds(self.interval_s))
+            try:
+                await self.tick()
+            except Exception:  # a tick that failed (the actuator away): the next one retries
+                log.exception("planner tick failed")
+
+    async def tick(self) -> Decision:
+        status = await asyncio.to_thread(self.actuator.status)
+        now = clock.time_s()
+        moved = self._changes_seen is not None and status.changes != self._changes_seen
+        if not status.changing and (self._was_changing or moved):
+            self._last_change_s = now  # a change landed since the last tick: cool down
+        self._was_changing, self._changes_seen = status.changing, status.changes
+        counts = {r: status.count(r) for r in self.autoscaler.roles}
+        view = View(
+            now_s=now,
+            samples=tuple(self.samples),
+            counts=counts,
+            in_flight=status.changing,
+            last_change_s=self._last_change_s,
+        )
+        span = telemetry.start("planner.decide", None, {"planner.advisory": self.advisory})
+        try:
+            decision = await asyncio.to_thread(self.autoscaler.decide, view)
+            self._latest_view = view
+            self._report(decision, span, status.last_error)
+            if decision.action == "scale" and not self.advisory:
+                await asyncio.to_thread(self._apply, decision)
+                self._was_changing = True  # it lands when the status says it is done
+        except Exception as e:
+            telemetry.fail(span, e)
+            raise
+        finally:
+            span.end()
+        return decision
+
+    def _apply(self, decision: Decision) -> None:
+        self.actuator.apply(self.pool, decision.counts, decision.reason)
+
+    def _report(self, decision: Decision, span, last_error: str) -> None:
+        self.latest, self.latest_at_s = decision, clock.time_s()
+        self.decisions.labels(decision.action).inc()
+        for role, count in decision.counts.items():
+            self.target.labels(role).set(count)
+        self.measured_rate.set(decision.rate)
+        attributes = {
+            "planner.action": decision.action,
+            "planner.reason": decision.reason,
+            "planner.rate_rps": decision.rate,
+            "planner.samples": len(self.samples),
+            **{f"planner.target.{r}": n for r, n in decision.counts.items()},
+            **{f"planner.predicted.{k}": v for k, v in decision.predicted.items()},
+        }
+        if not math.isnan(decision.observed):
+            attributes["planner.observed_attainment"] = decision.observed
+        span.set_attributes(attributes)
+        if last_error:
+            log.warning("the actuator's last change failed: %s", last_error)
+        level = logging.INFO if decision.action == "scale" else logging.DEBUG
+        verb = "advises" if self.advisory and decision.action == "scale" else "decides"
+        log.log(
+            level,
+            "planner %s %s %s: %s",
+            verb,
+            decision.action,
+            decision.counts,
+            decision.reason,
+        )
+
+    def to_pb(self):
+        """The latest decision as a `Decision` message (GetDecision)."""
+        from services.common.errors import FailedPrecondition
+        from services.common.gen.distserve.v1 import planner_pb2
+
+        d, view = self.latest, self._latest_view
+        if d is None or view is None:
+            raise FailedPrecondition("no decision yet: the first comes after one interval")
+        window = self.autoscaler.config.window_s
+        return planner_pb2.Decision(
+            action=d.action,
+            reason=d.reason,
+            current=dict(view.counts),
+            target=d.counts,
+            rate_rps=d.rate,
+            observed_attainment=-1.0 if math.isnan(d.observed) else d.observed,
+            predicted_attainment=d.predicted,
+            decided_unix_s=self.latest_at_s,
+            advisory=self.advisory,
+            budget=self.autoscaler.config.budget,
+            samples=sum(1 for s in view.samples if s.arrival_s >= view.now_s - window),
+        )

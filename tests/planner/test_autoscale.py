@@ -1,0 +1,134 @@
+"""The planner's decisions on a running mesh (services/planner/autoscale.py), on OPT-13B's
+published A100 profile: up when the SLO is at risk, down only when it stays safe, never back and
+forth under a constant load, nothing while a change is in flight, never over the budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.common.errors import InvalidRequest
+from services.loadgen.emulated import EmulatedCluster
+from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay
+from services.planner.cluster import ClusterSpec
+from services.planner.drift import Sample
+from services.planner.placement import PlanSpec, sim_cluster
+from services.planner.simulator import Slo, simulate
+from services.planner.workload import PRESETS
+
+SLO = Slo(0.25, 0.1)  # chat, DistServe's Table 1
+BUDGET = 8
+NOW = 1000.0
+
+
+@pytest.fixture(scope="module")
+def autoscaler() -> Autoscaler:
+    cluster = EmulatedCluster.of("opt-13b")
+    spec = PlanSpec(
+        model=cluster.model,
+        cluster=ClusterSpec(1, BUDGET),
+        workload=PRESETS["chat"],
+        slo=SLO,
+        latency=cluster.latency,
+        colocated_latency=cluster.colocated_latency,
+    )
+    return Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
+
+
+def served(a: Autoscaler, counts, workload: str, rate: float, seed: int, n: int = 240):
+    """`n` requests of a workload at `rate`, as the mesh of `counts` would report them (the
+    simulator's TTFT and TPOT), the last arriving just before NOW."""
+    requests = PRESETS[workload].sample(n, seed).at_rate(rate)
+    instances = [a._instances[r] for r in a.roles for _ in range(counts[r])]
+    result = simulate(sim_cluster(a.spec, instances), requests)
+    start = NOW - requests.arrival_s[-1] - 0.01
+    return tuple(
+        Sample(start + t, int(p), int(o), ttft * 1000, tpot * 1000)
+        for t, p, o, ttft, tpot in zip(
+            requests.arrival_s,
+            requests.prompt,
+            requests.output,
+            result.ttft,
+            result.tpot,
+            strict=True,
+        )
+    )
+
+
+def settled(a: Autoscaler, workload: str, rate: float, counts=None, seed: int = 0) -> dict:
+    """Decide until the decisions hold: the counts the planner settles on for a load."""
+    counts = dict(counts or {"prefill": 1, "decode": 1})
+    for _ in range(6):
+        d = a.decide(View(NOW, served(a, counts, workload, rate, seed), counts))
+        if d.action != "scale":
+            return counts
+        assert a.devices(d.counts) <= BUDGET
+        counts = d.counts
+    raise AssertionError(f"no settled placement: still scaling at {counts}")
+
+
+def test_a_load_the_mesh_cannot_meet_scales_it_up_within_the_budget(autoscaler):
+    counts = {"prefill": 1, "decode": 1}
+    d = autoscaler.decide(View(NOW, served(autoscaler, counts, "chat", 6.0, 0), counts))
+    assert d.action == "scale", d
+    assert autoscaler.devices(d.counts) > 2 and autoscaler.devices(d.counts) <= BUDGET
+    assert d.observed < 0.9 and d.predicted["target"] >= 0.9 > d.predicted["current"]
+    assert d.to_json()["counts"] == d.counts
+
+
+def test_a_constant_load_makes_no_change_once_placed(autoscaler):
+    counts = settled(autoscaler, "chat", 6.0)
+    for seed in range(1, 9):  # other windows of the same load: its noise
+        samples = served(autoscaler, counts, "chat", 6.0, seed)
+        d = autoscaler.decide(View(NOW, samples, counts))
+        assert d.action == "hold", (seed, d)
+
+
+def test_a_load_that_falls_scales_down_only_to_what_stays_safe(autoscaler):
+    counts = settled(autoscaler, "chat", 6.0)
+    d = autoscaler.decide(View(NOW, served(autoscaler, counts, "chat", 1.5, 0), counts))
+    assert d.action == "scale" and autoscaler.devices(d.counts) < autoscaler.devices(counts)
+    rate, requests = _replay(
+        [s for s in served(autoscaler, counts, "chat", 1.5, 0)], autoscaler.config.replay
+    )
+    headroom = autoscaler.config.down_headroom
+    assert autoscaler.predict(d.counts, requests.at_rate(rate * headroom)) >= 0.9
+
+
+def test_nothing_is_decided_while_a_change_is_in_flight_or_cooling_down(autoscaler):
+    counts = {"prefill": 1, "decode": 1}
+    samples = served(autoscaler, counts, "chat", 6.0, 0)
+    assert autoscaler.decide(View(NOW, samples, counts, in_flight=True)).action == "wait"
+    cooling = View(NOW, samples, counts, last_change_s=NOW - 10)
+    assert autoscaler.decide(cooling).action == "hold"
+    assert autoscaler.decide(dataclasses.replace(cooling, last_change_s=NOW - 31)).action == "scale"
+
+
+def test_a_load_past_the_budget_gets_the_best_the_budget_allows(autoscaler):
+    counts = {"prefill": 4, "decode": 4}
+    d = autoscaler.decide(View(NOW, served(autoscaler, counts, "chat", 200.0, 0), counts))
+    assert d.action in ("scale", "hold")
+    assert autoscaler.devices(d.counts) <= BUDGET
+
+
+def test_a_workload_of_longer_prompts_moves_devices_to_prefill(autoscaler):
+    chat = settled(autoscaler, "chat", 3.0)
+    long_prompts = settled(autoscaler, "summarization", 3.0, counts=chat)
+    share = lambda c: c["prefill"] / (c["prefill"] + c["decode"])  # noqa: E731
+    assert share(long_prompts) > share(chat), (chat, long_prompts)
+
+
+def test_few_requests_decide_nothing_and_bad_configs_are_refused(autoscaler):
+    counts = {"prefill": 1, "decode": 1}
+    few = served(autoscaler, counts, "chat", 6.0, 0, n=10)
+    assert autoscaler.decide(View(NOW, few, counts)).action == "hold"
+    big = {"prefill": 2, "decode": 2}
+    recent = View(NOW, few, big, last_change_s=NOW - 30)
+    assert autoscaler.decide(recent).action == "hold"  # the window is not all since the change
+    idle = autoscaler.decide(dataclasses.replace(recent, last_change_s=NOW - 61))
+    assert (idle.action, idle.counts) == ("scale", counts)
+    with pytest.raises(InvalidRequest, match="up < down"):
+        AutoscaleConfig(budget=8, up_headroom=1.5, down_headroom=1.2)
+    with pytest.raises(InvalidRequest, match="budget"):
+        AutoscaleConfig(budget=0)
