@@ -16,7 +16,8 @@ Parts (`--parts`, default all):
   gap_pp` (prediction against the mean of the runs), `emulated_repeat_spread_pp` (between runs).
 * `opt13b`: the same two meshes' goodput (the highest rate with >= 90% of the middle half of the
   requests meeting both SLOs, as the planner judges it, searched in steps from the simulator's
-  goodput on the same requests) per GPU: `emulated_goodput_ratio_opt13b`, the planner's predicted ratio beside it.
+  goodput on the same requests) per GPU: `emulated_goodput_ratio_opt13b`, the planner's
+  predicted ratio beside it.
 * The planner's workloads on 8 A100s: bench/emulated_workloads.py (its own 25 minutes).
 * `gateway`: 16P16D emulated A100s at their own speed behind one gateway
   (bench/emulated_gateway.py): the most tokens/s it delivers here
