@@ -6,6 +6,11 @@ starts Envoy in front of the gateway (when the spec has an edge) and waits until
 Stopping sends SIGTERM (Envoy first, then the workers, then the gateway), and SIGKILL to any that
 outlive the grace period. Children die with the launcher even if it is killed
 (PR_SET_PDEATHSIG).
+
+A running mesh also grows and shrinks one worker at a time (`add_worker`, `stop_worker`: a
+drain), which the planner's actuator uses (`--budget`, services/planner/actuator.py); that is
+why this file is over ~450 lines: starting, watching and resizing one set of processes is one
+idea.
 """
 
 from __future__ import annotations
