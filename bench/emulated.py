@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import host, percentiles
+from bench.common import host, percentiles, report_and_exit_code
 from services.engine.presets import emulated_model
 from services.launcher import Mesh
 from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
@@ -349,14 +348,7 @@ def main() -> int:
         )
     summary["time_scale"] = args.time_scale
     summary["engine"] = "emulated"
-    summary["hardware"] = host()
-    summary["wall_s"] = round(time.time() - started, 1)
-    report["summary"] = summary
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    print(json.dumps(summary))
-    return 0
+    return report_and_exit_code(report, summary, args.out, started)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,13 @@ and `..._predicted`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import host
+from bench.common import host, report_and_exit_code
 from bench.emulated import compare, log
 from services.loadgen.emulated import EmulatedCluster
 from services.planner.simulator import Slo
@@ -71,13 +70,8 @@ def main() -> int:
         log(
             f"{name}: measured {entry['measured_ratio']}x, predicted {entry['predicted']['ratio']}x"
         )
-    summary.update(engine="emulated", hardware=host(), wall_s=round(time.time() - started, 1))
-    report["summary"] = summary
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    print(json.dumps(summary))
-    return 0
+    summary["engine"] = "emulated"
+    return report_and_exit_code(report, summary, args.out, started)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.errors import FailedPrecondition, InvalidRequest
+import grpc
+
+from services.common import mesh_tls
+from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
+from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.server import status_code
 
 log = logging.getLogger("distserve.actuator")
 
@@ -208,9 +214,6 @@ class RemoteActuator:
     `apply` return once the change has started: `status().changing` says when it is done."""
 
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
-        from services.common import mesh_tls
-        from services.common.gen.distserve.v1 import planner_pb2_grpc
-
         self._channel = mesh_tls.channel(address)
         self._stub = planner_pb2_grpc.ActuatorStub(self._channel)
         self.timeout_s = timeout_s
@@ -219,19 +222,13 @@ class RemoteActuator:
         self.apply(pool, {role: count})
 
     def apply(self, pool: str, counts: Mapping[str, int], reason: str = "") -> None:
-        from services.common.gen.distserve.v1 import planner_pb2
-
         request = planner_pb2.ApplyRequest(pool=pool, counts=dict(counts), reason=reason)
         self._stub.Apply(request, timeout=self.timeout_s)
 
     def drain(self, worker: str) -> None:
-        from services.common.gen.distserve.v1 import planner_pb2
-
         self._stub.Drain(planner_pb2.DrainRequest(worker_id=worker), timeout=600)
 
     def status(self) -> ActuatorStatus:
-        from services.common.gen.distserve.v1 import planner_pb2
-
         pb = self._stub.Status(planner_pb2.ActuatorStatusRequest(), timeout=self.timeout_s)
         return ActuatorStatus(
             tuple(Instance(i.name, i.role, i.state) for i in pb.instances),
@@ -247,14 +244,6 @@ class RemoteActuator:
 def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
     """Serve `actuator` as the `Actuator` gRPC service (a synchronous server on threads, as the
     launcher is); returns (server, address). Stop with `server.stop(grace)`."""
-    from concurrent import futures
-
-    import grpc
-
-    from services.common import mesh_tls
-    from services.common.errors import DistServeError
-    from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
-    from services.common.server import status_code
 
     class Servicer(planner_pb2_grpc.ActuatorServicer):
         def Apply(self, request, context):
