@@ -54,6 +54,7 @@ def worker_load(worker: DecodeWorker) -> common_pb2.WorkerLoad:
         waiting_seqs=load.waiting_seqs,
         free_kv_blocks=load.free_blocks,
         total_kv_blocks=load.total_blocks,
+        kv_block_size=worker.loop.engine.config.block_size,
         pending_pulls=worker.pulling,
         decode_step_ms=load.decode_step_ms,
     )

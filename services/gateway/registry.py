@@ -21,6 +21,12 @@ class Load:
     pending_pulls: int = 0
     held_kv_handles: int = 0
     decode_step_ms: float = 0.0
+    kv_block_size: int = 16  # tokens per KV block
+
+    @property
+    def free_kv_tokens(self) -> int:
+        """Tokens that fit in the free KV blocks."""
+        return self.free_kv_blocks * self.kv_block_size
 
 
 @dataclass
@@ -130,6 +136,12 @@ class Registry:
         worker = self._workers.get(worker_id)
         if worker is not None and (address is None or worker.address == address):
             del self._workers[worker_id]
+
+    def lost(self, worker: Worker) -> None:
+        """A worker failed mid-stream (it died, or it drains): route nothing more to it; a live
+        one is back at its next heartbeat. Only that incarnation: a worker restarted under the
+        same id (at another address) stays."""
+        self.deregister(worker.worker_id, worker.address)
 
     def live(self, role: str | None = None) -> list[Worker]:
         """Workers whose lease holds; lapsed ones are removed."""

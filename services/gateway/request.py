@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.convert import sampling_from_pb
-from services.common.errors import InvalidRequest
+from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.common.model_config import ModelConfig
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
@@ -56,6 +56,13 @@ class Request:
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def timeout(self) -> float | None:
+        """The time left for a downstream call (None: no deadline); DeadlineExceeded if none."""
+        remaining = self.remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"request {self.request_id} ran out of time")
+        return remaining
 
 
 @dataclass(frozen=True)

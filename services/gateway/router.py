@@ -1,10 +1,15 @@
-"""One request's path through the mesh: prefill, then decode; or a colocated instance.
+"""Where a request is routed: its serving path, and its move to another when it is lost.
 
-The first token is streamed as soon as prefill returns it. Text is detokenized here, with stop
-strings held back and cut. Cancellation and deadlines reach every stage: a cancelled client
-cancels the downstream call, whose worker frees what it holds; KV held for a decode call that
-never took it, or whose call failed, is released here. Each request is one trace: its root
-span is opened here and its context travels with every downstream call.
+A request goes one of three ways (`Router._path`): disaggregated (prefill on a prefill
+instance, its KV handed to a decode instance: gateway/handoff.py), a short prompt prefilled on a
+decode instance itself (conditional disaggregation), or one colocated instance. The first token
+is streamed as soon as it exists. Text is detokenized here, with stop strings held back and cut.
+When the instance streaming a request is lost, the rest of the request moves to a new path
+(`_migrating`); every retry of a request draws on one budget (gateway/retries.py).
+Cancellation and deadlines reach every stage: a cancelled client cancels the downstream call,
+whose worker frees what it holds (who frees KV held between prefill and decode: handoff.py).
+Each request is one trace: its root span is opened here and its context travels with every
+downstream call.
 """
 
 from __future__ import annotations
@@ -19,48 +24,22 @@ from prometheus_client import CollectorRegistry
 
 from services.common import mesh_tls, telemetry
 from services.common.convert import finish_from_pb, sampling_to_pb
-from services.common.errors import DeadlineExceeded, DistServeError, RemoteError
-from services.common.gen.distserve.v1 import (
-    decode_pb2,
-    decode_pb2_grpc,
-    kvtransfer_pb2,
-    kvtransfer_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from services.common.errors import DistServeError, RemoteError
+from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
+from services.gateway.handoff import Handoff, Tokens
 from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
 from services.gateway.planner_feed import PlannerFeed
-from services.gateway.registry import Registry, Worker
+from services.gateway.registry import Registry
 from services.gateway.request import Request
+from services.gateway.retries import Failover, Retries, RetryPolicy
 
 log = logging.getLogger("distserve.gateway")
-
-# A request whose KV cannot be pulled is prefilled again; this many handoffs in all.
-KV_HANDOFF_ATTEMPTS = 3
-# A prefill instance that cannot be reached is replaced by another; this many tries in all.
-PREFILL_ATTEMPTS = 3
-# A request whose decode (or colocated) instance is lost mid-stream moves this often at most.
-MIGRATION_ATTEMPTS = 2
-
-
-@dataclass(frozen=True)
-class DecodeCall:
-    """A Decode call and the instance serving it (`ticket`: the call in its sent work)."""
-
-    call: grpc.aio.UnaryStreamCall
-    worker: Worker
-    ticket: int
-
-    def cancel(self) -> None:
-        """End the call (if it is still open) and its place in the instance's sent work."""
-        self.call.cancel()
-        self.worker.settle(self.ticket)
 
 
 @dataclass
@@ -83,23 +62,25 @@ class Router:
         model: str = "",
         metrics: GatewayMetrics | None = None,
         feed: PlannerFeed | None = None,
-        early_handoff_min_tokens: int | None = 0,
+        layerwise_min_tokens: int | None = 0,
         local_prefill: LocalPrefill | None = None,
         admission: Admission | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.registry = registry
         self.tokenizer = tokenizer
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
         self.feed = feed  # finished requests' samples for the planner
-        # Layer-wise handoff (decode pulls the KV while prefill computes it) for prompts of at
-        # least this many tokens; None: never.
-        self.early_handoff_min_tokens = early_handoff_min_tokens
         # Conditional disaggregation: short prompts prefilled on a decode instance.
         self.local_prefill = local_prefill
         # Refuses early (429) what cannot be served in time; None admits everything.
         self.admission = admission
+        self.retry = retry or RetryPolicy()  # how often one request may be tried again, in all
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Layer-wise handoff (decode pulls the KV while prefill computes it) for prompts of at
+        # least `layerwise_min_tokens` tokens; None: never.
+        self.handoff = Handoff(registry, self.channel, admission, layerwise_min_tokens)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -167,29 +148,32 @@ class Router:
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
 
-    async def _migrating(
-        self, req: Request, seen: RequestObserver
-    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+    async def _migrating(self, req: Request, seen: RequestObserver) -> AsyncIterator[Tokens]:
         """The request's tokens over one serving path; when the instance streaming them is lost
         (it died, or drained past its deadline: UNAVAILABLE), the rest of the request moves to
         another path: the prompt plus the tokens already sent is prefilled again and decoding
         continues from there, so the client's stream has no duplicate and no missing token
-        (greedy output equals the failure-free output). MIGRATION_ATTEMPTS moves at most."""
+        (greedy output equals the failure-free output). Every move, and every retry on the
+        path, is drawn from the request's one retry budget."""
+        retries = self.retry.start(self._count_retry)
         sent: list[int] = []
         part = req
-        for attempt in range(MIGRATION_ATTEMPTS + 1):
+        first = True
+        while True:
             try:
-                async with contextlib.aclosing(self._path(part, seen, not attempt)) as events:
+                events = self._path(part, seen, first, retries)
+                async with contextlib.aclosing(events):
                     async for ids, reason in events:
                         sent += ids
                         yield ids, reason
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == MIGRATION_ATTEMPTS:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 if len(sent) >= req.params.max_tokens:
                     raise  # nothing left to generate; the stream just lacks its end
-                self.metrics.migrations.labels("decode_unavailable").inc()
+                if not retries.allow(Failover.DECODE_UNAVAILABLE, e.details() or ""):
+                    raise
                 log.warning(
                     "request %s: lost its serving instance after %d tokens (%s); moving it",
                     req.request_id,
@@ -197,10 +181,14 @@ class Router:
                     e.details(),
                 )
                 part = req.continued(sent)
+                first = False
+
+    def _count_retry(self, kind: Failover) -> None:
+        self.metrics.migrations.labels(kind.value).inc()
 
     def _path(
-        self, req: Request, seen: RequestObserver, first: bool
-    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+        self, req: Request, seen: RequestObserver, first: bool, retries: Retries
+    ) -> AsyncIterator[Tokens]:
         """The serving path for (the rest of) a request: disaggregated, a short prompt
         prefilled on a decode instance, or colocated."""
         mode = self.registry.mode()
@@ -210,202 +198,10 @@ class Router:
             seen.set_mode(mode)
         self.metrics.routes.labels(mode).inc()
         if mode == "disaggregated":
-            return self._disaggregated(req, seen.context)
+            return self.handoff.run(req, seen.context, retries)
         if mode == "local-prefill":
             return self._colocated(req, seen.context, role="decode")
         return self._colocated(req, seen.context)
-
-    async def _disaggregated(
-        self, req: Request, trace: telemetry.Context | None
-    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        tried: set[str] = set()
-        # With the layer-wise handoff, a decode call is already pulling (`early`) by now.
-        reply, early = await self._first_prefill(req, tried, trace)
-        reason = finish_from_pb(reply.finish_reason)
-        try:
-            yield [reply.first_token_id], reason
-        except BaseException:
-            if early is not None:
-                early.cancel()  # the decode instance releases the KV it was pulling
-            await self._release(reply.kv, trace)  # the client left before a decode took the KV
-            raise
-        if reason is not None:
-            if early is not None:
-                early.cancel()  # nothing to decode (the prefill instance freed the KV)
-            return
-        first = reply.first_token_id
-        failures: list[str] = []
-        failed_decode: set[str] = set()  # the next attempt prefers another decode instance
-        for attempt in range(KV_HANDOFF_ATTEMPTS):
-            if attempt:
-                # The KV could not be pulled (its source died, or a chunk ran out of retries):
-                # prefill the prompt again, elsewhere if possible. The client already has the
-                # first token; decode continues from it.
-                self.metrics.migrations.labels("kv_handoff").inc()
-                req = req.attempt()
-                try:
-                    reply, early = await self._prefill(req, tried, trace, early=False)
-                except (grpc.aio.AioRpcError, DistServeError) as e:
-                    failures.append(_details(e))
-                    continue
-                if not reply.HasField("kv"):
-                    failures.append("prefill returned no KV")
-                    continue
-            pulled = False
-            try:
-                if early is None:
-                    early = self._start_decode(req, first, reply.kv, trace, failed_decode)
-            except BaseException:  # e.g. the deadline passed: the held KV is ours to release
-                await self._release(reply.kv, trace)
-                raise
-            call, early = early, None
-            try:
-                async for ids, reason in self._decode(call, reply.kv, trace):
-                    pulled = True
-                    yield ids, reason
-                return
-            except grpc.aio.AioRpcError as e:
-                if pulled or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                # Its source or the decode instance itself failed (it may be dead and still
-                # leased): the next attempt goes elsewhere when it can.
-                failed_decode.add(call.worker.worker_id)
-                failures.append(_details(e))
-                log.warning("request %s: KV handoff failed (%s)", req.request_id, failures[-1])
-        raise RemoteError(
-            "UNAVAILABLE",
-            f"could not hand request {req.request_id} from prefill to decode in "
-            f"{KV_HANDOFF_ATTEMPTS} attempts: {'; '.join(failures)}",
-        )
-
-    async def _first_prefill(self, req: Request, tried: set[str], trace):
-        """Prefill, moving to another instance when one is unreachable (nothing was streamed
-        yet, so this is invisible to the client)."""
-        for attempt in range(PREFILL_ATTEMPTS):
-            try:
-                return await self._prefill(req.attempt() if attempt else req, tried, trace)
-            except RemoteError as e:
-                if e.status != "UNAVAILABLE" or attempt == PREFILL_ATTEMPTS - 1:
-                    raise
-                self.metrics.migrations.labels("prefill_unavailable").inc()
-                log.warning("request %s: %s; trying another instance", req.request_id, e)
-        raise AssertionError("unreachable")
-
-    async def _prefill(self, req: Request, tried: set[str], trace, early: bool | None = None):
-        """Prefill on the least-loaded instance not tried yet (any instance if all were).
-
-        Returns the result and, with the layer-wise handoff (`early`, default: the router's
-        setting), the decode call started on the KV handle the prefill instance sent as soon as
-        the prompt was scheduled: it pulls the layers while they are computed."""
-        prefill = self.registry.pick_prefill(exclude=tried)
-        tried.add(prefill.worker_id)
-        telemetry.annotate(trace, {"distserve.prefill.instance": prefill.worker_id})
-        stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
-        if early is None:
-            # A request of one token ends at prefill's: nothing to pull, no decode to start. A
-            # short prompt's KV is pulled in a few ms after prefill: there is little to hide, and
-            # a pull running beside prefill would only slow its first token.
-            least = self.early_handoff_min_tokens
-            early = least is not None and len(req.prompt_ids) >= least and req.params.max_tokens > 1
-        decode = kv = events = None
-        ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
-        try:
-            events = stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=req.worker_request_id,
-                    prompt_token_ids=req.prompt_ids,
-                    sampling=sampling_to_pb(req.params),
-                    early_handle=early,
-                ),
-                timeout=_timeout(req),
-                metadata=telemetry.outgoing(trace),
-            )
-            async for event in events:
-                if event.HasField("kv"):
-                    kv = event.kv
-                    decode = self._start_decode(req, None, kv, trace)
-                else:
-                    if self.admission is not None:
-                        self.admission.observe_prefill(
-                            event.done.compute_ms, event.done.batch_tokens
-                        )
-                    return event.done, decode
-            raise RemoteError("UNAVAILABLE", f"prefill instance {prefill.worker_id} sent no result")
-        except BaseException as e:
-            if events is not None:
-                events.cancel()  # the prefill instance frees what the request holds there
-            if decode is not None:
-                decode.cancel()
-            if kv is not None:
-                # The decode call may have ended before its instance saw it (a deadline that
-                # passed just then), and the prompt may be done: nobody else would release it.
-                await self._release(kv, trace)
-            elif events is not None and not _unreachable(e):
-                # The call may have completed there just before it was cancelled here, with
-                # its handle unread: ask the instance to free what it holds for the request.
-                await self._abandon(stub, req)
-            if not isinstance(e, grpc.aio.AioRpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            # Unreachable: stop routing to it until it heartbeats (and registers) again.
-            self.registry.deregister(prefill.worker_id, prefill.address)
-            raise RemoteError(
-                "UNAVAILABLE",
-                f"prefill instance {prefill.worker_id} ({prefill.address}) is unavailable: "
-                f"{e.details()}",
-            ) from e
-        finally:
-            prefill.settle(ticket)
-
-    def _start_decode(
-        self, req: Request, first_token: int | None, kv, trace, failed: set[str] = frozenset()
-    ) -> DecodeCall:
-        """A Decode call on the least-loaded decode instance for KV held on a prefill
-        instance (`first_token` None: a streaming handle; the decode instance asks the source
-        for it), another than those in `failed` if there is one."""
-        decode = self.registry.pick_decode(exclude=failed)
-        telemetry.annotate(trace, {"distserve.decode.instance": decode.worker_id})
-        call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
-            decode_pb2.DecodeRequest(
-                request_id=req.worker_request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_to_pb(req.params),
-                first_token_id=first_token,
-                kv=kv,
-            ),
-            timeout=_timeout(req),
-            metadata=telemetry.outgoing(trace),
-        )
-        return DecodeCall(call, decode, decode.send())
-
-    async def _decode(
-        self, decode: DecodeCall, kv, trace
-    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-        """Stream a decode call's tokens. The decode instance releases the KV once it has pulled
-        it (its first message says it has it); the KV is released here unless that happened
-        and the call did not fail: an instance lost just after its pull may have died before
-        its release reached the source (a second release is answered NOT_FOUND)."""
-        handed_over = failed = False
-        try:
-            async for r in decode.call:
-                if not handed_over:
-                    handed_over = True
-                    decode.worker.answered(decode.ticket)
-                yield list(r.token_ids), finish_from_pb(r.finish_reason)
-        except grpc.aio.AioRpcError as e:
-            failed = True
-            if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(decode.worker.worker_id, decode.worker.address)
-            raise
-        finally:
-            decode.cancel()
-            if failed or not handed_over:
-                await self._release(kv, trace)
-
-    def _lost(self, worker_id: str, address: str) -> None:
-        """An instance failed mid-stream (it died, or it drains): route nothing more to it; a
-        live one is back at its next heartbeat. Only that incarnation: a worker restarted under
-        the same id (at another address) stays."""
-        self.registry.deregister(worker_id, address)
 
     def _prefill_locally(self, req: Request) -> bool:
         """Conditional disaggregation: a short prompt, and a decode instance with headroom
@@ -418,12 +214,12 @@ class Router:
         return (
             worker.queued_tokens == 0
             and load.waiting_seqs == 0
-            and (load.free_kv_blocks * 16 > len(req.prompt_ids) + req.params.max_tokens)
+            and load.free_kv_tokens > len(req.prompt_ids) + req.params.max_tokens
         )
 
     async def _colocated(
         self, req: Request, trace, role: str = "colocated"
-    ) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+    ) -> AsyncIterator[Tokens]:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role)
@@ -434,7 +230,7 @@ class Router:
                 prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_pb(req.params),
             ),
-            timeout=_timeout(req),
+            timeout=req.timeout(),
             metadata=telemetry.outgoing(trace),
         )
         streamed = False
@@ -447,44 +243,11 @@ class Router:
                 yield list(r.token_ids), finish_from_pb(r.finish_reason)
         except grpc.aio.AioRpcError as e:
             if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(worker.worker_id, worker.address)
+                self.registry.lost(worker)
             raise
         finally:
             call.cancel()
             worker.settle(ticket)
-
-    async def _abandon(self, stub, req: Request) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await stub.Abandon(
-                prefill_pb2.AbandonRequest(request_id=req.worker_request_id), timeout=5
-            )
-
-    async def _release(self, kv, trace) -> None:
-        """Free KV a decode instance never took (the request ended or failed in between)."""
-        if not kv.handle_id:
-            return
-        stub = kvtransfer_pb2_grpc.KvTransferStub(self.channel(kv.control_address))
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await stub.Release(
-                kvtransfer_pb2.KvAccess(handle_id=kv.handle_id, access_token=kv.access_token),
-                timeout=5,
-                metadata=telemetry.outgoing(trace),
-            )
-
-
-def _timeout(req: Request) -> float | None:
-    remaining = req.remaining()
-    if remaining is not None and remaining <= 0:
-        raise DeadlineExceeded(f"request {req.request_id} ran out of time")
-    return remaining
-
-
-def _unreachable(e: BaseException) -> bool:
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
-
-
-def _details(e: Exception) -> str:
-    return e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
 
 
 def _remote(e: grpc.aio.AioRpcError) -> RemoteError:

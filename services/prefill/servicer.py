@@ -71,6 +71,7 @@ def worker_load(worker: PrefillWorker) -> common_pb2.WorkerLoad:
         waiting_seqs=load.waiting_seqs,
         free_kv_blocks=load.free_blocks,
         total_kv_blocks=load.total_blocks,
+        kv_block_size=worker.loop.engine.config.block_size,
         held_kv_handles=len(worker.leases),
     )
 

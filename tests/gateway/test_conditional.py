@@ -9,7 +9,11 @@ import json
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingParams
 from services.gateway.conditional import LocalPrefill
+from services.gateway.registry import Load, Registry
+from services.gateway.request import Request
+from services.gateway.router import Router
 from tests.test_mesh import addresses, expected, generate, kv_all_free, stats, wait_until
 
 
@@ -43,6 +47,22 @@ def test_an_unreadable_profile_is_a_clear_error(tmp_path):
     bad.write_text("{}")
     with pytest.raises(InvalidRequest, match="cannot read the latency profile"):
         LocalPrefill.from_profile(bad, tpot_slo_ms=50)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_a_short_prompt_is_prefilled_on_decode_only_if_its_kv_fits_in_the_free_blocks(block_size):
+    """Room on the decode instance is counted in its own block size (from its load report)."""
+    registry = Registry(lease_s=60)
+    registry.register("p", "prefill", "p:1", Load(total_kv_blocks=100, free_kv_blocks=100))
+    free = Load(total_kv_blocks=100, free_kv_blocks=4, kv_block_size=block_size)
+    registry.register("d", "decode", "d:1", free)
+    router = Router(registry, tokenizer=None, local_prefill=LocalPrefill(1000, "test"))
+    room = 4 * block_size  # tokens in the free blocks
+    params = SamplingParams(max_tokens=8)
+    fits = Request("fits", list(range(room - 9)), params, None)
+    too_big = Request("too-big", list(range(room - 8)), params, None)
+    assert router._prefill_locally(fits)
+    assert not router._prefill_locally(too_big)
 
 
 def test_short_prompts_are_prefilled_on_decode_long_ones_on_the_prefill_pool(

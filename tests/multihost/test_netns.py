@@ -32,7 +32,7 @@ import urllib.request
 import grpc
 import pytest
 
-from services.gateway.router import KV_HANDOFF_ATTEMPTS
+from services.gateway.retries import RetryPolicy
 from services.kvtransfer.puller import PullPolicy
 from services.kvtransfer.transports import DRAIN_S
 from tests.conftest import MESH_WORKER_ARGS
@@ -49,7 +49,7 @@ CHUNK_DELAY_S = 0.6  # every KV chunk is answered this late by the prefill insta
 CHUNK_TIMEOUT_S = 1.5  # one try at one chunk (decode)
 CHUNK_ATTEMPTS = 3  # tries per chunk (decode)
 BACKOFF_S = PullPolicy().backoff_s  # the first retry waits up to 1.5x this, doubling
-HANDOFFS = KV_HANDOFF_ATTEMPTS  # the gateway prefills again this many times at most
+HANDOFFS = RetryPolicy().per_kind + 1  # the gateway hands a request off this often at most
 # The longest a request whose KV can never be pulled may take: per handoff, every attempt at a
 # chunk times out (and drains), the backoffs at their longest, and a slack for the prefill and
 # the routing of each handoff on a busy machine (a failed pull's release of the KV at its source
