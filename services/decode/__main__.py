@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
-from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -23,6 +22,7 @@ from services.engine.config import (
 )
 from services.kvtransfer.puller import PullPolicy
 from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
+from services.worker.announcer import add_drain_args, serve_as_worker
 
 log = logging.getLogger("distserve.decode")
 

@@ -16,18 +16,18 @@ from dataclasses import asdict, dataclass
 from prometheus_client import CollectorRegistry, Histogram
 
 from services.common import clock, telemetry
-from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import DistServeError, FailedPrecondition, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
-from services.engine.loop import EngineFailed, EngineLoop, StepInfo
 from services.engine.parallel import kv_heads_of
 from services.engine.sequence import Sequence
-from services.engine.tp_group import start_engine
 from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport
+from services.worker.announcer import DRAIN_SETTLE_S, settle
+from services.worker.engine_loop import EngineFailed, EngineLoop, StepInfo
+from services.worker.tp_group import start_engine
 
 log = logging.getLogger("distserve.decode")
 

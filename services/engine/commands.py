@@ -6,24 +6,21 @@ mutation and every step is one of these commands, not a closure: rank 0 sends ea
 ranks (`encode`, one JSON line, nothing pickled) and then applies it to its own engine; a
 follower `decode`s and applies it. With tp == 1 a command is applied and nothing is sent.
 
-A follower also has its own KV data plane (services.kvtransfer.rank_kv, `kv` below; None on
-rank 0, which moves its heads on its event loop): the commands that start or end a transfer tell
-it too. KV never moves between the ranks of a group.
+A follower also has its own KV data plane (`kv` below, a KvHooks that the worker layer
+implements; None on rank 0, which moves its heads on its event loop): the commands that start
+or end a transfer tell it too. KV never moves between the ranks of a group.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest
 from services.common.sampling import SamplingParams
 from services.engine.engine import LLMEngine
+from services.engine.kv_hooks import KvHooks
 from services.engine.sequence import Sequence, StepOutput
-
-if TYPE_CHECKING:
-    from services.kvtransfer.rank_kv import RankKv
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class AddRequest:
     params: SamplingParams
     request_id: str
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> str:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> str:
         return engine.add_request(self.prompt, self.params, self.request_id)
 
 
@@ -47,7 +44,7 @@ class AddPrefilled:
     params: SamplingParams
     request_id: str
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> str:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> str:
         return engine.add_prefilled(self.prompt, self.first_token, self.params, self.request_id)
 
 
@@ -55,7 +52,7 @@ class AddPrefilled:
 class AdmitPulls:
     """engine.admit_pulls: blocks for queued pulled requests (decode)."""
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[Sequence]:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> list[Sequence]:
         return engine.admit_pulls()
 
 
@@ -66,7 +63,7 @@ class StartDecoding:
     request_id: str
     first_token: int | None = None
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> bool:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> bool:
         return engine.start_decoding(self.request_id, self.first_token)
 
 
@@ -76,7 +73,7 @@ class Abort:
 
     request_id: str
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> bool:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> bool:
         if kv is not None:  # its transfer stops before its blocks are freed
             kv.forget(self.request_id)
         return engine.abort(self.request_id)
@@ -88,7 +85,7 @@ class Release:
 
     request_id: str
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> int:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> int:
         if kv is not None:  # its sends stop before its blocks are freed
             kv.forget(self.request_id)
         return engine.release(self.request_id)
@@ -98,7 +95,7 @@ class Release:
 class Step:
     """engine.step: one iteration (decode and colocated instances)."""
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[StepOutput]:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> list[StepOutput]:
         return engine.step()
 
 
@@ -108,7 +105,7 @@ class PrefillStep:
     Rank 0 runs it with its event loop's layer and scheduling callbacks (EngineLoop); a
     follower with its data plane's, so that it serves each layer as soon as it is computed."""
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> list[StepOutput]:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> list[StepOutput]:
         if kv is None:
             return engine.prefill_step(hold=True)
         outputs = engine.prefill_step(hold=True, on_scheduled=kv.scheduled, on_layer=kv.layer_done)
@@ -125,7 +122,7 @@ class PullKv:
     handle: str  # KvHandle.encode(): the engine does not read it
     blocks: list[int]
 
-    def apply(self, engine: LLMEngine, kv: RankKv | None = None) -> None:
+    def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> None:
         if kv is not None:
             kv.pull(self.request_id, self.handle, self.blocks)
 

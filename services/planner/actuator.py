@@ -10,7 +10,7 @@ calls the launcher's, served by `serve`) and services/deploy/actuator.py (Kubern
 
 `LocalActuator` drives a mesh of processes on this host (`distserve up`'s, services/launcher.py):
 it starts workers and stops them by drain (SIGTERM: deregistered at once, then in-flight work
-finishes or moves, services/common/announcer.py). A worker changes role by drain and restart:
+finishes or moves, services/worker/announcer.py). A worker changes role by drain and restart:
 `apply` drains first, so a budget of devices is never exceeded while a placement changes.
 """
 

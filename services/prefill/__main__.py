@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
-from services.common.announcer import add_drain_args, serve_as_worker
 from services.common.gen.distserve.v1 import (
     common_pb2,
     kvtransfer_pb2,
@@ -29,6 +28,7 @@ from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer, worker_load, worker_stats
 from services.prefill.worker import PrefillWorker
+from services.worker.announcer import add_drain_args, serve_as_worker
 
 log = logging.getLogger("distserve.prefill")
 

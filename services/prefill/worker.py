@@ -10,21 +10,21 @@ from dataclasses import dataclass, replace
 from prometheus_client import CollectorRegistry
 
 from services.common import clock, telemetry
-from services.common.announcer import DRAIN_SETTLE_S, settle
 from services.common.errors import FailedPrecondition, Unavailable, UnsupportedModel
 from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
-from services.engine.loop import EngineFailed, EngineLoop
 from services.engine.parallel import kv_heads_of
-from services.engine.tp_group import start_engine
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.source import ChunkSource
 from services.kvtransfer.transports import ucx_available
 from services.prefill.config import PrefillConfig
+from services.worker.announcer import DRAIN_SETTLE_S, settle
+from services.worker.engine_loop import EngineFailed, EngineLoop
+from services.worker.tp_group import start_engine
 
 log = logging.getLogger("distserve.prefill")
 

@@ -1,13 +1,13 @@
 """A tensor-parallel engine behind one endpoint: rank 0 serves, ranks 1..tp-1 follow.
 
 Rank 0 is the service's own process. `start_engine` starts the other ranks as child processes
-(`python -m services.engine.tp_group`, each under the orphan guard, so they die with rank 0 even
+(`python -m services.worker.tp_group`, each under the orphan guard, so they die with rank 0 even
 if it is killed), joins the torch.distributed group with them, builds its engine and waits at a
 barrier until every rank has built its own. A follower then reads commands (services.engine.
 commands, one JSON line each) from its stdin, which is a pipe from rank 0, and applies them to
 its engine in order; end of input (rank 0 closed the pipe or died) ends it.
 
-Each follower also moves its own heads of the KV (services.kvtransfer.rank_kv): two more pipes
+Each follower also moves its own heads of the KV (services.worker.rank_kv): two more pipes
 join it to rank 0, a control pipe (rank 0 announces the KV handles it makes, which a prefill
 follower serves its share of) and an events pipe (the follower's UCX port once it is up, the
 bytes it served for each lease that ended, and how each pull of a decode follower went). Both
@@ -43,7 +43,7 @@ from services.engine.engine import LLMEngine
 from services.engine.parallel import TensorParallel, local_store
 
 if TYPE_CHECKING:
-    from services.kvtransfer.rank_kv import RankKv
+    from services.worker.rank_kv import RankKv
 
 log = logging.getLogger("distserve.engine")
 
@@ -183,7 +183,7 @@ def start_engine(
         argv = [
             sys.executable,
             "-m",
-            "services.engine.tp_group",
+            "services.worker.tp_group",
             "--rank",
             str(rank),
             "--tp",
@@ -243,7 +243,7 @@ def follow(tp: TensorParallel, engine: LLMEngine, kv: RankKv) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m services.engine.tp_group", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.worker.tp_group", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True, help="rank 0's rendezvous store")
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.threads)
     from services.kvtransfer.puller import PullPolicy  # the data plane: a follower's alone
-    from services.kvtransfer.rank_kv import RankKv
+    from services.worker.rank_kv import RankKv
 
     config = EngineConfig(**json.loads(args.engine_config))
     options = json.loads(args.kv_options)

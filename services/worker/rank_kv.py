@@ -1,4 +1,5 @@
-"""A follower rank's own KV data plane (tensor parallelism).
+"""A follower rank's own KV data plane (tensor parallelism): RankKv, the engine's KvHooks
+(services.engine.kv_hooks) built on the KV transfer library (services.kvtransfer).
 
 Each rank of a tensor-parallel instance holds a range of the KV heads in its own cache. Rank 0
 moves its heads on its event loop, as a single-rank instance does; a follower rank moves its own
@@ -47,7 +48,8 @@ FORGET_TIMEOUT_S = SEND_TIMEOUT_S + 15.0  # a pull settles within its chunk time
 
 
 class RankKv:
-    """One follower rank's KV endpoints: `serve` (prefill) or pull (decode)."""
+    """One follower rank's KV endpoints: `serve` (prefill) or pull (decode). Implements the
+    engine's KvHooks: the engine commands call it on the follower's engine thread."""
 
     def __init__(
         self,

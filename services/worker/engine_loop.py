@@ -27,7 +27,7 @@ from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
 
 if TYPE_CHECKING:
-    from services.engine.tp_group import RankGroup
+    from services.worker.tp_group import RankGroup
 
 log = logging.getLogger("distserve.engine")
 

@@ -9,7 +9,7 @@ from services.common.sampling import SamplingParams
 from services.engine.commands import AddRequest
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.loop import EngineLoop
+from services.worker.engine_loop import EngineLoop
 
 
 async def prefill(loop: EngineLoop, request_id: str, layerwise: bool) -> None:
