@@ -22,7 +22,7 @@ from services.engine.config import (
     process_ranks,
 )
 from services.kvtransfer.puller import PullPolicy
-from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
+from services.kvtransfer.ucx_setup import add_ucx_args, configure_ucx, shutdown_ucx
 
 log = logging.getLogger("distserve.decode")
 

@@ -53,8 +53,8 @@ from services.kvtransfer.transports import (
     GrpcTransport,
     UcxTransport,
     Window,
-    ucx_available,
 )
+from services.kvtransfer.ucx_setup import ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
