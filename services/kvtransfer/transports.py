@@ -27,7 +27,7 @@ from services.common.errors import Unavailable
 from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer import ucx_loop, wire
-from services.kvtransfer.source import MAX_CHUNKS
+from services.kvtransfer.checksums import checksum, checksum_of
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -117,7 +117,7 @@ class UcxTransport:
     two cores."""
 
     name = "ucx"
-    max_chunks = MAX_CHUNKS
+    max_chunks = wire.MAX_CHUNKS
 
     def __init__(self, lanes: int = 1) -> None:
         self.lanes = max(1, lanes)
@@ -198,7 +198,7 @@ class UcxTransport:
 
         # Each chunk is hashed as soon as it arrived, by the thread that copied it (the loop, or
         # a lane's: ucx_loop), while its bytes are likely still in cache.
-        hash_it = wire.checksum_of if checksums else None
+        hash_it = checksum_of if checksums else None
 
         def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
             timer.cancel()
@@ -336,7 +336,7 @@ class GrpcTransport:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
         received = None
         if checksums and reply.status.ok:
-            received = await wire.checksum(dst)
+            received = await checksum(dst)
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:
