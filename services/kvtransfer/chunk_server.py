@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import numpy as np
 
 from services.common.errors import DistServeError
-from services.kvtransfer import ucx_loop, wire
-from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted, ranges
+from services.kvtransfer import faults, ucx_loop, wire
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, ranges
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -142,24 +141,19 @@ class ChunkServer:
                 task.cancel()
 
     async def _send_faulty(self, ep, chunk, tag: int, sends: dict) -> None:
-        """A chunk hit by an injected fault (tests and drills only)."""
-        fault = chunk.fault
-        if fault.kind == "exit":
-            os._exit(17)  # a crashed source: no cleanup, no goodbye
+        """A chunk hit by an injected fault (tests and drills only). A dropped chunk is never
+        sent: the puller's receive for it times out."""
         await self.source.ready(chunk)
         await self.source.seal(chunk)
-        data = chunk.data
-        if fault.kind == "close":
-            await ep.close()
+        data = await faults.strike(chunk.fault, chunk.data, close=ep.close, drop=_never_sent)
+        if data is None:
             return
-        if fault.kind == "drop":
-            return  # never sent: the puller's receive for it times out
-        if fault.kind == "delay":
-            await asyncio.sleep(fault.seconds)
-        if fault.kind == "corrupt":
-            data = corrupted(data)  # the checksum is the original's
         sends[tag] = ep.send(data, tag)
         await asyncio.wait_for(sends[tag], SEND_TIMEOUT_S)
+
+
+async def _never_sent() -> None:
+    pass
 
 
 def _unsent(tags: list[int], sends: dict) -> list[int]:

@@ -4,7 +4,6 @@ data plane's fallback transport (FetchChunk)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -13,8 +12,9 @@ import numpy as np
 from services.common import clock, telemetry
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+from services.kvtransfer import faults
 from services.kvtransfer.leases import Lease, LeaseTable
-from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource
 
 
 class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
@@ -71,19 +71,16 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
         with self.source.sending(chunks):
             await self.source.seal(chunk)
             data = chunk.data
-            fault = chunk.fault
-            if fault is not None:
-                if fault.kind == "exit":
-                    os._exit(17)
-                if fault.kind == "drop":
+            if chunk.fault is not None:
+
+                async def close() -> None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "closed (fault injection)")
+
+                async def drop() -> None:
                     await asyncio.sleep(SEND_TIMEOUT_S)  # never answers in the puller's time
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "dropped (fault injection)")
-                if fault.kind == "close":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "closed (fault injection)")
-                if fault.kind == "delay":
-                    await asyncio.sleep(fault.seconds)
-                if fault.kind == "corrupt":
-                    data = corrupted(data)
+
+                data = await faults.strike(chunk.fault, data, close=close, drop=drop)
             host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
             reply = kvtransfer_pb2.KvChunkReply(
                 status=self.source.status(chunks), data=host.tobytes()

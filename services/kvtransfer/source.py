@@ -223,10 +223,3 @@ class ChunkSource:
         if blocks[index:end] != list(range(first, first + n)):
             raise InvalidRequest("a chunk must cover consecutive blocks")
         return first
-
-
-def corrupted(data: np.ndarray) -> np.ndarray:
-    """A copy of the data with one byte flipped (the `corrupt` fault)."""
-    out = np.array(data, copy=True)
-    out[len(out) // 2] ^= 0xFF
-    return out

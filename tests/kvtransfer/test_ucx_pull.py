@@ -18,10 +18,11 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.kvtransfer import checksums, transports, ucx_loop, wire
 from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.faults import corrupted
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.leases import LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy
-from services.kvtransfer.source import ChunkSource, corrupted
+from services.kvtransfer.source import ChunkSource
 from services.kvtransfer.transports import GrpcTransport, UcxTransport
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
