@@ -18,8 +18,9 @@ import logging
 
 import numpy as np
 
-from services.common.errors import DistServeError
+from services.common.errors import DistServeError, NotFound
 from services.kvtransfer import faults, ucx_loop, wire
+from services.kvtransfer.refusals import refused
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, ranges
 
 log = logging.getLogger("distserve.kvtransfer")
@@ -76,7 +77,7 @@ class ChunkServer:
         try:
             chunks = await self.source.open_when_ready(req)
         except DistServeError as e:
-            await _refuse(ep, str(e), status_tag, data_tags)
+            await _refuse(ep, e, status_tag, data_tags)
             return
         sends: dict[int, asyncio.Future] = {}  # data tag -> the chunk's send
         with self.source.sending(chunks):
@@ -85,7 +86,7 @@ class ChunkServer:
                 try:
                     await self._send_all(ep, chunks, data_tags, sends)
                 except DistServeError as e:  # a layer never computed
-                    await _refuse(ep, str(e), status_tag, _unsent(data_tags, sends))
+                    await _refuse(ep, e, status_tag, _unsent(data_tags, sends))
                     return
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
@@ -101,7 +102,9 @@ class ChunkServer:
                 # no filler; one whose send was cut off gets one, and whichever of the two
                 # arrives first completes the puller's receive (tags are never reused).
                 if not answering:
-                    error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
+                    error = NotFound(
+                        f"KV handle {req.handle_id} does not exist: it ended meanwhile"
+                    )
                     unsent = _unsent(data_tags, sends)
                     await _refuse(ep, error, status_tag, unsent, REFUSAL_TIMEOUT_S)
                 raise
@@ -171,10 +174,14 @@ def _unsent(tags: list[int], sends: dict) -> list[int]:
 
 
 async def _refuse(
-    ep, error: str, status_tag: int, data_tags: list[int], timeout_s: float | None = None
+    ep,
+    error: DistServeError,
+    status_tag: int,
+    data_tags: list[int],
+    timeout_s: float | None = None,
 ) -> None:
     """A refusal: its status, then a filler that completes each posted data receive."""
-    refusal = wire.encode(wire.ChunkStatus(ok=False, error=error))
+    refusal = wire.encode(refused(error))
     try:
         await asyncio.wait_for(ep.send(refusal, status_tag), timeout_s)
         for tag in data_tags:

@@ -36,7 +36,6 @@ import torch
 
 from services.common import clock, mesh_tls, telemetry
 from services.common.errors import (
-    DistServeError,
     FailedPrecondition,
     InvalidRequest,
     NotFound,
@@ -48,6 +47,7 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
+from services.kvtransfer.refusals import error_of
 from services.kvtransfer.transports import (
     Fetched,
     GrpcTransport,
@@ -344,7 +344,7 @@ class KvPuller:
             status = fetched.status
             if status is not None:
                 if not status.ok:
-                    raise _refusal(status.error)
+                    raise error_of(status)
                 expected = sum(c.buffer.nbytes for c in todo)
                 if status.nbytes != expected:
                     raise InvalidRequest(f"chunks of {status.nbytes} bytes for {expected}")
@@ -491,14 +491,6 @@ class KvPuller:
             channel = mesh_tls.aio_channel(address, CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel
-
-
-def _refusal(error: str) -> DistServeError:
-    if "wrong access token" in error:
-        return PermissionDenied(error)
-    if "does not exist" in error:
-        return NotFound(error)
-    return InvalidRequest(error)
 
 
 def _nth(checksums, i: int) -> int | None:

@@ -14,6 +14,7 @@ from services.common.errors import DistServeError, FailedPrecondition, InvalidRe
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from services.kvtransfer import faults
 from services.kvtransfer.leases import Lease, LeaseTable
+from services.kvtransfer.refusals import refused
 from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource
 
 
@@ -65,9 +66,7 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
             await self.source.ready(chunk)
         except DistServeError as e:
             # A refusal is an answer, as on the UCX path: the puller maps it to its error.
-            return kvtransfer_pb2.KvChunkReply(
-                status=kvtransfer_pb2.KvChunkStatus(ok=False, error=str(e))
-            )
+            return kvtransfer_pb2.KvChunkReply(status=refused(e))
         with self.source.sending(chunks):
             await self.source.seal(chunk)
             data = chunk.data
