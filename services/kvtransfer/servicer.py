@@ -68,6 +68,11 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
             # A refusal is an answer, as on the UCX path: the puller maps it to its error.
             return kvtransfer_pb2.KvChunkReply(status=refused(e))
         with self.source.sending(chunks):
+            # The reply carries a copy of the bytes in host memory: a chunk in device memory is
+            # copied first, so that it is checksummed as any other (over UCX it moves device to
+            # device, with no host copy to hash, and goes unchecksummed).
+            if not isinstance(chunk.data, np.ndarray):
+                chunk.data = chunk.data.cpu().numpy()
             await self.source.seal(chunk)
             data = chunk.data
             if chunk.fault is not None:
@@ -80,9 +85,8 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "dropped (fault injection)")
 
                 data = await faults.strike(chunk.fault, data, close=close, drop=drop)
-            host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
             reply = kvtransfer_pb2.KvChunkReply(
-                status=self.source.status(chunks), data=host.tobytes()
+                status=self.source.status(chunks), data=data.tobytes()
             )
             self.source.served(chunk)
             return reply

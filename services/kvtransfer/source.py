@@ -171,9 +171,11 @@ class ChunkSource:
         return fault
 
     async def seal(self, chunk: Chunk) -> None:
-        """The checksum of a chunk in host memory (device memory goes unchecksummed: UCX moves
-        it GPU to GPU): combined from its blocks' when the layer's are taken (all the heads
-        the source holds), else of its bytes. Inside `sending`: it may read the blocks."""
+        """The checksum of a chunk in host memory: combined from its blocks' when the layer's
+        are taken (all the heads the source holds), else of its bytes. A chunk in device memory
+        gets none (UCX moves it GPU to GPU; no host copy to hash): its status then says it is
+        not checksummed, and the puller counts it unverified. Inside `sending`: it may read the
+        blocks."""
         if not isinstance(chunk.data, np.ndarray):
             return
         digests = chunk.lease.digests.get(chunk.layer) if chunk.heads == self.heads else None
