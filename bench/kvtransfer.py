@@ -10,7 +10,7 @@ In one run:
     fallback, beside memcpy measured in the same run (512 MiB, before and after: the faster is
     the reference; and, for comparison, a memcpy of each size); medians of 3-100 pulls after a
     warm-up (`enough`). UCX
-    runs with the workers' settings (services.kvtransfer.transports.UCX_DEFAULTS); the two
+    runs with the workers' settings (services.kvtransfer.ucx_setup.UCX_DEFAULTS); the two
     processes are left to the scheduler, or with `--pin` pinned to a core each, as a mesh's
     `--pin` workers are (on 2 cores pinning costs the transport: each process's copying,
     hashing and event loop then share one core);
@@ -197,7 +197,7 @@ async def pull(transport: str, served: dict, policy: PullPolicy) -> dict[str, di
     from services.common.kv_handle import KvHandle
     from services.kvtransfer.layout import KvDestination
     from services.kvtransfer.puller import KvPuller
-    from services.kvtransfer.transports import shutdown_ucx
+    from services.kvtransfer.ucx_setup import shutdown_ucx
 
     kind = "grpc" if transport == "grpc" else "ucx"
     puller = KvPuller(policy, kind)
@@ -232,7 +232,7 @@ def bandwidth(
     transport: str, sizes: list[int], chunk_mib: int, window: int, pin: bool
 ) -> dict[str, dict[int, float]]:
     """GB/s by size of a pull ("pull") and, over UCX, of the transport alone ("raw")."""
-    from services.kvtransfer.transports import UCX_DEFAULTS  # what the workers run with
+    from services.kvtransfer.ucx_setup import UCX_DEFAULTS  # what the workers run with
 
     env = {**UCX_DEFAULTS, **os.environ, **TRANSPORTS[transport]}
     cmd = [sys.executable, os.path.abspath(__file__)]

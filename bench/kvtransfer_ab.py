@@ -64,7 +64,7 @@ async def puller_side(size: int, chunk_bytes: int) -> None:
 
 
 def start_side(root: str, extra_env: list[str], size: int, chunk_kb: int) -> tuple:
-    from services.kvtransfer.transports import UCX_DEFAULTS
+    from services.kvtransfer.ucx_setup import UCX_DEFAULTS
 
     root = os.path.abspath(root)
     env = {**UCX_DEFAULTS, **os.environ, "UCX_TLS": "tcp,sm,cma,self", "PYTHONPATH": root}

@@ -141,7 +141,7 @@ async def client(mode: str, port: int, server_pid: int, round_trips: int, idle_s
 
 
 def run_mode(mode: str, round_trips: int, idle_s: float) -> dict:
-    from services.kvtransfer.transports import UCX_DEFAULTS
+    from services.kvtransfer.ucx_setup import UCX_DEFAULTS
 
     env = {**os.environ, **UCX_DEFAULTS, **MODES[mode], "UCX_TLS": "tcp,sm,cma,self"}
     me = [sys.executable, os.path.abspath(__file__)]

@@ -21,7 +21,7 @@ from services.engine.config import (
     process_ranks,
 )
 from services.kvtransfer.puller import PullPolicy
-from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
+from services.kvtransfer.ucx_setup import add_ucx_args, configure_ucx, shutdown_ucx
 from services.worker.announcer import add_drain_args, serve_as_worker
 
 log = logging.getLogger("distserve.decode")

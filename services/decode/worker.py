@@ -294,6 +294,7 @@ class DecodeWorker:
                 "kv.bytes": report.nbytes,
                 "kv.chunks": report.chunks,
                 "kv.chunks_retried": report.retries,
+                "kv.chunks_unverified": report.unverified,  # device memory: no checksum
                 "kv.transport": report.transport,
                 "kv.bandwidth_bytes_per_s": report.nbytes / seconds if seconds > 0 else 0.0,
                 "kv.overlap_fraction": hidden / seconds if seconds > 0 else 0.0,
@@ -345,6 +346,7 @@ class DecodeWorker:
             report.nbytes += other["nbytes"]
             report.chunks += other["chunks"]
             report.retries += other["retries"]
+            report.unverified += other["unverified"]
         return report
 
     async def _forget(self, request_id: str, handle: KvHandle | None) -> None:

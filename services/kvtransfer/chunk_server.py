@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import numpy as np
 
-from services.common.errors import DistServeError
-from services.kvtransfer import ucx_loop, wire
-from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted, ranges
+from services.common.errors import DistServeError, NotFound
+from services.kvtransfer import faults, ucx_loop, wire
+from services.kvtransfer.refusals import refused
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, ranges
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -77,7 +77,7 @@ class ChunkServer:
         try:
             chunks = await self.source.open_when_ready(req)
         except DistServeError as e:
-            await _refuse(ep, str(e), status_tag, data_tags)
+            await _refuse(ep, e, status_tag, data_tags)
             return
         sends: dict[int, asyncio.Future] = {}  # data tag -> the chunk's send
         with self.source.sending(chunks):
@@ -86,7 +86,7 @@ class ChunkServer:
                 try:
                     await self._send_all(ep, chunks, data_tags, sends)
                 except DistServeError as e:  # a layer never computed
-                    await _refuse(ep, str(e), status_tag, _unsent(data_tags, sends))
+                    await _refuse(ep, e, status_tag, _unsent(data_tags, sends))
                     return
                 answering = True
                 # Bounded: a puller that vanished must not pin the lease's blocks forever.
@@ -102,7 +102,9 @@ class ChunkServer:
                 # no filler; one whose send was cut off gets one, and whichever of the two
                 # arrives first completes the puller's receive (tags are never reused).
                 if not answering:
-                    error = f"KV handle {req.handle_id} does not exist: it ended meanwhile"
+                    error = NotFound(
+                        f"KV handle {req.handle_id} does not exist: it ended meanwhile"
+                    )
                     unsent = _unsent(data_tags, sends)
                     await _refuse(ep, error, status_tag, unsent, REFUSAL_TIMEOUT_S)
                 raise
@@ -142,24 +144,19 @@ class ChunkServer:
                 task.cancel()
 
     async def _send_faulty(self, ep, chunk, tag: int, sends: dict) -> None:
-        """A chunk hit by an injected fault (tests and drills only)."""
-        fault = chunk.fault
-        if fault.kind == "exit":
-            os._exit(17)  # a crashed source: no cleanup, no goodbye
+        """A chunk hit by an injected fault (tests and drills only). A dropped chunk is never
+        sent: the puller's receive for it times out."""
         await self.source.ready(chunk)
         await self.source.seal(chunk)
-        data = chunk.data
-        if fault.kind == "close":
-            await ep.close()
+        data = await faults.strike(chunk.fault, chunk.data, close=ep.close, drop=_never_sent)
+        if data is None:
             return
-        if fault.kind == "drop":
-            return  # never sent: the puller's receive for it times out
-        if fault.kind == "delay":
-            await asyncio.sleep(fault.seconds)
-        if fault.kind == "corrupt":
-            data = corrupted(data)  # the checksum is the original's
         sends[tag] = ep.send(data, tag)
         await asyncio.wait_for(sends[tag], SEND_TIMEOUT_S)
+
+
+async def _never_sent() -> None:
+    pass
 
 
 def _unsent(tags: list[int], sends: dict) -> list[int]:
@@ -177,10 +174,14 @@ def _unsent(tags: list[int], sends: dict) -> list[int]:
 
 
 async def _refuse(
-    ep, error: str, status_tag: int, data_tags: list[int], timeout_s: float | None = None
+    ep,
+    error: DistServeError,
+    status_tag: int,
+    data_tags: list[int],
+    timeout_s: float | None = None,
 ) -> None:
     """A refusal: its status, then a filler that completes each posted data receive."""
-    refusal = wire.encode(wire.ChunkStatus(ok=False, error=error))
+    refusal = wire.encode(refused(error))
     try:
         await asyncio.wait_for(ep.send(refusal, status_tag), timeout_s)
         for tag in data_tags:

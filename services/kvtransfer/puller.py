@@ -10,9 +10,10 @@ gRPC fallback (hosts without ucxx) it is copied from the reply. Over UCX one req
 source rank for up to 32 chunks, in layer order (a message per chunk, plus the request and one
 status: see chunk_server; the plan is layout.py's), over one of `lanes` connections to it, which
 take turns chunk by chunk (between processes of one host the receiver copies: two lanes copy
-on two cores). Up to `window` chunks are in flight (their receives posted). Each chunk is
-checked against the checksum the source sends (the received bytes are hashed as each chunk
-arrives, by the thread that copied it) and has its own timeout; a late, failed or
+on two cores). Up to `window` chunks are in flight (their receives posted). Each chunk in host
+memory is checked against the checksum the source sends (the received bytes are hashed as each
+chunk arrives, by the thread that copied it; KV in device memory moves over UCX unchecksummed,
+counted in the report's `unverified`) and has its own timeout; a late, failed or
 corrupt chunk alone is fetched again (bounded attempts, exponential backoff with jitter, a fresh
 endpoint after a transport fault).
 The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
@@ -36,7 +37,6 @@ import torch
 
 from services.common import clock, mesh_tls, telemetry
 from services.common.errors import (
-    DistServeError,
     FailedPrecondition,
     InvalidRequest,
     NotFound,
@@ -48,13 +48,14 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
+from services.kvtransfer.refusals import error_of
 from services.kvtransfer.transports import (
     Fetched,
     GrpcTransport,
     UcxTransport,
     Window,
-    ucx_available,
 )
+from services.kvtransfer.ucx_setup import ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
@@ -99,6 +100,9 @@ class PullReport:
     nbytes: int = 0
     retries: int = 0
     streaming: bool = False  # pulled while prefill computed the layers
+    # Chunks used without a checksum check: in device memory on either side over UCX (no host
+    # copy to hash), or with `verify` off.
+    unverified: int = 0
     modelled_bytes: int = 0  # an emulated engine's: the KV the payload stands for
 
 
@@ -344,7 +348,7 @@ class KvPuller:
             status = fetched.status
             if status is not None:
                 if not status.ok:
-                    raise _refusal(status.error)
+                    raise error_of(status)
                 expected = sum(c.buffer.nbytes for c in todo)
                 if status.nbytes != expected:
                     raise InvalidRequest(f"chunks of {status.nbytes} bytes for {expected}")
@@ -363,6 +367,8 @@ class KvPuller:
                     continue
                 if chunk.land is not None:
                     chunk.land()
+            if status is not None and not (verify and status.checksummed):
+                report.unverified += len(todo) - len(failed)
             if not failed:
                 return sum(c.buffer.nbytes for c in batch)
             log.warning(
@@ -491,14 +497,6 @@ class KvPuller:
             channel = mesh_tls.aio_channel(address, CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel
-
-
-def _refusal(error: str) -> DistServeError:
-    if "wrong access token" in error:
-        return PermissionDenied(error)
-    if "does not exist" in error:
-        return NotFound(error)
-    return InvalidRequest(error)
 
 
 def _nth(checksums, i: int) -> int | None:

@@ -4,7 +4,6 @@ data plane's fallback transport (FetchChunk)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -13,8 +12,10 @@ import numpy as np
 from services.common import clock, telemetry
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+from services.kvtransfer import faults
 from services.kvtransfer.leases import Lease, LeaseTable
-from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource, corrupted
+from services.kvtransfer.refusals import refused
+from services.kvtransfer.source import SEND_TIMEOUT_S, ChunkSource
 
 
 class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
@@ -65,28 +66,27 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
             await self.source.ready(chunk)
         except DistServeError as e:
             # A refusal is an answer, as on the UCX path: the puller maps it to its error.
-            return kvtransfer_pb2.KvChunkReply(
-                status=kvtransfer_pb2.KvChunkStatus(ok=False, error=str(e))
-            )
+            return kvtransfer_pb2.KvChunkReply(status=refused(e))
         with self.source.sending(chunks):
+            # The reply carries a copy of the bytes in host memory: a chunk in device memory is
+            # copied first, so that it is checksummed as any other (over UCX it moves device to
+            # device, with no host copy to hash, and goes unchecksummed).
+            if not isinstance(chunk.data, np.ndarray):
+                chunk.data = chunk.data.cpu().numpy()
             await self.source.seal(chunk)
             data = chunk.data
-            fault = chunk.fault
-            if fault is not None:
-                if fault.kind == "exit":
-                    os._exit(17)
-                if fault.kind == "drop":
+            if chunk.fault is not None:
+
+                async def close() -> None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "closed (fault injection)")
+
+                async def drop() -> None:
                     await asyncio.sleep(SEND_TIMEOUT_S)  # never answers in the puller's time
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "dropped (fault injection)")
-                if fault.kind == "close":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "closed (fault injection)")
-                if fault.kind == "delay":
-                    await asyncio.sleep(fault.seconds)
-                if fault.kind == "corrupt":
-                    data = corrupted(data)
-            host = data if isinstance(data, np.ndarray) else data.cpu().numpy()
+
+                data = await faults.strike(chunk.fault, data, close=close, drop=drop)
             reply = kvtransfer_pb2.KvChunkReply(
-                status=self.source.status(chunks), data=host.tobytes()
+                status=self.source.status(chunks), data=data.tobytes()
             )
             self.source.served(chunk)
             return reply

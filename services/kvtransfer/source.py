@@ -4,11 +4,11 @@
 each chunk's region to send (`seal` adds its checksum) with, when fault injection is on, the
 fault that hits it; `status` is the answer for them all. The checksums (CRC-32C) of KV in host
 memory are made when it is computed: as a lease's layers are published, each block's is taken
-once (on a checksum thread), and a chunk's is combined from its blocks' (`wire.combine`, ~10 us
-for 128 blocks), the same value as a pass over its bytes, which is how the puller checks it; so
-no pass over the bytes is left for the moment they are sent. A chunk of a sub-range of the heads
-(a copy) is hashed as it is sent. The UCX server and the gRPC fallback
-both serve through it and bracket the sends with `sending`, so that held blocks are never freed
+once (on a checksum thread), and a chunk's is combined from its blocks' (`crc_combine.combine`,
+~10 us for 128 blocks), the same value as a pass over its bytes, which is how the puller checks
+it; so no pass over the bytes is left for the moment they are sent. A chunk of a sub-range of
+the heads (a copy) is hashed as it is sent. The UCX server and the gRPC fallback both serve
+through it and bracket the sends with `sending`, so that held blocks are never freed
 under a send in progress.
 
 A source holds a range of KV heads (all of them on a single-rank instance; its own share on a
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from services.common.errors import DeadlineExceeded, InvalidRequest
-from services.kvtransfer import wire
+from services.kvtransfer import checksums, crc_combine, wire
 from services.kvtransfer.faults import Fault, FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
 
@@ -40,9 +40,6 @@ SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
 # (num_blocks, block_size, heads held here, head_dim)
 RegionFn = Callable[[int, int, int, int], torch.Tensor]
 ADOPT_WAIT_S = 5.0  # how long a follower rank's source waits for a handle rank 0 has announced
-
-
-MAX_CHUNKS = 32  # per request: the status frame carries a checksum for each
 
 
 @dataclass
@@ -94,7 +91,7 @@ class ChunkSource:
         leases.on_publish = self._published
         block = region(0, 0, 0, 1)
         if block.device.type == "cpu":  # what `seal` combines blocks' CRCs with (~50 ms, once)
-            wire.prepare(block.nbytes)
+            crc_combine.prepare(block.nbytes)
 
     async def open_when_ready(self, req) -> list[Chunk]:
         """`open` (a follower rank first waits up to adopt_wait_s for the handle to appear)."""
@@ -107,8 +104,8 @@ class ChunkSource:
         PermissionDenied, InvalidRequest) when it may not have them."""
         lease = self.leases.get(req.handle_id, req.access_token)
         asked = ranges(req)
-        if len(asked) > MAX_CHUNKS:
-            raise InvalidRequest(f"{len(asked)} chunks in one request (at most {MAX_CHUNKS})")
+        if len(asked) > wire.MAX_CHUNKS:
+            raise InvalidRequest(f"{len(asked)} chunks in one request (at most {wire.MAX_CHUNKS})")
         heads = self._heads(req)
         chunks = []
         for layer, kv, index, n in asked:
@@ -124,7 +121,7 @@ class ChunkSource:
         if not lease.blocks or self.region(0, 0, lease.blocks[0], 1).device.type != "cpu":
             return
         for layer in range(before, after):
-            lease.digests[layer] = wire.on_checksum_thread(self._block_digests, lease, layer)
+            lease.digests[layer] = checksums.on_checksum_thread(self._block_digests, lease, layer)
 
     def _block_digests(self, lease: Lease, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """CRC-32C of each of the lease's blocks of one layer, K and V, in block list order."""
@@ -133,7 +130,7 @@ class ChunkSource:
             digests = []
             for first, n in lease.handle.runs:
                 rows = self.region(layer, kv, first, n).reshape(n, -1).view(torch.uint8).numpy()
-                digests += [wire.checksum_of(row) for row in rows]
+                digests += [checksums.checksum_of(row) for row in rows]
             out.append(np.array(digests, dtype=np.uint32))
         return out[0], out[1]
 
@@ -174,18 +171,20 @@ class ChunkSource:
         return fault
 
     async def seal(self, chunk: Chunk) -> None:
-        """The checksum of a chunk in host memory (device memory goes unchecksummed: UCX moves
-        it GPU to GPU): combined from its blocks' when the layer's are taken (all the heads
-        the source holds), else of its bytes. Inside `sending`: it may read the blocks."""
+        """The checksum of a chunk in host memory: combined from its blocks' when the layer's
+        are taken (all the heads the source holds), else of its bytes. A chunk in device memory
+        gets none (UCX moves it GPU to GPU; no host copy to hash): its status then says it is
+        not checksummed, and the puller counts it unverified. Inside `sending`: it may read the
+        blocks."""
         if not isinstance(chunk.data, np.ndarray):
             return
         digests = chunk.lease.digests.get(chunk.layer) if chunk.heads == self.heads else None
         if digests is not None:
             n = chunk.region.shape[0]
             blocks = (await digests)[chunk.kv][chunk.index : chunk.index + n]
-            chunk.checksum = wire.combine(blocks, chunk.data.nbytes // n)
+            chunk.checksum = crc_combine.combine(blocks, chunk.data.nbytes // n)
         else:
-            chunk.checksum = await wire.checksum(chunk.data)
+            chunk.checksum = await checksums.checksum(chunk.data)
 
     @staticmethod
     def status(chunks: list[Chunk]) -> wire.ChunkStatus:
@@ -226,10 +225,3 @@ class ChunkSource:
         if blocks[index:end] != list(range(first, first + n)):
             raise InvalidRequest("a chunk must cover consecutive blocks")
         return first
-
-
-def corrupted(data: np.ndarray) -> np.ndarray:
-    """A copy of the data with one byte flipped (the `corrupt` fault)."""
-    out = np.array(data, copy=True)
-    out[len(out) // 2] ^= 0xFF
-    return out

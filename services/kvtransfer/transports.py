@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,66 +27,13 @@ from services.common.errors import Unavailable
 from services.common.gen.distserve.v1 import kvtransfer_pb2_grpc
 from services.common.kv_handle import KvHandle, RankSource
 from services.kvtransfer import ucx_loop, wire
-from services.kvtransfer.source import MAX_CHUNKS
+from services.kvtransfer.checksums import checksum, checksum_of
 
 log = logging.getLogger("distserve.kvtransfer")
 
 # After a failed or abandoned attempt, how long to wait for the source's answer to it before
 # the endpoint is given up (aborting it is the only way to be sure nothing lands later).
 DRAIN_S = 0.25
-
-
-def shutdown_ucx() -> None:
-    """Close the process's UCX listeners and endpoints (before it exits)."""
-    import sys
-
-    if "services.kvtransfer.ucx_loop" in sys.modules:
-        ucx_loop.shutdown()
-
-
-def add_ucx_args(p) -> None:
-    p.add_argument(
-        "--ucx-tls",
-        default="",
-        help="UCX transports (UCX_TLS), e.g. tcp; sm,tcp; rc,cuda_copy,cuda_ipc (default: UCX's "
-        "choice: shared memory on one host, RDMA or tcp across hosts, CUDA paths on GPUs)",
-    )
-
-
-# The settings every process of the mesh runs UCX with, unless its environment says otherwise.
-UCX_DEFAULTS = {
-    # Shared memory between processes of one host. UCX leaves its shared-memory transports
-    # (posix, sysv) out of any endpoint that handles peer failure, and every endpoint of ours
-    # does (services/kvtransfer/ucx_loop.py): without this, KV between two processes of one
-    # host moves over TCP on the loopback device (measured here: 1.1-1.2 GB/s against 5.8-6.7
-    # GB/s, memcpy 8-10 GB/s). A dead peer is still noticed: its endpoint fails by UCX's
-    # keepalive, and a chunk's own timeout bounds every wait.
-    "UCX_MM_ERROR_HANDLING": "y",
-    # A single copy between processes of one host: the puller reads the source's KV straight
-    # into its blocks (CMA, process_vm_readv) instead of both sides copying through a shared-
-    # memory bounce buffer. UCX offers CMA for rendezvous on endpoints that handle peer failure
-    # only if its memory domain declares it can invalidate a buffer once a send is cancelled,
-    # which CMA's does only when told (this setting): it does not actually invalidate. A
-    # cancelled send's blocks may therefore still be read by the puller after the source frees
-    # them; no such read is ever used, because a source answers "ok" only after every send of
-    # a request completed (the puller has acknowledged reading each), and a request cut off
-    # (lease released, lapsed or drained) is refused (the same holds for the bounce buffer: a
-    # cut-off send may still copy from freed blocks). Measured here, 64 MiB pulls on 2 cores:
-    # the source's CPU per pull 19 -> 6 ms, a pull 2.1-2.9 -> 3.7-4.1 GB/s (docs/benchmarks.md).
-    # Where CMA is not allowed (ptrace restricted, another PID namespace) UCX keeps to shared
-    # memory.
-    "UCX_CMA_MEMORY_INVALIDATE": "y",
-    "UCX_WARN_UNUSED_ENV_VARS": "n",
-}
-
-
-def configure_ucx(args=None) -> None:
-    """Set UCX_DEFAULTS where the environment has no value, and apply --ucx-tls; before UCX is
-    first used (UCX reads its environment when its context starts)."""
-    for name, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    if args is not None and args.ucx_tls:
-        os.environ["UCX_TLS"] = args.ucx_tls
 
 
 @dataclass
@@ -161,14 +107,6 @@ class Window:
                 grant()
 
 
-def ucx_available() -> bool:
-    try:
-        import ucxx  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class UcxTransport:
     """One cached endpoint per peer and lane; a request frame for many chunks, their raw bytes
     received straight into the destination, then one status frame. UCX runs on the event loop
@@ -179,7 +117,7 @@ class UcxTransport:
     two cores."""
 
     name = "ucx"
-    max_chunks = MAX_CHUNKS
+    max_chunks = wire.MAX_CHUNKS
 
     def __init__(self, lanes: int = 1) -> None:
         self.lanes = max(1, lanes)
@@ -260,7 +198,7 @@ class UcxTransport:
 
         # Each chunk is hashed as soon as it arrived, by the thread that copied it (the loop, or
         # a lane's: ucx_loop), while its bytes are likely still in cache.
-        hash_it = wire.checksum_of if checksums else None
+        hash_it = checksum_of if checksums else None
 
         def arrived(i: int, timer: asyncio.TimerHandle, recv: asyncio.Future) -> None:
             timer.cancel()
@@ -398,7 +336,7 @@ class GrpcTransport:
             np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
         received = None
         if checksums and reply.status.ok:
-            received = await wire.checksum(dst)
+            received = await checksum(dst)
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:

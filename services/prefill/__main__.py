@@ -24,7 +24,7 @@ from services.engine.config import (
     process_ranks,
 )
 from services.kvtransfer.servicer import KvTransferServicer
-from services.kvtransfer.transports import add_ucx_args, configure_ucx, shutdown_ucx
+from services.kvtransfer.ucx_setup import add_ucx_args, configure_ucx, shutdown_ucx
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer, worker_load, worker_stats
 from services.prefill.worker import PrefillWorker

@@ -20,7 +20,7 @@ from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.source import ChunkSource
-from services.kvtransfer.transports import ucx_available
+from services.kvtransfer.ucx_setup import ucx_available
 from services.prefill.config import PrefillConfig
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop

@@ -40,7 +40,7 @@ from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy
 from services.kvtransfer.source import ADOPT_WAIT_S, SEND_TIMEOUT_S, ChunkSource
-from services.kvtransfer.transports import shutdown_ucx
+from services.kvtransfer.ucx_setup import shutdown_ucx
 
 log = logging.getLogger("distserve.kvtransfer")
 

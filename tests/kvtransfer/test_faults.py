@@ -6,14 +6,43 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.kvtransfer.faults import Fault, strike
 from tests.test_mesh import PROMPTS, addresses, expected, generate, kv_all_free, stats, wait_until
 from tests.test_observability import scrape, value
 
 PROMPT = PROMPTS[2]  # long enough for several chunks per layer with 4-block chunks
 DECODE = ("--chunk-timeout-s", "1", "--chunk-attempts", "4", "--chunk-kb", "4")
+
+
+@pytest.mark.parametrize(
+    ("kind", "sent", "calls"),
+    [("drop", None, ["drop"]), ("close", None, ["close"]), ("delay", "same", []),
+     ("corrupt", "one byte flipped", [])],
+)  # fmt: skip
+def test_what_each_fault_sends_instead_of_the_chunk(kind, sent, calls):
+    """One decision for both transports: they say only how to close and how to drop."""
+    data = np.arange(16, dtype=np.uint8)
+    called = []
+
+    async def close() -> None:
+        called.append("close")
+
+    async def drop() -> None:
+        called.append("drop")
+
+    fault = Fault(kind, 1, seconds=0.01)
+    out = asyncio.run(strike(fault, data, close=close, drop=drop))
+    assert called == calls
+    if sent is None:
+        assert out is None
+    elif sent == "same":
+        assert out is data
+    else:
+        assert np.count_nonzero(out != data) == 1 and data[8] == 8  # a copy: the cache untouched
 
 
 @pytest.fixture(scope="module")

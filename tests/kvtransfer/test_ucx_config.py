@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from services.kvtransfer.transports import UCX_DEFAULTS, configure_ucx
+from services.kvtransfer.ucx_setup import UCX_DEFAULTS, configure_ucx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,7 @@ def test_workers_turn_on_shared_memory_and_keep_what_the_environment_says(monkey
 # (ucp_ep_print_info: UCX's own account of what it chose).
 _PEER = r"""
 import asyncio, ctypes, os, sys
-from services.kvtransfer.transports import configure_ucx, shutdown_ucx
+from services.kvtransfer.ucx_setup import configure_ucx, shutdown_ucx
 configure_ucx()
 import libucx, numpy as np
 from services.kvtransfer import ucx_loop

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from services.kvtransfer import ucx_loop
-from services.kvtransfer.transports import configure_ucx
+from services.kvtransfer.ucx_setup import configure_ucx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _ECHO = r"""
 import asyncio, os
 import numpy as np
-from services.kvtransfer.transports import configure_ucx
+from services.kvtransfer.ucx_setup import configure_ucx
 configure_ucx()
 from services.kvtransfer import ucx_loop
 

@@ -16,12 +16,13 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.kvtransfer import transports, ucx_loop, wire
+from services.kvtransfer import checksums, transports, ucx_loop, wire
 from services.kvtransfer.chunk_server import ChunkServer
+from services.kvtransfer.faults import corrupted
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
 from services.kvtransfer.leases import LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy
-from services.kvtransfer.source import MAX_CHUNKS, ChunkSource, corrupted
+from services.kvtransfer.source import ChunkSource
 from services.kvtransfer.transports import GrpcTransport, UcxTransport
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -87,7 +88,7 @@ def test_requests_take_up_to_32_chunks_of_one_source_in_layer_order():
         for i in range(4)
     ]  # 40 chunks from each rank
     batches = requests_for(chunks)
-    assert [len(b) for b in batches] == [MAX_CHUNKS, MAX_CHUNKS, 8, 8]
+    assert [len(b) for b in batches] == [wire.MAX_CHUNKS, wire.MAX_CHUNKS, 8, 8]
     for batch in batches:
         assert len({c.source for c in batch}) == 1
         assert [c.layer for c in batch] == sorted(c.layer for c in batch)
@@ -140,7 +141,7 @@ def test_checksums_are_taken_as_layers_are_published_and_match_the_pullers():
         assert source.status(whole).crc32c == [crc32c.crc32c(sent)]
         copy = cache[1, 1, 3:5, :, 0:1].contiguous().numpy().tobytes()
         assert source.status(part).crc32c == [crc32c.crc32c(copy)]
-        assert wire.checksum_of(corrupted(whole[0].data)) != crc32c.crc32c(sent)
+        assert checksums.checksum_of(corrupted(whole[0].data)) != crc32c.crc32c(sent)
 
     asyncio.run(scenario())
 
@@ -234,7 +235,7 @@ def test_each_chunk_is_hashed_by_the_lane_that_copied_it(monkeypatch, lanes):
             hashed_on.append(threading.current_thread().name)
         return crc32c.crc32c(data)
 
-    monkeypatch.setattr(wire, "checksum_of", checksum_of)
+    monkeypatch.setattr(transports, "checksum_of", checksum_of)  # the puller's hashing
     head_dim = 4096
     blocks = (2 * 2**20) // (head_dim * 4)
 
