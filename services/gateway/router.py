@@ -30,11 +30,12 @@ from services.common.gen.distserve.v1 import (
 )
 from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
+from services.common.slo import Slo
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
-from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
+from services.gateway.observe import GatewayMetrics, RequestObserver
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry, Worker
 from services.gateway.request import Request
