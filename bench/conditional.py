@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,8 +42,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
+from bench.common import host
 from services.common.model_config import ModelConfig
+from services.common.slo import Slo
+from services.common.stats import percentile
 from services.engine.presets import default_model
 from services.gateway.conditional import LocalPrefill
 from services.launcher import Mesh, MeshSpec
@@ -53,7 +54,6 @@ from services.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest
 from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
 from services.loadgen.targets import GrpcTarget
-from services.planner.simulator import Slo
 
 LONG = 512  # tokens of a long prompt
 OUTPUT = 32  # tokens asked for, every request
@@ -127,8 +127,8 @@ def start(model: Path, gateway_args: tuple[str, ...]) -> Mesh:
 
 
 def pct(values: np.ndarray, q: float) -> float:
-    v = values[~np.isnan(values)]
-    return float(np.percentile(v, q)) * 1000 if len(v) else float("nan")
+    """The q-th percentile of the values that are not NaN (failed requests), in ms."""
+    return percentile(values[~np.isnan(values)], q) * 1000
 
 
 def main() -> int:
@@ -206,7 +206,7 @@ def main() -> int:
             "routes": {k: int(v) for k, v in routed[mode].items() if v},
         }
     print()
-    print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
+    print(f"hardware: {host()}")
     print(
         f"model: small (105M, fp32), 1 prefill + 1 decode pinned; {args.rounds} rounds x "
         f"{args.requests} requests, Poisson {rate:.2f} req/s, half {LONG}-token prompts, half "

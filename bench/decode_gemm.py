@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import cpu_model
 from services.engine.config import EngineConfig, configure_process
 
 
@@ -69,7 +69,7 @@ def main() -> int:
                 samples[name] += [s for _, _, s in runner.decode_steps(b, args.context, args.steps)]
         for name in runners:
             ms[name][b] = round(statistics.median(samples[name]), 2)
-    print(f"model {model.name}, context {args.context}, one pinned core ({platform.processor()})")
+    print(f"model {model.name}, context {args.context}, one pinned core ({cpu_model()})")
     print(
         f"tuned in {tune_s} s: transposed form for "
         + "; ".join(f"{o}x{i} rows {plan_text(r)}" for (o, i), r in forms.items() if r)
@@ -85,7 +85,7 @@ def main() -> int:
             {
                 "bench": "decode_gemm",
                 "model": model.name,
-                "cpu": platform.processor() or platform.machine(),
+                "cpu": cpu_model(),
                 "cpu_count": os.cpu_count(),
                 "context": args.context,
                 "rounds": args.rounds,

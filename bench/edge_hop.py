@@ -18,14 +18,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services.edge.envoy as envoy_process
+from services.common.stats import percentile
 from services.edge.config import EdgeConfig
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def bare(config_of):
@@ -79,10 +75,10 @@ def main() -> None:
         "bench": "edge_hop",
         "bare": args.bare,
         "envoy_concurrency": args.concurrency,
-        "direct_ms_p50": round(pct(t["direct"], 0.5), 3),
-        "envoy_ms_p50": round(pct(t["envoy"], 0.5), 3),
-        "envoy_hop_ms_p50": round(pct(t["envoy"], 0.5) - pct(t["direct"], 0.5), 3),
-        "envoy_hop_ms_p99": round(pct(t["envoy"], 0.99) - pct(t["direct"], 0.99), 3),
+        "direct_ms_p50": round(percentile(t["direct"], 50), 3),
+        "envoy_ms_p50": round(percentile(t["envoy"], 50), 3),
+        "envoy_hop_ms_p50": round(percentile(t["envoy"], 50) - percentile(t["direct"], 50), 3),
+        "envoy_hop_ms_p99": round(percentile(t["envoy"], 99) - percentile(t["direct"], 99), 3),
     }
     print(json.dumps(result))
 

@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host, percentiles, report_and_exit_code
+from services.common.slo import Slo
 from services.engine.presets import emulated_model
 from services.launcher import Mesh
 from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
@@ -48,7 +49,7 @@ from services.loadgen.goodput import GoodputSearch, Probe
 from services.planner.cluster import ClusterSpec
 from services.planner.goodput import max_rate
 from services.planner.placement import PlanSpec, plan
-from services.planner.simulator import Slo, simulate
+from services.planner.simulator import simulate
 from services.planner.workload import LengthDist, Requests, Workload
 
 SEED_WORKLOAD = Workload(

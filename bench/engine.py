@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -40,143 +38,24 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_model, log
+from bench.engine_timing import (
+    hf_decode,
+    hf_prefill_seconds,
+    memcpy_bandwidth,
+    ours_decode,
+    ours_prefill_seconds,
+    random_prompt,
+    weight_bytes_read_per_token,
+)
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import CommTimer, TensorParallel
 from services.engine.presets import default_model
 from services.engine.sequence import Sequence
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{torch.get_num_threads()} threads"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def memcpy_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
-    """Bytes copied per second (each byte counted once) for a buffer far larger than caches."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
-
-
-def random_prompt(n: int, gen: torch.Generator, vocab: int) -> list[int]:
-    return torch.randint(2, vocab, (n,), generator=gen).tolist()
-
-
-# -- prefill -------------------------------------------------------------------------------------
-
-
-def ours_prefill_seconds(engine: LLMEngine, prompt: list[int], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        seq = Sequence(
-            "bench",
-            prompt,
-            SamplingParams(max_tokens=1),
-            eos_token_ids=(),
-            max_context=engine.model_config.max_position_embeddings,
-            tokenizer=None,
-            default_seed=0,
-        )
-        assert engine._admit(seq)
-        t = time.perf_counter()
-        engine.runner.prefill([seq])
-        times.append(time.perf_counter() - t)
-        engine._free(seq)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def hf_prefill_seconds(hf, prompt: list[int], reps: int) -> float:
-    ids = torch.tensor([prompt])
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        hf(ids, use_cache=True)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-# -- decode --------------------------------------------------------------------------------------
-
-
-def ours_decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> list[float]:
-    """Times of the decode steps (every sequence running) after all prompts are prefilled."""
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.waiting:
-        engine.step()  # prefill batches (each also samples its first token)
-    steps = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    return steps[:-1]  # the last step also retires every sequence
-
-
-class _StepClock:
-    """A transformers streamer that only notes when each generated token arrives."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        self.times.append(time.perf_counter())
-
-
-@torch.inference_mode()
-def hf_decode(hf, prompts: list[list[int]], new: int) -> list[float]:
-    """transformers generate on the left-padded batch: times of its decode steps."""
-    width = max(len(p) for p in prompts)
-    ids = torch.ones(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    clock = _StepClock()
-    hf.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        pad_token_id=1,
-        streamer=clock,
-    )
-    # put() receives the prompt, then each generated token; the first one ends prefill.
-    tokens = clock.times[1:-1]
-    return [b - a for a, b in itertools.pairwise(tokens)]
-
-
-def weight_bytes_read_per_token(engine: LLMEngine) -> int:
-    """Bytes of parameters a decode step reads: all but the embedding table (one row read)."""
-    model = engine.runner.model
-    emb = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.config.tie_word_embeddings:
-        return total  # the table is read whole as the LM head
-    return total - emb.numel() * emb.element_size()
-
 
 # -- tensor parallelism: TP=2 vs TP=1 prefill --------------------------------------------------
 
@@ -230,16 +109,6 @@ def tp_worker(
             conn.send((wall, timer.seconds, timer.calls, cpu))
     finally:
         group.close()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def spread(xs: list[float]) -> str:
@@ -467,7 +336,7 @@ def main() -> None:
 
     print(
         f"\nengine benchmark: {args.preset} preset, {params / 1e6:.1f}M params, float32, "
-        f"{cpu_name()}, torch {torch.__version__}, transformers {transformers.__version__}"
+        f"{cpu_model()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
     print(f"{'measure':<26}{'ours tok/s':>12}{'transformers':>14}{'ratio':>8}")
     for name, ours, ref in rows:
@@ -481,7 +350,7 @@ def main() -> None:
         "bench": "engine",
         "preset": args.preset,
         "params": params,
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "memcpy_gb_s": round(bandwidth / 1e9, 2),

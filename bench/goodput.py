@@ -11,8 +11,9 @@ they share the two cores with the workers, in both modes alike.
 
 24 requests per probe is a first look, not the steady state: a probe that short ends before a
 queue that grows without bound has hurt 10% of its requests, and it overstated colocated chat's
-goodput 3x against 80-request probes (docs/benchmarks.md). For the figures, run one workload at a
-time with more requests (`--workloads chat --requests 80`: about 23 minutes for chat).
+goodput 3x against 80-request probes (`--requests 24` against `--requests 80`). For the
+figures, run one workload at a time with more requests (`--workloads chat --requests 80`:
+about 23 minutes for chat).
 
 Writes bench-goodput/WORKLOAD/{goodput.json,attainment.png,latency_cdf.png}; prints each
 workload's table and, last, one JSON line with every workload's goodput, per core, and ratio.
@@ -25,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import cpu_model
 from services.engine.presets import default_model
 from services.loadgen.cli import BenchSpec, describe, run_bench
 
@@ -81,7 +82,7 @@ def main() -> int:
         "bench": "goodput",
         "model": "small",
         "cpu_count": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "requests_per_probe": args.requests,
         "max_probes": args.max_probes,
         "seconds": round(time.monotonic() - start, 1),

@@ -12,9 +12,10 @@ fed this host's profile of the `small` model, what each placement would serve:
 * workloads: `bench/goodput.py`'s CPU-scaled chat, code and summarisation
   (`services.loadgen.goodput.SCALED`), Poisson arrivals;
 * instances: the engine options of `bench/goodput.py`'s workers (`WORKER_ARGS`: a 384 MB KV
-  pool, 16 seats, 2048-token prefill batches); KV moves at `--bandwidth` (default 3 GB/s, what
-  a pull achieves on this host: docs/benchmarks.md) and, for prompts of >= 256 tokens, beside
-  their prefill (the gateway's default `--layerwise-min-tokens`);
+  pool, 16 seats, 2048-token prefill batches); KV moves at `--bandwidth` (default 6 GB/s, what
+  a 64 MiB pull over UCX shared memory achieves on this host: `make bench-kvtransfer`) and,
+  for prompts of >= 256 tokens, beside their prefill (the gateway's default
+  `--layerwise-min-tokens`);
 * SLOs: the rule of `bench/goodput.py` predicted from the profile (5x the median request's
   prefill, 3x its batch-1 decode step), and that rule scaled by each `--slo-scales` factor
   (DistServe's Figure 8 varies the SLO the same way);
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,14 +44,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import cpu_model
 from services.common import latency as latency_file
 from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
+from services.common.slo import Slo
 from services.engine.presets import default_model
 from services.loadgen.fidelity import profile_pinned
 from services.loadgen.goodput import SCALED
 from services.planner.goodput import goodput
-from services.planner.simulator import Instance, SimCluster, Slo
+from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Workload
 
 # The engine options of bench/goodput.py's workers (services.loadgen.cli.WORKER_ARGS).
@@ -151,7 +153,12 @@ def main() -> int:
         "--slo", help="TTFT_MS,TPOT_MS instead of the rule (e.g. a measured run's, to compare)"
     )
     parser.add_argument("--workloads", default="summarization,chat,code")
-    parser.add_argument("--bandwidth", type=float, default=3e9, help="KV pull bytes/s")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=6e9,
+        help="KV pull bytes/s (default: a 64 MiB pull over UCX shared memory on this host)",
+    )
     parser.add_argument("--save-profile", type=Path, help="write the measured profile here")
     args = parser.parse_args()
     start = time.monotonic()
@@ -198,7 +205,7 @@ def main() -> int:
         "profile": str(args.profile),
         "profile_fit_error": fit,
         "cpu_count": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "bandwidth_bytes_per_s": args.bandwidth,
         "alpha": ALPHA,
         "seconds": round(time.monotonic() - start, 1),

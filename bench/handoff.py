@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import host
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
@@ -117,7 +117,7 @@ def main() -> None:
         for mesh in meshes.values():
             mesh.stop()
     print()
-    print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
+    print(f"hardware: {host()}")
     print("model: small preset (12 layers, hidden 768, GQA 12/4, 105M parameters, fp32)")
     print(
         f"{'prompt':>6} {'KV MB':>6} | {'first gap ms':>23} | {'pull hidden':>11} | {'TTFT ms':>17}"

@@ -8,7 +8,7 @@ pairs, comma-separated; empty means the workers' defaults). Prompts of `--tokens
 prefilled, then decoded with their KV handle (direct Prefill and Decode calls: the pull starts
 when prefill has returned), alternating between the meshes, so both see the same moment of a
 shared host: sequential runs of one setting, then the other, swing by more than the settings
-differ (docs/benchmarks.md). Reported: each pull's time (admission to KV resident, from the
+differ. Reported: each pull's time (admission to KV resident, from the
 decode instance) after a warm-up, and the medians. Prints a table and one JSON line.
 Run: `python bench/handoff_env.py --b-env UCX_CMA_MEMORY_INVALIDATE=n` (about 2 minutes here).
 """
@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kvtransfer import prefill_and_pull
+from bench.common import host
+from bench.kvtransfer_handoff import prefill_and_pull
 from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
@@ -97,9 +96,7 @@ def main() -> None:
         for mesh in meshes.values():
             mesh.__exit__(None, None, None)
 
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    hardware = f"{os.cpu_count()} cores, {cpu or platform.machine()}"
+    hardware = host()
     print(f"\nKV handoff, two environments alternated: small (105M, fp32), {args.tokens} tokens")
     print(f"{hardware}; {args.pulls} pulls per arm after a warm-up, pinned 1P1D meshes")
     medians = {arm: statistics.median(v) for arm, v in pulls.items()}

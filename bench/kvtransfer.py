@@ -33,10 +33,15 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_model, log
+from bench.kvtransfer_handoff import handoff
 from services.kvtransfer.puller import PullPolicy
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
@@ -49,10 +54,6 @@ TRANSPORTS = {
     "ucx_sm": {"UCX_TLS": "tcp,sm,cma,self"},
     "grpc": {},
 }
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def memcpy_gb_s(nbytes: int = 512 * 2**20) -> float:
@@ -265,60 +266,6 @@ def bandwidth(
         source.wait()
 
 
-# -- the handoff on the small model ----------------------------------------------------------------
-
-
-async def prefill_and_pull(prefill, decode, prompt: list[int], request_id: str) -> tuple:
-    """Prefill one prompt, then decode it with its KV handle (direct Prefill and Decode calls:
-    the pull starts when prefill has returned): prefill compute ms, pull ms, KV bytes."""
-    from services.common.gen.distserve.v1 import common_pb2, decode_pb2, prefill_pb2
-
-    sampling = common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
-    async for event in prefill.Prefill(
-        prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-        ),
-        timeout=600,
-    ):
-        reply = event.done
-    request = decode_pb2.DecodeRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling=sampling,
-        first_token_id=reply.first_token_id,
-        kv=reply.kv,
-    )
-    pull_ms = None
-    async for r in decode.Decode(request, timeout=600):
-        pull_ms = pull_ms if pull_ms is not None else r.pull_ms
-    return reply.compute_ms, pull_ms, reply.kv.layer_bytes * reply.kv.num_layers
-
-
-async def handoff(address_prefill: str, address_decode: str, lengths: list[int]) -> dict:
-    import grpc
-
-    from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-
-    out = {}
-    async with (
-        grpc.aio.insecure_channel(address_prefill) as pch,
-        grpc.aio.insecure_channel(address_decode) as dch,
-    ):
-        prefill = prefill_pb2_grpc.PrefillStub(pch)
-        decode = decode_pb2_grpc.DecodeStub(dch)
-        rng = np.random.default_rng(1)
-        for n in lengths:
-            rows = []
-            for i in range(3):
-                prompt = rng.integers(2, 900, n).tolist()
-                rows.append(await prefill_and_pull(prefill, decode, prompt, f"h{n}-{i}"))
-            compute = statistics.median(r[0] for r in rows)
-            pulled = statistics.median(r[1] for r in rows)
-            out[n] = {"prefill_ms": compute, "pull_ms": pulled, "kv_bytes": rows[0][2]}
-            log(f"handoff {n} tokens: prefill {compute:.0f} ms, pull {pulled:.1f} ms")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", help=argparse.SUPPRESS)
@@ -380,7 +327,7 @@ def main() -> None:
         d = next(w.ready["address"] for w in mesh.workers if w.name.startswith("decode"))
         hand = asyncio.run(handoff(p, d, lengths))
 
-    cpu = os.popen("grep -m1 'model name' /proc/cpuinfo").read().split(":")[-1].strip()
+    cpu = cpu_model()
     print(
         f"\nKV transfer benchmark: {cpu}, {os.cpu_count()} cpus; memcpy {memcpy:.2f} GB/s "
         f"(before / after the transports: {memcpys[0]:.2f} / {memcpys[1]:.2f})"

@@ -35,6 +35,7 @@ import torch
 
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.sampling import SamplingParams
+from services.common.stats import percentile
 from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -44,11 +45,6 @@ from services.launcher import Mesh, MeshSpec
 # Requests before each measurement that are not counted: a mesh that has just started pays for
 # its first requests' connections, allocations and UCX endpoints; users meet a warm one.
 WARMUP = 20
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class EngineProbe:
@@ -274,13 +270,13 @@ def main() -> None:
 
     ms = 1000
     rows = [
-        ("TTFT p50 (ms)", pct(m_ttft, 0.5) * ms, pct(e_ttft, 0.5) * ms),
-        ("TTFT p99 (ms)", pct(m_ttft, 0.99) * ms, pct(e_ttft, 0.99) * ms),
-        ("TTFT p50, engine alone (ms)", pct(m_ttft, 0.5) * ms, pct(e_alone, 0.5) * ms),
-        ("TTFT max_tokens=1 p50 (ms)", pct(m_ttft1, 0.5) * ms, pct(e_ttft1, 0.5) * ms),
-        ("TTFT max_tokens=1 p99 (ms)", pct(m_ttft1, 0.99) * ms, pct(e_ttft1, 0.99) * ms),
-        ("first gap p50 (ms)", pct(m_gap, 0.5) * ms, pct(e_gap, 0.5) * ms),
-        ("first gap p99 (ms)", pct(m_gap, 0.99) * ms, pct(e_gap, 0.99) * ms),
+        ("TTFT p50 (ms)", percentile(m_ttft, 50) * ms, percentile(e_ttft, 50) * ms),
+        ("TTFT p99 (ms)", percentile(m_ttft, 99) * ms, percentile(e_ttft, 99) * ms),
+        ("TTFT p50, engine alone (ms)", percentile(m_ttft, 50) * ms, percentile(e_alone, 50) * ms),
+        ("TTFT max_tokens=1 p50 (ms)", percentile(m_ttft1, 50) * ms, percentile(e_ttft1, 50) * ms),
+        ("TTFT max_tokens=1 p99 (ms)", percentile(m_ttft1, 99) * ms, percentile(e_ttft1, 99) * ms),
+        ("first gap p50 (ms)", percentile(m_gap, 50) * ms, percentile(e_gap, 50) * ms),
+        ("first gap p99 (ms)", percentile(m_gap, 99) * ms, percentile(e_gap, 99) * ms),
         (f"tokens/s, {args.concurrency} streams", m_rate, e_rate),
     ]
     print(
@@ -291,10 +287,18 @@ def main() -> None:
     for name, m, e in rows:
         print(f"{name:<28}{m:>12.2f}{e:>12.2f}{m - e:>10.2f}")
     edge_rows = [
-        ("TTFT gRPC p50 (ms)", pct(x["grpc_edge"], 0.5) * ms, pct(x["grpc"], 0.5) * ms),
-        ("TTFT gRPC p99 (ms)", pct(x["grpc_edge"], 0.99) * ms, pct(x["grpc"], 0.99) * ms),
-        ("TTFT HTTP SSE p50 (ms)", pct(x["http_edge"], 0.5) * ms, pct(x["http"], 0.5) * ms),
-        ("TTFT HTTP SSE p99 (ms)", pct(x["http_edge"], 0.99) * ms, pct(x["http"], 0.99) * ms),
+        ("TTFT gRPC p50 (ms)", percentile(x["grpc_edge"], 50) * ms, percentile(x["grpc"], 50) * ms),
+        ("TTFT gRPC p99 (ms)", percentile(x["grpc_edge"], 99) * ms, percentile(x["grpc"], 99) * ms),
+        (
+            "TTFT HTTP SSE p50 (ms)",
+            percentile(x["http_edge"], 50) * ms,
+            percentile(x["http"], 50) * ms,
+        ),
+        (
+            "TTFT HTTP SSE p99 (ms)",
+            percentile(x["http_edge"], 99) * ms,
+            percentile(x["http"], 99) * ms,
+        ),
         (f"tokens/s gRPC, {args.concurrency} streams", x_rate, m_rate),
     ]
     print(f"\n{'the edge':<28}{'via Envoy':>12}{'direct':>12}{'added':>10}")
@@ -305,27 +309,37 @@ def main() -> None:
         "bench": "mesh",
         "preset": "tiny",
         "kv_handoff": args.kv_handoff,
-        "ttft_ms_p50": round(pct(m_ttft, 0.5) * ms, 3),
-        "ttft_ms_p99": round(pct(m_ttft, 0.99) * ms, 3),
-        "engine_ttft_ms_p50": round(pct(e_ttft, 0.5) * ms, 3),
-        "ttft_added_ms_p50": round((pct(m_ttft, 0.5) - pct(e_ttft, 0.5)) * ms, 3),
-        "ttft_added_ms_p99": round((pct(m_ttft, 0.99) - pct(e_ttft, 0.99)) * ms, 3),
-        "engine_alone_ttft_ms_p50": round(pct(e_alone, 0.5) * ms, 3),
-        "ttft_added_ms_p50_vs_engine_alone": round((pct(m_ttft, 0.5) - pct(e_alone, 0.5)) * ms, 3),
-        "ttft_added_ms_p50_max_tokens_1": round((pct(m_ttft1, 0.5) - pct(e_ttft1, 0.5)) * ms, 3),
-        "handoff_gap_ms_p50": round(pct(m_gap, 0.5) * ms, 3),
-        "handoff_added_ms_p50": round((pct(m_gap, 0.5) - pct(e_gap, 0.5)) * ms, 3),
+        "ttft_ms_p50": round(percentile(m_ttft, 50) * ms, 3),
+        "ttft_ms_p99": round(percentile(m_ttft, 99) * ms, 3),
+        "engine_ttft_ms_p50": round(percentile(e_ttft, 50) * ms, 3),
+        "ttft_added_ms_p50": round((percentile(m_ttft, 50) - percentile(e_ttft, 50)) * ms, 3),
+        "ttft_added_ms_p99": round((percentile(m_ttft, 99) - percentile(e_ttft, 99)) * ms, 3),
+        "engine_alone_ttft_ms_p50": round(percentile(e_alone, 50) * ms, 3),
+        "ttft_added_ms_p50_vs_engine_alone": round(
+            (percentile(m_ttft, 50) - percentile(e_alone, 50)) * ms, 3
+        ),
+        "ttft_added_ms_p50_max_tokens_1": round(
+            (percentile(m_ttft1, 50) - percentile(e_ttft1, 50)) * ms, 3
+        ),
+        "handoff_gap_ms_p50": round(percentile(m_gap, 50) * ms, 3),
+        "handoff_added_ms_p50": round((percentile(m_gap, 50) - percentile(e_gap, 50)) * ms, 3),
         "stream_tokens_per_s_64": round(m_rate, 1),
         "engine_tokens_per_s_64": round(e_rate, 1),
-        "envoy_ttft_ms_p50": round(pct(x["grpc_edge"], 0.5) * ms, 3),
-        "direct_ttft_ms_p50": round(pct(x["grpc"], 0.5) * ms, 3),
-        "envoy_added_ms_p50": round((pct(x["grpc_edge"], 0.5) - pct(x["grpc"], 0.5)) * ms, 3),
-        "envoy_added_ms_p99": round((pct(x["grpc_edge"], 0.99) - pct(x["grpc"], 0.99)) * ms, 3),
-        "envoy_added_ms_p50_http": round((pct(x["http_edge"], 0.5) - pct(x["http"], 0.5)) * ms, 3),
-        "envoy_added_ms_p99_http": round(
-            (pct(x["http_edge"], 0.99) - pct(x["http"], 0.99)) * ms, 3
+        "envoy_ttft_ms_p50": round(percentile(x["grpc_edge"], 50) * ms, 3),
+        "direct_ttft_ms_p50": round(percentile(x["grpc"], 50) * ms, 3),
+        "envoy_added_ms_p50": round(
+            (percentile(x["grpc_edge"], 50) - percentile(x["grpc"], 50)) * ms, 3
         ),
-        "http_ttft_ms_p50": round(pct(x["http"], 0.5) * ms, 3),
+        "envoy_added_ms_p99": round(
+            (percentile(x["grpc_edge"], 99) - percentile(x["grpc"], 99)) * ms, 3
+        ),
+        "envoy_added_ms_p50_http": round(
+            (percentile(x["http_edge"], 50) - percentile(x["http"], 50)) * ms, 3
+        ),
+        "envoy_added_ms_p99_http": round(
+            (percentile(x["http_edge"], 99) - percentile(x["http"], 99)) * ms, 3
+        ),
+        "http_ttft_ms_p50": round(percentile(x["http"], 50) * ms, 3),
         "envoy_stream_tokens_per_s_64": round(x_rate, 1),
         "envoy_http_stream_tokens_per_s_64": round(x_http_rate, 1),
     }

@@ -46,26 +46,8 @@ rule) until 8 batches span a factor of two in size; the varied warm-up stands fo
 served traffic before the overload came. `--cold-start` leaves it out: the overload then hits a
 mesh whose predictor has no fit yet, as right after start.
 
-**The bound** (`allowance()`; idle + allowance; it follows what bounds memory in the code, the
-constants are stated, not fitted):
-
-* Every request the mesh holds state for was admitted by the gateway, which holds at most
-  `--max-inflight` (M = 1024) at once; each is at most the model's context C (4096 tokens,
-  prompt + output) long. With admission off there is no M: no bound exists, and the baseline
-  shows what that costs.
-* A worker's KV pool (`--kv-cache-mb`) is zero-filled when the engine starts
-  (`services.engine.kv_cache.KvCache`: `torch.zeros`), so it is resident at idle already, as are
-  the weights: no KV term. On top of idle a worker may hold: the activations of its largest
-  step (prefill: one batch of `--max-batch-tokens` T tokens, T x (4 hidden + 3 intermediate +
-  vocab) x 4 B, plus attention scores heads x T^2 x 4 B as if materialised for one prompt of T
-  tokens; decode: `--max-num-seqs` S sequences, S x (4 hidden + 3 intermediate + vocab) x 4 B
-  plus S x heads x C x 4 B of scores); KV chunks in flight, S pulls x the puller's window
-  (4) x its chunk size (4 MiB) (a decode instance pulls for at most its free seats; zero when the
-  transport writes in place); the state of M queued requests, M x (C x 36 B (a token id in a
-  Python list: an 8-byte slot and a 28-byte int) + 64 KiB (a gRPC stream's receive window and
-  call objects)); and 64 MiB for allocator slack, thread stacks and metrics.
-* The gateway: M x (C x 80 B (the ids in two Python lists and protobuf copies) + 3 x 64 KiB (the
-  client's stream and the calls to prefill and decode)) + 64 MiB.
+**The bound**: idle + `allowance()`, term by term from what bounds memory in the code
+(`bench/overload_memory.py` states each term and its constants).
 
 Model and sizes: the `small` preset (12 layers, hidden 768, GQA 12/4, 105M parameters, fp32),
 as `distserve bench goodput` uses, because `tiny` serves the chat workload in a few ms per
@@ -90,441 +72,29 @@ and last one JSON line `{"bench": "overload", ...}`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
 import os
-import platform
-import statistics
 import sys
-import threading
 import time
 from collections import Counter
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
-import numpy as np
 
+from bench.common import host
+from bench.overload_memory import MiB, allowance, engine_options, memory_table
+from bench.overload_run import fmt, log, overload_run, run_table
 from services.common.model_config import ModelConfig
+from services.common.slo import Slo
 from services.engine.presets import default_model
 from services.gateway.admission import AdmissionConfig
-from services.kvtransfer.puller import PullPolicy
-from services.launcher import Mesh, MeshSpec
+from services.launcher import Mesh
 from services.loadgen import goodput as g
 from services.loadgen.cli import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
-from services.loadgen.requests import load_requests
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget, LoadError
-from services.planner.simulator import Slo
-from services.planner.workload import Requests
-
-MiB = 2**20
-# The bound's stated constants (see the module docstring).
-PY_TOKEN_BYTES = 36  # a token id in a Python list: 8 B slot + 28 B int object
-GATEWAY_TOKEN_BYTES = 80  # two Python lists and protobuf copies of each id
-CALL_BYTES = 64 * 2**10  # one gRPC stream: its receive window and call objects
-FIXED_BYTES = 64 * MiB  # allocator slack, thread stacks, metrics
-FLOAT_BYTES = 4  # fp32 activations
-
-
-# -- load ---------------------------------------------------------------------------------------
-
-
-class HintedGrpcTarget(GrpcTarget):
-    """The load generator's gRPC target, also keeping each refusal's `retry-after-ms` trailing
-    metadata (by request object id): `LoadError` carries only the status and the message."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.retry_after_ms: dict[int, int] = {}
-
-    async def stream(self, request, timeout_s):
-        try:
-            async for chunk in super().stream(request, timeout_s):
-                yield chunk
-        except LoadError as e:
-            rpc = e.__context__  # GrpcTarget raises LoadError from the AioRpcError it caught
-            if isinstance(rpc, grpc.aio.AioRpcError):
-                for key, value in rpc.trailing_metadata() or ():
-                    if key == "retry-after-ms":
-                        self.retry_after_ms[id(request)] = int(value)
-            raise
-
-
-# -- memory -------------------------------------------------------------------------------------
-
-
-def vm_rss(pid: int) -> int | None:
-    """Resident memory of `pid` in bytes (VmRSS), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc/PID/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except FileNotFoundError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return "?"
-
-
-class RssSampler:
-    """VmRSS of every process of a mesh (and their descendants), sampled on a thread."""
-
-    def __init__(self, mesh: Mesh, interval_s: float) -> None:
-        self.roots = {p.name: p.popen.pid for p in mesh.processes}
-        self.interval_s = interval_s
-        self.role = {}  # process name -> the role whose bound applies
-        self.samples: dict[str, list[int]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def read(self) -> dict[str, int]:
-        """One reading: name -> bytes. A descendant is named ROOT/COMM-PID."""
-        out = {}
-        for name, pid in self.roots.items():
-            rss = vm_rss(pid)
-            if rss is not None:
-                out[name] = rss
-                self.role.setdefault(name, role_of(name))
-            for child in descendants(pid):
-                rss = vm_rss(child)
-                if rss is not None:
-                    key = f"{name}/{comm(child)}-{child}"
-                    out[key] = rss
-                    self.role.setdefault(key, role_of(name))
-        return out
-
-    def idle(self, n: int = 4) -> dict[str, int]:
-        """The median of `n` readings one interval apart."""
-        readings = []
-        for i in range(n):
-            if i:
-                time.sleep(self.interval_s)
-            readings.append(self.read())
-        names = set().union(*readings)
-        return {k: int(statistics.median(r[k] for r in readings if k in r)) for k in names}
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            for k, v in self.read().items():
-                self.samples.setdefault(k, []).append(v)
-
-
-def role_of(name: str) -> str:
-    return "gateway" if name == "gateway" else name.split("-")[0]
-
-
-def engine_options(args: tuple[str, ...]) -> dict[str, int]:
-    """`--kv-cache-mb 384 --max-num-seqs 16 ...` as {"kv_cache_mb": 384, ...}."""
-    pairs = zip(args[::2], args[1::2], strict=True)
-    return {k.removeprefix("--").replace("-", "_"): int(v) for k, v in pairs}
-
-
-def allowance(role: str, model: ModelConfig, engine: dict[str, int], max_inflight: int) -> dict:
-    """What a process of `role` may hold on top of its idle RSS, term by term (bytes), from the
-    mechanisms that bound it; see the module docstring."""
-    ctx = model.max_position_embeddings
-    if role == "gateway":
-        terms = {
-            "requests": max_inflight * (ctx * GATEWAY_TOKEN_BYTES + 3 * CALL_BYTES),
-            "fixed": FIXED_BYTES,
-        }
-        formula = (
-            f"M x (C x {GATEWAY_TOKEN_BYTES} B + 3 x 64 KiB) + 64 MiB, M={max_inflight}, C={ctx}"
-        )
-        return {"terms": terms, "total": sum(terms.values()), "formula": formula}
-    per_token = (
-        4 * model.hidden_size + 3 * model.intermediate_size + model.vocab_size
-    ) * FLOAT_BYTES
-    seqs, batch = engine["max_num_seqs"], engine["max_batch_tokens"]
-    policy = PullPolicy()
-    if role == "decode":
-        act = seqs * per_token + seqs * model.num_heads * ctx * FLOAT_BYTES
-        act_text = "S x (4h + 3i + V) x 4 B + S x heads x C x 4 B"
-    else:  # prefill (colocated would need both; this bench runs none)
-        act = batch * per_token + model.num_heads * batch * batch * FLOAT_BYTES
-        act_text = "T x (4h + 3i + V) x 4 B + heads x T^2 x 4 B"
-    terms = {
-        "activations": act,
-        "kv_in_flight": seqs * policy.window * policy.chunk_bytes,
-        "requests": max_inflight * (ctx * PY_TOKEN_BYTES + CALL_BYTES),
-        "fixed": FIXED_BYTES,
-    }
-    formula = (
-        f"{act_text} + S x {policy.window} x {policy.chunk_bytes // MiB} MiB + "
-        f"M x (C x {PY_TOKEN_BYTES} B + 64 KiB) + 64 MiB, T={batch}, S={seqs}, "
-        f"M={max_inflight}, C={ctx}"
-    )
-    return {"terms": terms, "total": sum(terms.values()), "formula": formula}
-
-
-# -- one overload run ---------------------------------------------------------------------------
-
-
-def gateway_refusals(mesh: Mesh) -> dict[str, float]:
-    """`distserve_admission_refusals_total` by reason, from the gateway's /metrics."""
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    return {
-        s.labels["reason"]: s.value
-        for s in gateway.metrics()
-        if s.name == "distserve_admission_refusals_total"
-    }
-
-
-def overload_run(
-    label: str,
-    spec: MeshSpec,
-    base,
-    requests,
-    slo: Slo,
-    vocab: int,
-    args: argparse.Namespace,
-) -> dict:
-    """One fresh mesh: warm up, read idle memory, offer `requests`, sample memory throughout."""
-    log(f"[{label}] starting the mesh")
-    mesh = Mesh(spec)
-    mesh.start()
-    try:
-        sampler = RssSampler(mesh, args.sample_s)
-        at_start = sampler.read()
-        warm = g.unloaded(GrpcTarget(mesh.gateway_address), base, vocab, repeats=2)
-        if not args.cold_start:
-            warm_up_sizes(GrpcTarget(mesh.gateway_address), vocab)
-        time.sleep(1.0)
-        idle = sampler.idle()
-        target = HintedGrpcTarget(mesh.gateway_address)
-        prompts = load_requests(requests, vocab, args.seed)
-        log(
-            f"[{label}] offering {len(prompts)} requests over {requests.arrival_s[-1]:.0f} s "
-            f"({len(prompts) / requests.arrival_s[-1]:.2f} req/s)"
-        )
-        sampler.start()
-        t0 = time.monotonic()
-        try:
-            result = asyncio.run(run_load(target, prompts, args.request_timeout_s))
-        finally:
-            sampler.stop()
-        seconds = time.monotonic() - t0
-        refusals = gateway_refusals(mesh)
-        alive = {p.name: p.popen.poll() is None for p in mesh.processes}
-    finally:
-        mesh.stop()
-    hinted = [id(r) in target.retry_after_ms for r in prompts]
-    per_request = [
-        {
-            "arrival_s": round(float(result.arrival_s[i]), 3),
-            "prompt_tokens": int(result.prompt_tokens[i]),
-            "max_tokens": int(result.expected_tokens[i]),
-            "status": result.error[i] or "OK",
-            "ttft_ms": g.round3(float(result.ttft_s[i]) * 1000),
-            "tpot_ms": g.round3(float(result.tpot_s[i]) * 1000),
-            "retry_after_ms": target.retry_after_ms.get(id(r)),
-        }
-        for i, r in enumerate(prompts)
-    ]
-    hints = [target.retry_after_ms[id(r)] for r in prompts if id(r) in target.retry_after_ms]
-    out = summarize(result, slo, hinted, hints)
-    out.update(
-        label=label,
-        seconds=round(seconds, 1),
-        refusals_by_rule=refusals,
-        processes_alive_at_end=alive,
-        requests=per_request,
-        warm_up={"ttft_ms": round(warm.ttft_s * 1000, 1), "tpot_ms": round(warm.tpot_s * 1000, 1)},
-        rss={
-            name: {
-                "start": at_start.get(name),
-                "idle": idle.get(name, sampler.samples.get(name, [None])[0]),
-                "peak": max([*sampler.samples.get(name, []), idle.get(name, 0)]),
-                "samples": len(sampler.samples.get(name, [])),
-                "role": sampler.role[name],
-            }
-            for name in sorted(set(idle) | set(sampler.samples), key=process_order)
-        },
-    )
-    return out
-
-
-def warm_up_sizes(target: GrpcTarget, vocab: int) -> None:
-    """Eight sequential 2-token requests, prompts 64 to 512 tokens: prefill batches spanning a
-    range of sizes, which the gateway's TTFT prediction needs before it predicts anything
-    (`admission.FIT_MIN_SAMPLES`), as on a mesh that has served traffic before the overload."""
-    for i, n in enumerate(np.geomspace(64, 512, 8).round().astype(int)):
-        one = Requests(np.zeros(1), np.array([n]), np.array([2]))
-        g.run(target, one, vocab, seed=2000 + i)
-
-
-def summarize(r: LoadResult, slo: Slo, hinted: list[bool], hints: list[int]) -> dict:
-    """Offered, accepted, refused (with a retry hint or not), failed otherwise; latency and
-    attainment among the accepted; goodput achieved."""
-    ok = r.ok
-    refused = np.array([e == "RESOURCE_EXHAUSTED" for e in r.error])
-    other = ~ok & ~refused
-    met = r.met(slo)
-    failures = Counter(
-        f"{r.error[i] or 'no tokens'}: {r.error_message[i][:120]}" for i in np.flatnonzero(other)
-    )
-    accepted = int(ok.sum())
-
-    def pct(values: np.ndarray) -> dict:
-        return {k: g.round3(v * 1000) for k, v in r.percentiles(values, (50, 90, 99)).items()}
-
-    return {
-        "offered": len(r),
-        "offered_rps": round(len(r) / float(r.arrival_s.max()), 4) if len(r) else 0.0,
-        "accepted": accepted,
-        "refused": int(refused.sum()),
-        "refused_with_retry_hint": int((refused & np.array(hinted)).sum()),
-        "retry_after_ms": {
-            "min": min(hints, default=None),
-            "median": int(statistics.median(hints)) if hints else None,
-            "max": max(hints, default=None),
-        },
-        "failed_other": int(other.sum()),
-        "failures": dict(failures.most_common()),
-        "attainment_accepted": round(float(met[ok].mean()), 4) if accepted else None,
-        "attainment_offered": round(float(met.mean()), 4) if len(r) else None,
-        "met_slo": int(met.sum()),
-        "ttft_ms": pct(r.ttft_s),
-        "tpot_ms": pct(r.tpot_s),
-        "duration_s": round(r.duration_s, 2),
-        "goodput_rps": round(int(met.sum()) / r.duration_s, 4) if r.duration_s else 0.0,
-        "send_lag_max_ms": g.round3(float(np.nanmax(r.send_lag_s)) * 1000) if len(r) else None,
-    }
-
-
-def process_order(name: str) -> tuple:
-    base = name.split("/")[0]
-    return ({"gateway": 0, "prefill": 1, "decode": 2}.get(role_of(base), 3), name)
-
-
-# -- report -------------------------------------------------------------------------------------
-
-
-def log(text: str) -> None:
-    print(f"overload {time.strftime('%H:%M:%S')}: {text}", file=sys.stderr, flush=True)
-
-
-def fmt(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def mib(x: int | None) -> str:
-    return "-" if x is None else f"{x / MiB:,.0f}"
-
-
-def run_table(on: dict, off: dict) -> str:
-    rows = [
-        ("offered (requests, req/s)", lambda r: f"{r['offered']} @ {r['offered_rps']:.2f}"),
-        ("accepted (answered with tokens)", lambda r: str(r["accepted"])),
-        (
-            "refused RESOURCE_EXHAUSTED (retry hint)",
-            lambda r: f"{r['refused']} ({r['refused_with_retry_hint']})",
-        ),
-        (
-            "  by rule (gateway metric)",
-            lambda r: ", ".join(f"{k} {v:.0f}" for k, v in r["refusals_by_rule"].items()) or "-",
-        ),
-        ("failed otherwise", lambda r: str(r["failed_other"])),
-        ("attainment among accepted", lambda r: fmt(r["attainment_accepted"], ".3f")),
-        ("attainment among offered", lambda r: fmt(r["attainment_offered"], ".3f")),
-        ("TTFT p50/p90/p99 ms (accepted)", lambda r: triple(r["ttft_ms"], ".0f")),
-        ("TPOT p50/p90/p99 ms (accepted)", lambda r: triple(r["tpot_ms"], ".1f")),
-        ("goodput achieved req/s", lambda r: f"{r['goodput_rps']:.3f}"),
-        ("first send to last reply s", lambda r: f"{r['duration_s']:.1f}"),
-    ]
-    lines = [f"{'':<42} {'admission on':>22} {'baseline (off)':>22}"]
-    for name, cell in rows:
-        lines.append(f"{name:<42} {cell(on):>22} {cell(off):>22}")
-    return "\n".join(lines)
-
-
-def triple(p: dict, spec: str) -> str:
-    return "/".join(fmt(p[k], spec) for k in ("p50", "p90", "p99"))
-
-
-def memory_table(on: dict, off: dict, bounds: dict) -> tuple[str, dict, bool]:
-    """The per-process memory table and its JSON, and whether every process of the admission-on
-    run stayed within its bound."""
-    lines = [
-        f"{'process (VmRSS MiB)':<28} {'start':>6} {'idle':>6} {'peak':>6} {'+':>5} "
-        f"{'bound':>6} {'within':>6} | {'baseline idle':>13} {'peak':>6} {'+':>6}"
-    ]
-    out, within_all = {}, True
-    names = sorted(set(on["rss"]) | set(off["rss"]), key=process_order)
-    for name in names:
-        a, b = on["rss"].get(name), off["rss"].get(name)
-        row = {}
-        if a is not None:
-            bound = a["idle"] + bounds[a["role"]]["total"]
-            within = a["peak"] <= bound
-            within_all &= within
-            row.update(idle=a["idle"], peak=a["peak"], start=a["start"], bound=bound, within=within)
-        if b is not None:
-            row["baseline"] = {"idle": b["idle"], "peak": b["peak"], "start": b["start"]}
-        out[name] = row
-        lines.append(
-            f"{name:<28} {mib(a and a['start']):>6} {mib(a and a['idle']):>6} "
-            f"{mib(a and a['peak']):>6} {mib(a and a['peak'] - a['idle']):>5} "
-            f"{mib(row.get('bound')):>6} {('yes' if row['within'] else 'NO') if a else '-':>6} | "
-            f"{mib(b and b['idle']):>13} {mib(b and b['peak']):>6} "
-            f"{mib(b and b['peak'] - b['idle']):>6}"
-        )
-    return "\n".join(lines), out, within_all
-
-
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} x {cpu}, torch {metadata.version('torch')}"
-
-
-# -- main ---------------------------------------------------------------------------------------
+from services.loadgen.targets import GrpcTarget
 
 
 def main() -> int:
@@ -654,7 +224,7 @@ def main() -> int:
     mem_text, mem, within = memory_table(on, off, bounds)
     attained = on["attainment_accepted"] is not None and on["attainment_accepted"] >= 0.9
     print(
-        f"hardware: {hardware()}; load average before {load_before[0]:.1f}, after "
+        f"hardware: {host(torch=True)}; load average before {load_before[0]:.1f}, after "
         f"{os.getloadavg()[0]:.1f}"
     )
     print(
@@ -717,7 +287,7 @@ def main() -> int:
         "bench": "overload",
         "model": args.preset,
         "cpu_count": os.cpu_count(),
-        "hardware": hardware(),
+        "hardware": host(torch=True),
         "workload": workload.name,
         "slo_ms": {"ttft": round(slo.ttft_s * 1000, 3), "tpot": round(slo.tpot_s * 1000, 3)},
         "unloaded": unloaded.to_json() if unloaded else None,

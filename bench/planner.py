@@ -31,14 +31,19 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_model
 from services.common.latency import for_model
 from services.common.model_spec import PRESETS
+from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, kv_capacity
 from services.planner.placement import PlanSpec, plan
-from services.planner.simulator import Instance, SimCluster, Slo, simulate
+from services.planner.simulator import Instance, SimCluster, simulate
 from services.planner.workload import PRESETS as WORKLOADS
 
 PAPER_SEARCH_S = 78.0  # DistServe: "under 1.3 minutes" for OPT-175B
@@ -48,16 +53,6 @@ TARGET_FIDELITY_PP = 2.0
 FIDELITY_TARGETS = (0.9, 0.7, 0.5, 0.3)
 FIDELITY_REQUESTS = 300
 FIDELITY_REPEATS = 2
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def placement_search() -> tuple[float, dict]:
@@ -145,7 +140,7 @@ def main() -> None:
     seconds, plan_json = placement_search()
     speeds = simulator_speed()
     placement = plan_json["placement"]
-    print(f"planner benchmark on {cpu_name()} ({os.cpu_count()} CPUs), {platform.platform()}")
+    print(f"planner benchmark on {cpu_model()} ({os.cpu_count()} CPUs), {platform.platform()}")
     print(
         f"(1) simulator fidelity, fidelity model 1P1D pinned, SLO TTFT {fid['slo_ms'][0]:.1f} "
         f"ms / TPOT {fid['slo_ms'][1]:.2f} ms, {a.requests} requests per rate:"
@@ -198,7 +193,7 @@ def main() -> None:
         "sim_requests_per_s_by_cluster": {k: round(v) for k, v in speeds.items()},
         "sim_target_requests_per_s": TARGET_SIM_RPS,
         "model_params": {name: spec.num_params for name, spec in PRESETS.items()},
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -20,13 +20,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import host
 from bench.handoff import decode_metrics, request
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
@@ -84,7 +84,7 @@ def main() -> None:
     finally:
         for mesh in meshes.values():
             mesh.stop()
-    print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
+    print(f"hardware: {host()}")
     print("model: small preset (12 layers, hidden 768, GQA 12/4, fp32)")
     names = list(CONFIGS)
     print(f"{'prompt':>6} {'KV MB':>6} | pull ms: " + " ".join(f"{n:>7}" for n in names))

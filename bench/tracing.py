@@ -33,7 +33,7 @@ Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s,
 a mesh, 12 rounds of 20 s): one whose prefill computes and whose decode reads its weights every
 step, as a served model's do. `--model tiny` (64 streams, 18 rounds of 10 s) serves the tiny
 preset, where a request costs only the mesh's own work (~35 ms of CPU, all of it RPCs, queues
-and Python): the worst case for tracing's share, reported beside in docs/benchmarks.md. Prints
+and Python): the worst case for tracing's share, reported beside `small`. Prints
 a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp,
 throughput). Run: `python bench/tracing.py` (about 8 minutes here; tiny about 6).
 """
@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,10 +56,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
 
-from bench.mesh import mesh_ttft_and_gap, pct
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from bench.common import host
+from bench.mesh import mesh_ttft_and_gap
+from bench.tracing_load import Receiver, counters, cpu_seconds, load_together
+from services.common.stats import percentile
 from services.engine.presets import default_model
 from services.launcher import Mesh, MeshSpec
 
@@ -72,8 +70,9 @@ KV_CACHE_MB = {"tiny": 64, "small": 256}
 LOAD = {"small": (16, 20.0, 12), "tiny": (64, 10.0, 18)}
 # Exports every second. At 0.1 s (this bench's default until 2026-12-02) OTLP cost 8.5-10.6% of
 # throughput and its workers +10-12% CPU per request, over gRPC and HTTP alike; at 1 s, the same
-# day, within the noise (two runs pooled: file +1.6%, otlp -3.2%; docs/benchmarks.md): frequent
-# exports cost a deployment too, but a deployment batches as the SDK does (5 s).
+# day, within the noise (two runs pooled: file +1.6%, otlp -3.2%; `--export-delay-s 0.1`
+# measures the old setting): frequent exports cost a deployment too, but a deployment batches
+# as the SDK does (5 s).
 EXPORT_DELAY_S = 1.0
 # Admission off: the bench compares throughput, and a refusal (the cost line is noisy when two
 # cores are shared by everything) would end a round early.
@@ -82,100 +81,11 @@ GATEWAY_ARGS = ("--admission-ttft-factor", "0")
 WARMUP_S = 3.0
 
 
-def counters(mesh: Mesh) -> dict[str, float]:
-    """What the mesh has counted so far: steps and the sequences in them of its prefill and
-    decode workers (`distserve_engine_step_*`), and the gateway's TTFT histogram (sum, count)."""
-    out = {}
-    for kind in ("prefill", "decode"):
-        proc = next(p for p in mesh.workers if p.name.startswith(kind))
-        found = {s.name: s.value for s in proc.metrics() if s.labels.get("kind") == kind}
-        out[f"{kind}_steps"] = found.get("distserve_engine_step_seconds_count", 0.0)
-        out[f"{kind}_seqs"] = found.get("distserve_engine_step_batch_size_sum", 0.0)
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    for s in gateway.metrics():
-        if s.name.startswith("gen_ai_server_time_to_first_token_seconds_"):
-            key = "ttft_" + s.name.rsplit("_", 1)[1]  # ttft_sum, ttft_count
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def cpu_seconds(mesh: Mesh) -> dict[str, float]:
-    """CPU time (user + system, all threads) each process of the mesh has used so far."""
-    out = {}
-    for p in mesh.processes:
-        fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[p.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
-async def load_together(
-    addresses: dict[str, str],
-    prompts: list[list[int]],
-    new: int,
-    concurrency: int,
-    seconds: float,
-) -> dict[str, int]:
-    """Load every mesh at once for `seconds`: on each, `concurrency` streamed requests in flight
-    (a new one starts as one ends, the prompts taken in turn). Per mesh: the tokens that arrived
-    within the window. Streams still open at the end are cancelled."""
-    params = common_pb2.SamplingParams(max_tokens=new, ignore_eos=True)
-    channels = {name: grpc.aio.insecure_channel(a) for name, a in addresses.items()}
-    try:
-        for channel in channels.values():
-            await channel.channel_ready()
-        deadline = asyncio.get_running_loop().time() + seconds
-        counts = dict.fromkeys(addresses, 0)
-
-        async def client(name: str, stub, taken: itertools.count) -> None:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    while True:
-                        ids = gateway_pb2.TokenIds(ids=prompts[next(taken) % len(prompts)])
-                        async for r in stub.Generate(
-                            gateway_pb2.GenerateRequest(token_ids=ids, sampling=params)
-                        ):
-                            counts[name] += len(r.token_ids)
-            except TimeoutError:
-                pass
-
-        clients = []
-        for name, channel in channels.items():
-            stub, taken = gateway_pb2_grpc.GatewayStub(channel), itertools.count()
-            clients += [client(name, stub, taken) for _ in range(concurrency)]
-        await asyncio.gather(*clients)
-        return counts
-    finally:
-        for channel in channels.values():
-            await channel.close()
-
-
-class Receiver:
-    """The test OTLP receiver (tests/otlp_receiver.py), counting, in a process of its own."""
-
-    def __enter__(self) -> Receiver:
-        root = Path(__file__).resolve().parents[1]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.otlp_receiver"],
-            cwd=root,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        ready = json.loads(self.proc.stdout.readline())
-        self.endpoint, self.http_endpoint = ready["endpoint"], ready["http_endpoint"]
-        self.spans = 0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        out, _ = self.proc.communicate(input="", timeout=60)
-        self.spans = json.loads(out.strip().splitlines()[-1])["spans"] if out.strip() else 0
-
-
 def bootstrap(values: list[float], q: float = 0.05, n: int = 2000) -> tuple[float, float]:
     """The q and 1-q quantiles of the median of `values` resampled with replacement (seeded)."""
     rng = random.Random(1)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return medians[int(q * n)], medians[int((1 - q) * n) - 1]
+    medians = [statistics.median(rng.choices(values, k=len(values))) for _ in range(n)]
+    return percentile(medians, 100 * q), percentile(medians, 100 * (1 - q))
 
 
 def start(model: Path, env: dict[str, str], kv_cache_mb: int) -> Mesh:
@@ -322,7 +232,7 @@ def main() -> None:
                 t, _ = asyncio.run(
                     mesh_ttft_and_gap(mesh.gateway_address, prompt, args.ttft_requests)
                 )
-                ttft[name] = pct(t, 0.5) * 1000
+                ttft[name] = percentile(t, 50) * 1000
         finally:
             for mesh in meshes.values():
                 mesh.stop()
@@ -350,7 +260,7 @@ def main() -> None:
     cpu_overhead = {name: statistics.median(v) for name, v in cpu_paired.items()}
     cpu_interval = {name: bootstrap(v) for name, v in cpu_paired.items()}
     print()
-    print(f"hardware: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}")
+    print(f"hardware: {host()}")
     print(
         f"model: {args.model} (embedded), requests of {args.new_tokens} tokens, "
         f"{args.concurrency} in flight on each mesh, all meshes at once, "

@@ -22,14 +22,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_model
+from services.common.stats import percentile
 
 MODES = {
     "thread": {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"},
@@ -122,8 +123,7 @@ async def client(mode: str, port: int, server_pid: int, round_trips: int, idle_s
             await ep.recv(back)
             if i >= 100:  # warm-up
                 times.append(time.perf_counter() - t)
-        q = statistics.quantiles(times, n=100)
-        out["rtt_us"][name] = {f"p{p}": round(q[p - 1] * 1e6) for p in (10, 50, 90, 99)}
+        out["rtt_us"][name] = {f"p{p}": round(percentile(times, p) * 1e6) for p in (10, 50, 90, 99)}
     await ep.send(np.array([0], dtype=np.int64))  # the server posts its next receive and waits
     await asyncio.sleep(0.5)
     pids = {"server": server_pid, "client": os.getpid()}
@@ -190,8 +190,7 @@ def main() -> None:
 
     results = {mode: run_mode(mode, args.round_trips, args.idle_s) for mode in MODES}
     print(
-        f"\nucxx progress modes: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cpus, two processes, shared memory"
+        f"\nucxx progress modes: {cpu_model()}, {os.cpu_count()} cpus, two processes, shared memory"
     )
     print(f"{'mode':10} {'size':5} {'p10':>7} {'p50':>7} {'p90':>7} {'p99':>7}  (round trip, us)")
     for mode, r in results.items():

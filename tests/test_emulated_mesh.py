@@ -17,12 +17,13 @@ import pytest
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.model_spec import PRESETS
 from services.common.sampling import SamplingParams
+from services.common.slo import Slo
 from services.engine.config import Emulation, EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import emulated_model
 from services.launcher import Mesh, MeshSpec
 from services.loadgen.emulated import EmulatedCluster, Shape, run
-from services.planner.simulator import Slo, simulate
+from services.planner.simulator import simulate
 from services.planner.workload import LengthDist, Workload
 from services.trace_report import main as trace_report
 from tests.conftest import stop_now

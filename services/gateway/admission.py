@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from services.common import clock
 from services.common.errors import Overloaded
+from services.common.stats import percentile
 from services.gateway.registry import Registry, Worker
 
 # Prefill batches the cost line is fitted to (the latest), and how many it needs, spanning at
@@ -338,8 +339,7 @@ def _quantile(values: deque[float]) -> float | None:
     """CALIBRATION_QUANTILE of the values; None under CALIBRATION_MIN_SAMPLES of them."""
     if len(values) < CALIBRATION_MIN_SAMPLES:
         return None
-    ordered = sorted(values)
-    return ordered[int(CALIBRATION_QUANTILE * (len(ordered) - 1))]
+    return percentile(values, 100 * CALIBRATION_QUANTILE, method="lower")
 
 
 class CostLine:

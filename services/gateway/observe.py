@@ -9,26 +9,16 @@ kept over a sliding window.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common import clock, telemetry
 from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from services.common.slo import Slo
 from services.gateway.admission import Admission, Verdict
 from services.gateway.request import Request
 
 _GENAI = ["gen_ai_operation_name", "gen_ai_request_model"]
-
-
-@dataclass(frozen=True)
-class Slo:
-    """The latency objectives a request is held to (both must hold), and the window over which
-    attainment is reported."""
-
-    ttft_s: float = 1.0
-    tpot_s: float = 0.1
-    window_s: float = 60.0
 
 
 class SloWindow:
@@ -286,7 +276,7 @@ class RequestObserver:
         if self.tokens > 2 and self.second is not None:
             attrs["distserve.tpot_ms"] = (self.last - self.second) / (self.tokens - 2) * 1000
         if reason:
-            ok = ttft is not None and ttft <= m.slo.ttft_s and (tpot or 0.0) <= m.slo.tpot_s
+            ok = ttft is not None and m.slo.met(ttft, tpot or 0.0)
             m.window.add(ok, end)
             attrs["distserve.slo_met"] = ok
         elif error is not None:

@@ -28,12 +28,13 @@ from services.common.errors import DistServeError, RemoteError
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
+from services.common.slo import Slo
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
 from services.gateway.handoff import Handoff, Tokens
-from services.gateway.observe import GatewayMetrics, RequestObserver, Slo
+from services.gateway.observe import GatewayMetrics, RequestObserver
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
 from services.gateway.request import Request

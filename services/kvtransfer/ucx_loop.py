@@ -1,7 +1,7 @@
 """UCX progressed on the event loop: the data plane's listeners, endpoints and messages.
 
 ucxx's async layer offers two ways to wait for UCX, and both cost the data plane dearly
-(`bench/ucx_modes.py`, docs/benchmarks.md): in its `thread` mode a message's arrival crosses
+(`python bench/ucx_modes.py` measures both): in its `thread` mode a message's arrival crosses
 three threads (UCX's progress thread, ucxx's notifier thread, the event loop), ~0.6 ms a round
 trip of 1 KiB on 2 cores, and the progress thread wakes ~900 times a second even idle; in its
 `blocking` mode each wait yields to the loop in a loop, so a process with a receive posted (a
@@ -28,7 +28,7 @@ thread of its own: UCX copies between processes of one host inside `progress` (C
 reads the sender's memory), so a puller that receives its chunks over two lanes copies on two
 cores (measured here, the loop's worker and one lane: 64 MiB pulls in 8 MiB chunks, checksummed,
 0.85x as long as on the loop alone, paired, `bench/kvtransfer_ab.py`; 256 MiB 0.83x; two lanes
-against the loop's worker and one: 1 GiB 0.90x, 64 MiB 0.93x; docs/benchmarks.md). Every copy
+against the loop's worker and one: 1 GiB 0.90x, 64 MiB 0.93x, the same bench). Every copy
 into this process's memory is still made by this process, in `progress`: aborting an endpoint
 (which waits for a progress call under way, UCX's workers being multi-threaded) ends them all.
 Requests are made from the event loop as on the loop's worker; the lane thread progresses,

@@ -32,6 +32,7 @@ import numpy as np
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.latency import Coefficients, LatencyModel, TpLatency
 from services.common.model_config import ModelConfig
+from services.common.stats import percentile
 from services.loadgen.requests import load_requests
 from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
@@ -128,10 +129,8 @@ def calibrate(
     prefill (the pull bandwidth, from the decode instance's counters), then those pulled beside
     it; from both, the TTFT beyond the prefill and the hand-off."""
     lat = latency.at(1)
-    lengths = np.percentile(requests.prompt, (10, 50, 90)).astype(int)
-    step_extra, seq_extra = decode_extras(
-        mesh.gateway_address, latency, vocab_size, seats, tuple(int(n) for n in lengths)
-    )
+    lengths = tuple(int(percentile(requests.prompt, q)) for q in (10, 50, 90))
+    step_extra, seq_extra = decode_extras(mesh.gateway_address, latency, vocab_size, seats, lengths)
     late = requests.prompt < layerwise_min
     parts = []
     bandwidth = 1e9

@@ -230,9 +230,9 @@ def run_bench(spec: BenchSpec) -> dict:
     from tqdm import tqdm
 
     from services.common.model_config import ModelConfig
+    from services.common.slo import Slo
     from services.launcher import Mesh
     from services.loadgen import goodput as g
-    from services.planner.simulator import Slo
 
     for mode in spec.modes:
         if mode not in MODES:

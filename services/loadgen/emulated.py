@@ -27,12 +27,13 @@ import numpy as np
 from services.common.latency import LatencyModel, for_model
 from services.common.model_spec import GIB, PUBLISHED_GPU_MEMORY, ModelSpec, kv_capacity
 from services.common.model_spec import model_spec as spec_named
+from services.common.slo import Slo
 from services.loadgen.cli import ADMISSION_OFF
 from services.loadgen.requests import load_requests
 from services.loadgen.results import LoadResult
 from services.loadgen.runner import run_load
 from services.loadgen.targets import GrpcTarget
-from services.planner.simulator import Instance, SimCluster, Slo
+from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Requests
 
 ROLES = ("prefill", "decode", "colocated")

@@ -30,6 +30,8 @@ import numpy as np
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
+from services.common.slo import Slo
+from services.common.stats import percentile
 from services.engine.presets import create_model
 from services.loadgen.calibration import (
     MeshCalibration,
@@ -44,7 +46,7 @@ from services.loadgen.calibration import (
 from services.loadgen.cli import ADMISSION_OFF
 from services.loadgen.results import LoadResult
 from services.planner.profiler import QUICK, ProfileGrid, _compositions
-from services.planner.simulator import SimResult, Slo, simulate_1p1d
+from services.planner.simulator import SimResult, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
 
 # Prompts of 64..768 tokens (prefill a few ms), outputs of 32..160: with two decode seats the
@@ -266,7 +268,7 @@ def _detail(sim: SimResult, mesh: LoadResult, slo: Slo) -> dict:
             "met_predicted": round(float(np.mean(pred <= bound)), 4),
             "met_measured": round(float(np.mean(met)), 4),
             **{
-                f"p{q}_ms_{side}": round(float(np.percentile(v, q)) * 1000, 2) if len(v) else None
+                f"p{q}_ms_{side}": round(percentile(v, q) * 1000, 2) if len(v) else None
                 for side, v in (("predicted", pred), ("measured", meas[ok]))
                 for q in (50, 90)
             },

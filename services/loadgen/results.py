@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.planner.simulator import Slo
+from services.common.slo import Slo
+from services.common.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -112,7 +113,7 @@ class LoadResult:
     def met(self, slo: Slo) -> np.ndarray:
         """Per request: succeeded, TTFT <= slo.ttft_s and TPOT <= slo.tpot_s (jointly)."""
         with np.errstate(invalid="ignore"):
-            return self.ok & (self.ttft_s <= slo.ttft_s) & (self.tpot_s <= slo.tpot_s)
+            return self.ok & slo.met(self.ttft_s, self.tpot_s)
 
     def attainment(self, slo: Slo, first: int = 0) -> float:
         """Fraction of requests (from the `first`) meeting both SLOs; failures count as misses."""
@@ -122,7 +123,7 @@ class LoadResult:
     def percentiles(self, values: np.ndarray, qs: tuple[int, ...] = PERCENTILES) -> dict:
         """`{"p50": ..}` over the successful requests' values (NaN when none succeeded)."""
         v = values[self.ok]
-        return {f"p{q}": float(np.percentile(v, q)) if len(v) else float("nan") for q in qs}
+        return {f"p{q}": percentile(v, q) for q in qs}
 
     def summary(self, slo: Slo | None = None) -> dict:
         """A JSON-serialisable summary; times in ms."""
@@ -147,8 +148,7 @@ class LoadResult:
         for name, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("latency", self.latency_s)):
             out[f"{name}_ms"] = {k: _round(x * ms) for k, x in self.percentiles(v).items()}
         out["token_gap_ms"] = {
-            f"p{q}": _round(float(np.percentile(gaps, q)) * ms) if len(gaps) else None
-            for q in PERCENTILES
+            f"p{q}": _round(percentile(gaps, q) * ms) if len(gaps) else None for q in PERCENTILES
         }
         lag = self.send_lag_s[~np.isnan(self.sent_s)]
         out["send_lag_ms"] = {

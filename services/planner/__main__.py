@@ -97,9 +97,9 @@ def control_loop(config: PlannerConfig, registry) -> ControlLoop:
     """The loop that resizes the mesh (config.autoscale)."""
     from services.common.latency import for_model
     from services.common.model_spec import model_spec
+    from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
     from services.planner.placement import PlanSpec
-    from services.planner.simulator import Slo
     from services.planner.workload import PRESETS
 
     auto = config.autoscale

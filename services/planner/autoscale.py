@@ -150,11 +150,7 @@ class Autoscaler:
             return Decision("hold", f"{len(window)} requests measured: too few to decide", current)
         rate, requests = _replay(window, self.config.replay)
         slo = self.spec.slo
-        observed = float(
-            np.mean(
-                [s.ttft_ms <= slo.ttft_s * 1000 and s.tpot_ms <= slo.tpot_s * 1000 for s in window]
-            )
-        )
+        observed = float(np.mean([slo.met(s.ttft_ms / 1000, s.tpot_ms / 1000) for s in window]))
 
         def at(factor: float):
             return requests.at_rate(rate * factor)

@@ -79,9 +79,9 @@ def plan_spec(args: argparse.Namespace):
     """The PlanSpec the arguments describe (validated)."""
     from services.common.latency import for_model
     from services.common.model_spec import GIB, model_spec
+    from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
     from services.planner.placement import PlanSpec
-    from services.planner.simulator import Slo
     from services.planner.workload import parse_workload
 
     model = model_spec(args.model_spec)

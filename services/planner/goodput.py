@@ -11,7 +11,8 @@ import math
 from collections.abc import Callable
 
 from services.common.latency import LatencyModel
-from services.planner.simulator import Instance, SimCluster, Slo, simulate
+from services.common.slo import Slo
+from services.planner.simulator import Instance, SimCluster, simulate
 from services.planner.workload import Requests, TraceWorkload, Workload
 
 REL_TOL = 0.02  # bisection stops when the bracket is within 2% of its upper end

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from services.common.errors import InvalidRequest
 from services.common.latency import LatencyModel
 from services.common.model_spec import ModelSpec
+from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, divisors, kv_capacity, parallel_problem
 from services.planner.goodput import capacity, goodput
-from services.planner.simulator import Instance, SimCluster, Slo
+from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import TraceWorkload, Workload
 
 AFFINITIES = ("auto", "high", "low")

@@ -128,8 +128,8 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
     """The PlanSpec of a PlanRequest, with the service's defaults for what it leaves out."""
     from services.common.latency import for_model
     from services.common.model_spec import model_spec
+    from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
-    from services.planner.simulator import Slo
     from services.planner.workload import parse_workload
 
     if not request.model_spec:

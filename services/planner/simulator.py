@@ -49,29 +49,11 @@ import numpy as np
 
 from services.common.errors import InvalidRequest
 from services.common.latency import LatencyModel, TpLatency
+from services.common.slo import Slo
 from services.planner.workload import Requests
 
 ROLES = ("prefill", "decode", "colocated")
 _ARRIVAL, _STAGE0_FREE, _BATCH_DONE, _JOIN, _WAKE = range(5)
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Service-level objectives in seconds."""
-
-    ttft_s: float
-    tpot_s: float
-
-    @classmethod
-    def parse(cls, text: str) -> Slo:
-        """`TTFT_MS,TPOT_MS`, e.g. `200,100`."""
-        try:
-            ttft, tpot = (float(x) / 1000 for x in text.split(","))
-        except ValueError:
-            raise InvalidRequest(f"slo {text!r}: expected TTFT_MS,TPOT_MS", param="slo") from None
-        if ttft <= 0 or tpot <= 0:
-            raise InvalidRequest("SLO latencies must be positive", param="slo")
-        return cls(ttft, tpot)
 
 
 @dataclass(frozen=True)
@@ -132,7 +114,7 @@ class SimResult:
 
     def attainment(self, slo: Slo, first: int = 0) -> float:
         """Fraction of requests (from the `first`) meeting both SLOs."""
-        ok = (self.ttft[first:] <= slo.ttft_s) & (self.tpot[first:] <= slo.tpot_s)
+        ok = slo.met(self.ttft[first:], self.tpot[first:])
         return float(np.mean(ok))
 
     def __len__(self) -> int:

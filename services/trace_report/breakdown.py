@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.stats import percentile
 from services.trace_report.spans import (
     DECODE_QUEUE,
     GATEWAY_SERVICE,
@@ -261,7 +262,7 @@ def percentiles(rows: Sequence[Breakdown]) -> dict[str, dict[str, float | int | 
         if values.size == 0:
             out[column] = {"p50": None, "p90": None, "p99": None, "max": None, "count": 0}
             continue
-        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
         out[column] = {
             "p50": float(p50),
             "p90": float(p90),

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from services.common import telemetry
+from services.common.slo import Slo
 from services.edge.config import otlp_grpc_endpoint
-from services.gateway.observe import Slo, SloWindow
+from services.gateway.observe import SloWindow
 from tests.otlp_receiver import OtlpReceiver
 
 

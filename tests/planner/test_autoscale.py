@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.slo import Slo
 from services.loadgen.emulated import EmulatedCluster
 from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay
 from services.planner.cluster import ClusterSpec
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster
-from services.planner.simulator import Slo, simulate
+from services.planner.simulator import simulate
 from services.planner.workload import PRESETS
 
 SLO = Slo(0.25, 0.1)  # chat, DistServe's Table 1

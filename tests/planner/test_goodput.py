@@ -6,8 +6,9 @@ import pytest
 
 from services.common.latency import for_model
 from services.common.model_spec import PRESETS
+from services.common.slo import Slo
 from services.planner.goodput import goodput, max_rate
-from services.planner.simulator import Instance, SimCluster, Slo
+from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import LengthDist, Workload
 
 LAT = for_model(PRESETS["opt-13b"], None)

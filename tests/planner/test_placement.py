@@ -14,9 +14,9 @@ from services.common.model_spec import (
     model_spec,
     published_kv_capacity,
 )
+from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, kv_capacity, parallel_problem
 from services.planner.placement import Plan, PlanSpec, first_fit, plan
-from services.planner.simulator import Slo
 from services.planner.workload import PRESETS as WORKLOADS
 from services.planner.workload import parse_workload
 

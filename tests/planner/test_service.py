@@ -16,9 +16,9 @@ import pytest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.latency import for_model
 from services.common.model_spec import PRESETS
+from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec
 from services.planner.placement import PlanSpec, split_workers
-from services.planner.simulator import Slo
 from services.planner.workload import parse_workload
 
 WINDOW = 50

@@ -8,7 +8,8 @@ import pytest
 from services.common.errors import InvalidRequest
 from services.common.latency import Coefficients, LatencyModel, TpLatency, for_model
 from services.common.model_spec import PRESETS
-from services.planner.simulator import Instance, SimCluster, Slo, simulate, simulate_1p1d
+from services.common.slo import Slo
+from services.planner.simulator import Instance, SimCluster, simulate, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
 
 OPT13 = PRESETS["opt-13b"]
