@@ -12,6 +12,9 @@ PodDisruptionBudget. Low affinity pins every worker pod to the node the plan put
 required node affinity on the node label `distserve.io/node-group: node-N`: the plan decides
 which prefill and decode segments share a node and how many GPUs each node gives them, which pod
 affinity (only "together") cannot express. High affinity leaves placement to the scheduler.
+
+Why one file (~480 lines): one placement rendered to one Kustomize tree; each manifest's builder
+reads the same plan and names, and the tree is validated as a whole.
 """
 
 from __future__ import annotations

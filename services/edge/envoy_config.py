@@ -8,6 +8,9 @@ limit, the router. Envoy's own error replies (401, 413, 429, 503...) are rewritt
 error shape for HTTP clients; gRPC clients get them as gRPC statuses.
 
 The result is a plain dict (JSON is valid Envoy YAML), written to a file Envoy reads.
+
+Why one file (~510 lines): one Envoy bootstrap; its listeners, filters and clusters refer to
+each other by name and are checked together by `envoy --mode validate`.
 """
 
 from __future__ import annotations

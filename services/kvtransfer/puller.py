@@ -18,6 +18,9 @@ corrupt chunk alone is fetched again (bounded attempts, exponential backoff with
 endpoint after a transport fault).
 The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
 use the destination: partial KV is never decoded from.
+
+Why one file (~500 lines): one pull, its window, retries, lease renewal and checks, share the
+state of a request in flight; the transports beside it only move chunks.
 """
 
 from __future__ import annotations

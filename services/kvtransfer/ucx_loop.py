@@ -33,6 +33,9 @@ into this process's memory is still made by this process, in `progress`: abortin
 (which waits for a progress call under way, UCX's workers being multi-threaded) ends them all.
 Requests are made from the event loop as on the loop's worker; the lane thread progresses,
 and settles their futures on the loop.
+
+Why one file (~530 lines): UCX workers driven without ucxx's async layer, on the loop or a lane's
+thread; a lane needs its base worker's internals, so a module of its own would import in a circle.
 """
 
 from __future__ import annotations

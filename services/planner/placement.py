@@ -16,6 +16,9 @@
 Every configuration respects memory (weights plus the longest request's KV), tp dividing the
 heads and fitting a node, pp dividing the layers, and the cluster's GPUs. The predicted goodput of
 a placement is that of the whole placement, simulated with both SLOs.
+
+Why one file (~520 lines): DistServe's two placement algorithms and the colocated baseline
+search the same space with the same simulator and memory rules.
 """
 
 from __future__ import annotations

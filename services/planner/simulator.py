@@ -35,6 +35,9 @@ iteration).
 
 A cluster with no decode instance simulates the prefill phase alone (TPOT 0); one with no prefill
 instance the decode phase alone (requests arrive with their KV in place, TTFT 0).
+
+Why one file (~600 lines): one discrete-event simulation; its prefill batcher, decode batches,
+handoff and routing advance on one clock and one event queue.
 """
 
 from __future__ import annotations
