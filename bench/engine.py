@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cpu_model, log
 from bench.engine_timing import (
+    admitted_prompt,
     hf_decode,
     hf_prefill_seconds,
     memcpy_bandwidth,
@@ -50,12 +51,10 @@ from bench.engine_timing import (
     random_prompt,
     weight_bytes_read_per_token,
 )
-from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import CommTimer, TensorParallel
 from services.engine.presets import default_model
-from services.engine.sequence import Sequence
 
 # -- tensor parallelism: TP=2 vs TP=1 prefill --------------------------------------------------
 
@@ -89,16 +88,7 @@ def tp_worker(
                     group.all_reduce(x)
                 conn.send(timer.seconds / timer.calls)
                 continue
-            seq = Sequence(
-                "bench",
-                prompt,
-                SamplingParams(max_tokens=1),
-                eos_token_ids=(),
-                max_context=engine.model_config.max_position_embeddings,
-                tokenizer=None,
-                default_seed=0,
-            )
-            assert engine._admit(seq)
+            seq = admitted_prompt(engine, prompt)
             if tp > 1:
                 dist.barrier()  # both ranks start together
             timer.reset()

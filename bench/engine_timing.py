@@ -32,19 +32,25 @@ def random_prompt(n: int, gen: torch.Generator, vocab: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
 
+def admitted_prompt(engine: LLMEngine, prompt: list[int]) -> Sequence:
+    """A one-token request for `prompt`, admitted (its blocks allocated), ready to prefill."""
+    seq = Sequence(
+        "bench",
+        prompt,
+        SamplingParams(max_tokens=1),
+        eos_token_ids=(),
+        max_context=engine.model_config.max_position_embeddings,
+        tokenizer=None,
+        default_seed=0,
+    )
+    assert engine._admit(seq)
+    return seq
+
+
 def ours_prefill_seconds(engine: LLMEngine, prompt: list[int], reps: int) -> float:
     times = []
     for _ in range(reps):
-        seq = Sequence(
-            "bench",
-            prompt,
-            SamplingParams(max_tokens=1),
-            eos_token_ids=(),
-            max_context=engine.model_config.max_position_embeddings,
-            tokenizer=None,
-            default_seed=0,
-        )
-        assert engine._admit(seq)
+        seq = admitted_prompt(engine, prompt)
         t = time.perf_counter()
         engine.runner.prefill([seq])
         times.append(time.perf_counter() - t)
