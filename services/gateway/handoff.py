@@ -67,6 +67,50 @@ class DecodeCall:
     worker: Worker
     ticket: int
 
+    @classmethod
+    def start(
+        cls,
+        channel: Callable[[str], grpc.aio.Channel],
+        worker: Worker,
+        req: Request,
+        trace,
+        prompt_tokens: int = 0,
+        first_token: int | None = None,
+        kv: common_pb2.KvHandle | None = None,
+    ) -> DecodeCall:
+        """A Decode call on `worker`: with `kv`, for KV held on a prefill instance
+        (`first_token` None: a streaming handle); without, the worker prefills the prompt
+        itself (`prompt_tokens` of it queue there until it answers)."""
+        telemetry.annotate(trace, {"distserve.decode.instance": worker.worker_id})
+        call = decode_pb2_grpc.DecodeStub(channel(worker.address)).Decode(
+            decode_pb2.DecodeRequest(
+                request_id=req.worker_request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.params),
+                first_token_id=first_token,
+                kv=kv,
+            ),
+            timeout=req.timeout(),
+            metadata=telemetry.outgoing(trace),
+        )
+        return cls(call, worker, worker.send(prompt_tokens))
+
+    async def tokens(self, registry: Registry) -> AsyncIterator[Tokens]:
+        """The call's tokens. From its first reply the worker has answered (its prompt is in
+        place); lost mid-stream (UNAVAILABLE once it has streamed: it died, or it drains), it is
+        dropped from routing."""
+        streamed = False
+        try:
+            async for r in self.call:
+                if not streamed:
+                    streamed = True
+                    self.worker.answered(self.ticket)
+                yield list(r.token_ids), finish_from_pb(r.finish_reason)
+        except grpc.aio.AioRpcError as e:
+            if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
+                registry.lost(self.worker)
+            raise
+
     def cancel(self) -> None:
         """End the call (if it is still open) and its place in the instance's sent work."""
         self.call.cancel()
@@ -254,19 +298,7 @@ class Handoff:
         instance (`first_token` None: a streaming handle; the decode instance asks the source
         for it), another than those in `failed` if there is one."""
         decode = self.registry.pick_decode(exclude=failed)
-        telemetry.annotate(trace, {"distserve.decode.instance": decode.worker_id})
-        call = decode_pb2_grpc.DecodeStub(self.channel(decode.address)).Decode(
-            decode_pb2.DecodeRequest(
-                request_id=req.worker_request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_to_pb(req.params),
-                first_token_id=first_token,
-                kv=kv,
-            ),
-            timeout=req.timeout(),
-            metadata=telemetry.outgoing(trace),
-        )
-        return DecodeCall(call, decode, decode.send())
+        return DecodeCall.start(self.channel, decode, req, trace, first_token=first_token, kv=kv)
 
     async def _decode(
         self, decode: DecodeCall, kv: common_pb2.KvHandle, trace
@@ -277,15 +309,12 @@ class Handoff:
         its release reached the source (a second release is answered NOT_FOUND)."""
         handed_over = failed = False
         try:
-            async for r in decode.call:
-                if not handed_over:
+            async with contextlib.aclosing(decode.tokens(self.registry)) as tokens:
+                async for ids, reason in tokens:
                     handed_over = True
-                    decode.worker.answered(decode.ticket)
-                yield list(r.token_ids), finish_from_pb(r.finish_reason)
-        except grpc.aio.AioRpcError as e:
+                    yield ids, reason
+        except grpc.aio.AioRpcError:
             failed = True
-            if handed_over and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.registry.lost(decode.worker)
             raise
         finally:
             decode.cancel()

@@ -23,9 +23,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import mesh_tls, telemetry
-from services.common.convert import finish_from_pb, sampling_to_pb
 from services.common.errors import DistServeError, RemoteError
-from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.sampling import FinishReason
 from services.common.server import CHANNEL_OPTIONS
 from services.common.slo import Slo
@@ -33,7 +31,7 @@ from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.conditional import LocalPrefill
-from services.gateway.handoff import Handoff, Tokens
+from services.gateway.handoff import DecodeCall, Handoff, Tokens
 from services.gateway.observe import GatewayMetrics, RequestObserver
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
@@ -224,31 +222,13 @@ class Router:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role)
-        telemetry.annotate(trace, {"distserve.decode.instance": worker.worker_id})
-        call = decode_pb2_grpc.DecodeStub(self.channel(worker.address)).Decode(
-            decode_pb2.DecodeRequest(
-                request_id=req.worker_request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_to_pb(req.params),
-            ),
-            timeout=req.timeout(),
-            metadata=telemetry.outgoing(trace),
-        )
-        streamed = False
-        ticket = worker.send(len(req.prompt_ids))
+        call = DecodeCall.start(self.channel, worker, req, trace, len(req.prompt_ids))
         try:
-            async for r in call:
-                if not streamed:
-                    streamed = True
-                    worker.answered(ticket)
-                yield list(r.token_ids), finish_from_pb(r.finish_reason)
-        except grpc.aio.AioRpcError as e:
-            if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.registry.lost(worker)
-            raise
+            async with contextlib.aclosing(call.tokens(self.registry)) as tokens:
+                async for piece in tokens:
+                    yield piece
         finally:
             call.cancel()
-            worker.settle(ticket)
 
 
 def _remote(e: grpc.aio.AioRpcError) -> RemoteError:
