@@ -276,36 +276,38 @@ def local_store(tp: int, rank: int, port: int = 0, timeout: timedelta = TIMEOUT)
 def spawn_ranks(
     target: Callable[..., None], tp: int, *args: object, backend: str | None = None
 ) -> None:
-    """Run `target(TensorParallel, *args)` in `tp` fresh processes, ranks 0..tp-1, meeting on a
-    file in a private temporary folder (a port chosen beforehand could be taken by another
-    process in the seconds the ranks take to start). Returns when every rank has returned; if
-    one raises, the others are stopped and the error (with the rank's traceback) is raised here.
-    `target` must be a module-level function (processes are spawned, not forked)."""
-    import tempfile
-
+    """Run `target(TensorParallel, *args)` in `tp` fresh processes, ranks 0..tp-1. They meet at
+    a store this process holds on a port the OS gave it (no port picked beforehand that another
+    process could take, no rendezvous file whose clean-up races the ranks' exit). Returns when
+    every rank has returned; if one raises, the others are stopped and the error (with the
+    rank's traceback) is raised here. `target` must be a module-level function (processes are
+    spawned, not forked)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="distserve-tp-") as folder:
-        init_method = f"file://{folder}/rendezvous"
-        mp.start_processes(
-            _run_rank,
-            args=(target, tp, init_method, backend, args),
-            nprocs=tp,
-            join=True,
-            start_method="spawn",
-        )
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    mp.start_processes(
+        _run_rank,
+        args=(target, tp, store.port, backend, args),
+        nprocs=tp,
+        join=True,
+        start_method="spawn",
+    )
 
 
 def _run_rank(
     rank: int,
     target: Callable[..., None],
     tp: int,
-    init_method: str,
+    port: int,
     backend: str | None,
     args: tuple,
 ) -> None:
-    group = TensorParallel.init(tp, rank, init_method, backend)
+    store = dist.TCPStore("127.0.0.1", port, tp, is_master=False, timeout=TIMEOUT)
+    group = TensorParallel.init(tp, rank, backend=backend, store=store)
     try:
         target(group, *args)
+        # Every rank past its last collective before any closes its connections: a peer that
+        # sees a connection close while it still reads from it aborts (SIGABRT) in gloo.
+        dist.barrier()
     finally:
         group.close()
