@@ -50,6 +50,7 @@ from services.common.gen.distserve.v1 import (
 )
 from services.common.sampling import FinishReason
 from services.gateway.admission import Admission
+from services.gateway.prefix_index import PromptBlocks, routed
 from services.gateway.registry import Registry, Worker
 from services.gateway.request import Request
 from services.gateway.retries import Failover, Retries
@@ -136,11 +137,17 @@ class Handoff:
         self.layerwise_min_tokens = layerwise_min_tokens
 
     async def run(
-        self, req: Request, trace: telemetry.Context | None, retries: Retries
+        self,
+        req: Request,
+        trace: telemetry.Context | None,
+        retries: Retries,
+        prompt: PromptBlocks | None = None,
     ) -> AsyncIterator[Tokens]:
-        """The request's tokens: the first from prefill, the rest from decode."""
+        """The request's tokens: the first from prefill, the rest from decode. `prompt`: its
+        block hashes, to route by the prefix caches."""
+        prompt = prompt or PromptBlocks(req.prompt_ids)
         tried: set[str] = set()  # prefill instances; a new prefill prefers another
-        reply, pulling = await self._first_prefill(req, tried, trace, retries)
+        reply, pulling = await self._first_prefill(req, prompt, tried, trace, retries)
         reason = finish_from_pb(reply.finish_reason)
         try:
             yield [reply.first_token_id], reason
@@ -158,7 +165,7 @@ class Handoff:
         while True:
             try:
                 if pulling is None:
-                    pulling = self._start_decode(req, first, reply.kv, trace, failed_decode)
+                    pulling = self._start_decode(req, prompt, first, reply.kv, trace, failed_decode)
             except BaseException:  # e.g. the deadline passed: the held KV is ours to release
                 await self.release(reply.kv, trace)
                 raise
@@ -189,7 +196,7 @@ class Handoff:
                     )
                 req = req.attempt()
                 try:
-                    reply, pulling = await self._prefill(req, tried, trace, layerwise=False)
+                    reply, pulling = await self._prefill(req, prompt, tried, trace, layerwise=False)
                 except DeadlineExceeded:
                     raise
                 except (grpc.aio.AioRpcError, DistServeError) as e:
@@ -201,13 +208,13 @@ class Handoff:
                 break
 
     async def _first_prefill(
-        self, req: Request, tried: set[str], trace, retries: Retries
+        self, req: Request, prompt: PromptBlocks, tried: set[str], trace, retries: Retries
     ) -> tuple[prefill_pb2.PrefillResponse, DecodeCall | None]:
         """Prefill, moving to another instance when one is unreachable (nothing was streamed
         yet, so this is invisible to the client)."""
         while True:
             try:
-                return await self._prefill(req, tried, trace)
+                return await self._prefill(req, prompt, tried, trace)
             except RemoteError as e:
                 if e.status != "UNAVAILABLE" or not retries.allow(
                     Failover.PREFILL_UNAVAILABLE, str(e)
@@ -217,17 +224,25 @@ class Handoff:
                 req = req.attempt()
 
     async def _prefill(
-        self, req: Request, tried: set[str], trace, layerwise: bool | None = None
+        self,
+        req: Request,
+        prompt: PromptBlocks,
+        tried: set[str],
+        trace,
+        layerwise: bool | None = None,
     ) -> tuple[prefill_pb2.PrefillResponse, DecodeCall | None]:
-        """Prefill on the least-loaded instance not tried yet (any instance if all were).
+        """Prefill where the prompt's first token comes soonest (its cached prefix and the
+        instance's queue: `Registry.pick_prefill`), on an instance not tried yet (any instance
+        if all were).
 
         Returns the result and, with the layer-wise handoff (`layerwise`, default: for prompts
         of at least `layerwise_min_tokens`), the decode call started on the KV handle the
         prefill instance sent as soon as the prompt was scheduled: it pulls the layers while
         they are computed."""
-        prefill = self.registry.pick_prefill(exclude=tried)
+        prefill = self.registry.pick_prefill(exclude=tried, prompt=prompt)
         tried.add(prefill.worker_id)
         telemetry.annotate(trace, {"distserve.prefill.instance": prefill.worker_id})
+        cached = routed(trace, prefill, prompt)
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         if layerwise is None:
             # A request of one token ends at prefill's: nothing to pull, no decode to start. A
@@ -238,7 +253,7 @@ class Handoff:
                 least is not None and len(req.prompt_ids) >= least and req.params.max_tokens > 1
             )
         pulling = kv = events = None
-        ticket = prefill.send(len(req.prompt_ids))  # queued there until its result comes
+        ticket = prefill.send(len(req.prompt_ids) - cached)  # queued there until its result
         try:
             events = stub.Prefill(
                 prefill_pb2.PrefillRequest(
@@ -253,7 +268,7 @@ class Handoff:
             async for event in events:
                 if event.HasField("kv"):
                     kv = event.kv
-                    pulling = self._start_decode(req, None, kv, trace)
+                    pulling = self._start_decode(req, prompt, None, kv, trace)
                 else:
                     if self.admission is not None:
                         self.admission.observe_prefill(
@@ -289,15 +304,18 @@ class Handoff:
     def _start_decode(
         self,
         req: Request,
+        prompt: PromptBlocks,
         first_token: int | None,
         kv: common_pb2.KvHandle,
         trace,
         failed: set[str] = frozenset(),
     ) -> DecodeCall:
-        """A Decode call on the least-loaded decode instance for KV held on a prefill
-        instance (`first_token` None: a streaming handle; the decode instance asks the source
-        for it), another than those in `failed` if there is one."""
-        decode = self.registry.pick_decode(exclude=failed)
+        """A Decode call for KV held on a prefill instance (`first_token` None: a streaming
+        handle; the decode instance asks the source for it) on a lightly loaded decode instance
+        holding the most of the prompt (it pulls only the rest), another than those in
+        `failed` if there is one."""
+        decode = self.registry.pick_decode(exclude=failed, prompt=prompt)
+        routed(trace, decode, prompt)
         return DecodeCall.start(self.channel, decode, req, trace, first_token=first_token, kv=kv)
 
     async def _decode(

@@ -1,12 +1,26 @@
-"""The workers the gateway routes to, kept alive by heartbeats, and the routing rules."""
+"""The workers the gateway routes to, kept alive by heartbeats, and the routing rules.
+
+Routing weighs load and, for a worker with a prefix cache, the part of the prompt it holds
+(gateway/prefix_index.py): a prefill instance is chosen by the prompt tokens it would compute
+before this prompt's first token (its queue plus the prompt's uncached part), and a decode or
+colocated instance, among those within a few requests of the least loaded, by the prefix it
+already holds.
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.errors import Unavailable
+from services.gateway.prefix_index import CachedBlocks, PromptBlocks
+
+# A decode or colocated instance holding more of a prompt is preferred over the least loaded
+# one if it has at most this many more requests open: one request more in a decode batch costs
+# its others little, and a cached prefix saves pulling (or computing) that part of the prompt.
+DECODE_AFFINITY_SLACK = 2
 
 
 @dataclass
@@ -45,6 +59,7 @@ class Worker:
     address: str
     load: Load = field(default_factory=Load)
     last_seen: float = field(default_factory=time.monotonic)
+    cache: CachedBlocks = field(default_factory=CachedBlocks)  # its prefix cache, as reported
     # The calls this gateway has open on the worker, by ticket: exact and current for its own
     # work. A heartbeat's load is a snapshot the worker took a moment ago (its engine only sees
     # a call between two steps), so it misses calls just sent and still shows calls that have
@@ -119,14 +134,27 @@ class Registry:
         self.lease_s = lease_s
         self._workers: dict[str, Worker] = {}
 
-    def register(self, worker_id: str, role: str, address: str, load: Load) -> None:
-        self._workers[worker_id] = Worker(worker_id, role, address, load)
+    def register(
+        self, worker_id: str, role: str, address: str, load: Load, cache: CachedBlocks | None = None
+    ) -> None:
+        """A worker joins (or joins again: what was known of it is replaced)."""
+        worker = Worker(worker_id, role, address, load, cache=cache or CachedBlocks())
+        worker.cache.block_size = load.kv_block_size
+        self._workers[worker_id] = worker
 
-    def heartbeat(self, worker_id: str, load: Load) -> bool:
+    def heartbeat(
+        self,
+        worker_id: str,
+        load: Load,
+        events: tuple[bool, Iterable[int], Iterable[int]] | None = None,
+    ) -> bool:
+        """A worker's heartbeat: its load, and its prefix cache's (reset, stored, removed)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
         worker.heard(load)
+        if events is not None:
+            worker.cache.apply(*events)
         worker.last_seen = time.monotonic()
         return True
 
@@ -151,27 +179,50 @@ class Registry:
                 del self._workers[worker_id]
         return [w for w in self._workers.values() if role is None or w.role == role]
 
-    def pick_prefill(self, exclude: set[str] | frozenset[str] = frozenset()) -> Worker:
-        """The prefill instance with the fewest queued prompt tokens (not requests), preferring
-        instances not in `exclude` (those a request already tried)."""
+    def pick_prefill(
+        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: PromptBlocks | None = None
+    ) -> Worker:
+        """The prefill instance that would reach `prompt`'s first token soonest: the fewest
+        prompt tokens to compute there first (queued ones, then the prompt's part not in its
+        prefix cache); without a prompt, the fewest queued. Instances not in `exclude` (those a
+        request already tried) are preferred."""
         workers = self.live("prefill")
         if not workers:
             raise Unavailable("no prefill instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
-        return min(workers, key=lambda w: (w.queued_tokens, w.worker_id))
+        if prompt is None:
+            return min(workers, key=lambda w: (w.queued_tokens, w.worker_id))
+        n = len(prompt.token_ids)
+
+        def first_token_after(w: Worker) -> int:  # prompt tokens computed there first
+            return w.queued_tokens + n - prompt.cached_tokens(w.cache)
+
+        return min(workers, key=lambda w: (first_token_after(w), w.worker_id))
 
     def pick_decode(
-        self, role: str = "decode", exclude: set[str] | frozenset[str] = frozenset()
+        self,
+        role: str = "decode",
+        exclude: set[str] | frozenset[str] = frozenset(),
+        prompt: PromptBlocks | None = None,
     ) -> Worker:
         """The least-loaded decode (or colocated) instance: fewest sequences running, waiting
-        or being pulled; then the most free KV blocks. Instances in `exclude` (those a request
-        already failed on) only when there is no other."""
+        or being pulled; then the most free KV blocks. With a `prompt`, of the instances within
+        `DECODE_AFFINITY_SLACK` requests of the least loaded, the one holding the longest
+        prefix of it. Instances in `exclude` (those a request already failed on) only when
+        there is no other."""
         workers = self.live(role)
         if not workers:
             raise Unavailable(f"no {role} instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
 
-        return min(workers, key=lambda w: (w.open_requests, -w.load.free_kv_blocks, w.worker_id))
+        def load(w: Worker) -> tuple:
+            return (w.open_requests, -w.load.free_kv_blocks, w.worker_id)
+
+        if prompt is None:
+            return min(workers, key=load)
+        least = min(w.open_requests for w in workers)
+        near = [w for w in workers if w.open_requests <= least + DECODE_AFFINITY_SLACK]
+        return min(near, key=lambda w: (-prompt.cached_tokens(w.cache), *load(w)))
 
     def mode(self) -> str:
         """How requests are served now: disaggregated when both pools exist, else colocated."""

@@ -34,6 +34,7 @@ from services.gateway.conditional import LocalPrefill
 from services.gateway.handoff import DecodeCall, Handoff, Tokens
 from services.gateway.observe import GatewayMetrics, RequestObserver
 from services.gateway.planner_feed import PlannerFeed
+from services.gateway.prefix_index import PromptBlocks, routed
 from services.gateway.registry import Registry
 from services.gateway.request import Request
 from services.gateway.retries import Failover, Retries, RetryPolicy
@@ -191,38 +192,43 @@ class Router:
         """The serving path for (the rest of) a request: disaggregated, a short prompt
         prefilled on a decode instance, or colocated."""
         mode = self.registry.mode()
-        if mode == "disaggregated" and self._prefill_locally(req):
+        prompt = PromptBlocks(req.prompt_ids)
+        if mode == "disaggregated" and self._prefill_locally(req, prompt):
             mode = "local-prefill"
         if first:
             seen.set_mode(mode)
         self.metrics.routes.labels(mode).inc()
         if mode == "disaggregated":
-            return self.handoff.run(req, seen.context, retries)
+            return self.handoff.run(req, seen.context, retries, prompt)
         if mode == "local-prefill":
-            return self._colocated(req, seen.context, role="decode")
-        return self._colocated(req, seen.context)
+            return self._colocated(req, prompt, seen.context, role="decode")
+        return self._colocated(req, prompt, seen.context)
 
-    def _prefill_locally(self, req: Request) -> bool:
-        """Conditional disaggregation: a short prompt, and a decode instance with headroom
-        (nothing queued to prefill there yet, free KV for the prompt)."""
+    def _prefill_locally(self, req: Request, prompt: PromptBlocks) -> bool:
+        """Conditional disaggregation: a prompt whose part not cached on the chosen decode
+        instance is short, and that instance has headroom (nothing queued to prefill there
+        yet, free KV for the prompt)."""
         rule = self.local_prefill
-        if rule is None or not rule.allows(len(req.prompt_ids)):
+        if rule is None:
             return False
-        worker = self.registry.pick_decode()
+        worker = self.registry.pick_decode(prompt=prompt)
+        cached = prompt.cached_tokens(worker.cache)
         load = worker.load
         return (
-            worker.queued_tokens == 0
+            rule.allows(len(req.prompt_ids) - cached)
+            and worker.queued_tokens == 0
             and load.waiting_seqs == 0
-            and load.free_kv_tokens > len(req.prompt_ids) + req.params.max_tokens
+            and load.free_kv_tokens > len(req.prompt_ids) - cached + req.params.max_tokens
         )
 
     async def _colocated(
-        self, req: Request, trace, role: str = "colocated"
+        self, req: Request, prompt: PromptBlocks, trace, role: str = "colocated"
     ) -> AsyncIterator[Tokens]:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
-        worker = self.registry.pick_decode(role)
-        call = DecodeCall.start(self.channel, worker, req, trace, len(req.prompt_ids))
+        worker = self.registry.pick_decode(role, prompt=prompt)
+        cached = routed(trace, worker, prompt)
+        call = DecodeCall.start(self.channel, worker, req, trace, len(req.prompt_ids) - cached)
         try:
             async with contextlib.aclosing(call.tokens(self.registry)) as tokens:
                 async for piece in tokens:

@@ -11,6 +11,7 @@ from services.common.gen.distserve.v1 import (
     gateway_pb2_grpc,
 )
 from services.common.tokenizer import Tokenizer
+from services.gateway.prefix_index import CachedBlocks
 from services.gateway.registry import Load, Registry
 from services.gateway.request import Limits, validate
 from services.gateway.router import Router
@@ -69,11 +70,17 @@ class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
         role = ROLE_NAMES.get(request.role)
         if role is None or not request.worker_id or not request.address:
             raise InvalidRequest("register with a worker_id, a role and an address")
-        self.registry.register(request.worker_id, role, request.address, _load(request.load))
+        load = _load(request.load)
+        cache = CachedBlocks(request.prefix_cache_salt, load.kv_block_size)
+        cache.apply(True, request.prefix_cache.stored, ())
+        self.registry.register(request.worker_id, role, request.address, load, cache)
         return gateway_pb2.RegisterResponse(lease_ms=int(self.registry.lease_s * 1000))
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.worker_id, _load(request.load))
+        events = request.prefix_cache
+        known = self.registry.heartbeat(
+            request.worker_id, _load(request.load), (events.reset, events.stored, events.removed)
+        )
         return gateway_pb2.HeartbeatResponse(known=known)
 
     async def Deregister(self, request, context):

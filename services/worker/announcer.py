@@ -12,13 +12,15 @@ import grpc
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.server import CHANNEL_OPTIONS
+from services.worker.prefix_log import PrefixCacheLog
 
 log = logging.getLogger("distserve.announcer")
 
 
 class Announcer:
     """Registers a worker and heartbeats `load()` until stopped; re-registers when the gateway
-    forgets it (e.g. after a gateway restart)."""
+    forgets it (e.g. after a gateway restart). With a `prefix_cache` log, each heartbeat also
+    carries what the worker's prefix cache stored and evicted (services/worker/prefix_log.py)."""
 
     def __init__(
         self,
@@ -30,12 +32,18 @@ class Announcer:
         model: str,
         load: Callable[[], common_pb2.WorkerLoad],
         interval_s: float = 0.5,
+        prefix_cache: PrefixCacheLog | None = None,
     ) -> None:
         self.gateway = gateway
         self.request = gateway_pb2.RegisterRequest(
-            worker_id=worker_id, role=role, address=address, model=model
+            worker_id=worker_id,
+            role=role,
+            address=address,
+            model=model,
+            prefix_cache_salt=prefix_cache.salt if prefix_cache is not None else b"",
         )
         self.load = load
+        self.prefix_cache = prefix_cache
         self.interval_s = interval_s
         self.timeout_s = 1.0  # of one heartbeat; half the lease once the gateway said it
         self._channel = mesh_tls.aio_channel(gateway, CHANNEL_OPTIONS)
@@ -59,7 +67,14 @@ class Announcer:
 
     async def _register(self) -> None:
         self.request.load.CopyFrom(self.load())
-        reply = await self._stub.Register(self.request, timeout=10, wait_for_ready=True)
+        if self.prefix_cache is not None:
+            self.request.prefix_cache.CopyFrom(self.prefix_cache.report(whole=True))
+        try:
+            reply = await self._stub.Register(self.request, timeout=10, wait_for_ready=True)
+        except grpc.aio.AioRpcError:
+            if self.prefix_cache is not None:
+                self.prefix_cache.lost()
+            raise
         self.interval_s = min(self.interval_s, reply.lease_ms / 3000)
         # A slow answer still counts: a heartbeat given up at 1 s on a starved host let a live
         # worker's lease lapse. Half the lease leaves time for the next one.
@@ -71,10 +86,14 @@ class Announcer:
             await asyncio.sleep(self.interval_s)
             try:
                 beat.load.CopyFrom(self.load())
+                if self.prefix_cache is not None:
+                    beat.prefix_cache.CopyFrom(self.prefix_cache.report())
                 reply = await self._stub.Heartbeat(beat, timeout=self.timeout_s)
                 if not reply.known:
                     await self._register()
             except grpc.aio.AioRpcError as e:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.lost()  # its changes may not have arrived
                 log.warning("heartbeat to %s failed: %s", self.gateway, e.code().name)
 
 
@@ -116,6 +135,7 @@ async def serve_as_worker(
     drain: Callable[[float], Awaitable[None]],
     drain_timeout_s: float,
     stop: Callable[[], Awaitable[None]],
+    prefix_cache: PrefixCacheLog | None = None,
     **ready: object,
 ) -> None:
     """A worker's life after its server started: join the mesh (when a gateway is given), say
@@ -128,7 +148,13 @@ async def serve_as_worker(
     announcer = None
     if gateway:
         announcer = Announcer(
-            gateway, worker_id=worker_id, role=role, address=address, model=model, load=load
+            gateway,
+            worker_id=worker_id,
+            role=role,
+            address=address,
+            model=model,
+            load=load,
+            prefix_cache=prefix_cache,
         )
         await announcer.start()
     announce_ready(service, address=address, worker_id=worker_id, **ready)

@@ -1,0 +1,72 @@
+"""A worker's prefix cache as its heartbeats report it to the gateway (KV events).
+
+The engine thread records what its prefix cache stored and evicted after each step (`record`);
+the announcer takes what changed since its last heartbeat (`report`). A report that may not
+have arrived (a failed heartbeat) or a log that overflowed makes the next report whole: every
+hash held, `reset` set, and the gateway replaces its view. So the gateway's view is at most one
+heartbeat behind and never drifts, and one report is bounded by `max_events` changes (or by the
+cache's size when whole).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from services.common.gen.distserve.v1 import common_pb2
+
+
+class PrefixCacheLog:
+    """What a worker's prefix cache holds and what changed since the last report."""
+
+    def __init__(self, salt: bytes, max_events: int = 4096) -> None:
+        self.salt = salt
+        self.max_events = max_events
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._stored: set[int] = set()
+        self._removed: set[int] = set()
+        self._whole = True  # the first report is the whole set
+
+    def record(self, reset: bool, stored: Iterable[int], removed: Iterable[int]) -> None:
+        """On the engine thread: what the cache stored and evicted (with `reset`, `stored` is
+        all it holds)."""
+        with self._lock:
+            if reset:
+                self._held = set(stored)
+                self._whole = True
+            else:
+                for h in stored:
+                    self._held.add(h)
+                    self._stored.add(h)
+                    self._removed.discard(h)
+                for h in removed:
+                    self._held.discard(h)
+                    self._removed.add(h)
+                    self._stored.discard(h)
+            if len(self._stored) + len(self._removed) > self.max_events:
+                self._whole = True
+            if self._whole:
+                self._stored.clear()
+                self._removed.clear()
+
+    def report(self, whole: bool = False) -> common_pb2.PrefixCacheEvents:
+        """What changed since the last report (all that is held, when `whole` or when the
+        changes were not kept); the changes are then taken."""
+        with self._lock:
+            if whole or self._whole:
+                out = common_pb2.PrefixCacheEvents(reset=True, stored=self._held)
+            else:
+                out = common_pb2.PrefixCacheEvents(stored=self._stored, removed=self._removed)
+            self._whole = False
+            self._stored = set()
+            self._removed = set()
+        return out
+
+    def lost(self) -> None:
+        """The last report may not have arrived: the next one is whole."""
+        with self._lock:
+            self._whole = True
+
+    def __len__(self) -> int:
+        return len(self._held)
