@@ -30,7 +30,7 @@ from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.observe import GatewayMetrics
 from services.gateway.planner_feed import PlannerFeed
-from services.gateway.registry import Registry
+from services.gateway.registry import ROUTING, Registry
 from services.gateway.request import Limits
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer, RegistryServicer
@@ -58,6 +58,7 @@ class GatewayConfig:
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
     local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 rules
+    routing: str = "prefix"  # prefix: cached prefix and load; load; round-robin (registry.py)
     time_scale: float = 1.0  # an emulated mesh's clock (services/common/clock.py)
     time_epoch: float | None = None
 
@@ -131,6 +132,13 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         default=0.95,
         help="share of a decode instance's KV in use past which new prompts wait",
     )
+    p.add_argument(
+        "--routing",
+        choices=ROUTING,
+        default="prefix",
+        help="how a worker is chosen: prefix (the prompt's prefix cached there, and its load), "
+        "load (least loaded), round-robin",
+    )
     clock.add_args(p)
     a = p.parse_args(argv)
     if a.max_body_bytes < 1:
@@ -156,6 +164,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         profile=a.profile,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         admission=_admission_config(p, a),
+        routing=a.routing,
         time_scale=a.time_scale,
         time_epoch=a.time_epoch,
     )
@@ -179,7 +188,7 @@ async def serve(config: GatewayConfig) -> None:
     engine = "emulated" if model.emulated else "torch"
     telemetry.setup("gateway", engine=engine)
     tokenizer = Tokenizer.from_dir(config.model)
-    registry = Registry(config.worker_lease_s)
+    registry = Registry(config.worker_lease_s, config.routing)
     served = config.served_model_name or config.model.resolve().name
     if model.emulated and "emulated" not in served:
         served += "-emulated"  # an emulated model is never mistaken for a real one

@@ -50,7 +50,7 @@ from services.common.gen.distserve.v1 import (
 )
 from services.common.sampling import FinishReason
 from services.gateway.admission import Admission
-from services.gateway.prefix_index import PromptBlocks, routed
+from services.gateway.prefix_index import PromptBlocks
 from services.gateway.registry import Registry, Worker
 from services.gateway.request import Request
 from services.gateway.retries import Failover, Retries
@@ -242,7 +242,7 @@ class Handoff:
         prefill = self.registry.pick_prefill(exclude=tried, prompt=prompt)
         tried.add(prefill.worker_id)
         telemetry.annotate(trace, {"distserve.prefill.instance": prefill.worker_id})
-        cached = routed(trace, prefill, prompt)
+        cached = self.registry.routed(trace, prefill, prompt)
         stub = prefill_pb2_grpc.PrefillStub(self.channel(prefill.address))
         if layerwise is None:
             # A request of one token ends at prefill's: nothing to pull, no decode to start. A
@@ -315,7 +315,7 @@ class Handoff:
         holding the most of the prompt (it pulls only the rest), another than those in
         `failed` if there is one."""
         decode = self.registry.pick_decode(exclude=failed, prompt=prompt)
-        routed(trace, decode, prompt)
+        self.registry.routed(trace, decode, prompt)
         return DecodeCall.start(self.channel, decode, req, trace, first_token=first_token, kv=kv)
 
     async def _decode(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from services.common import clock, telemetry
 from services.common.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
@@ -160,6 +161,28 @@ class GatewayMetrics:
         )
         for role in ("prefill", "decode", "colocated"):
             workers.labels(role).set_function(lambda role=role: len(registry.live(role)))
+        self.registry.register(_PrefixTokens(registry))
+
+
+class _PrefixTokens:
+    """Prompt tokens routed, and how many of them the chosen worker's prefix cache held (the
+    routing's hit rate is cached / prompt; its quality against the best choice, cached /
+    best)."""
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "distserve_gateway_prefix_tokens",
+            "Prompt tokens routed, by the role of the worker chosen and kind: prompt (all), "
+            "cached (held in that worker's prefix cache), best (held by the worker of that role "
+            "holding the most of each prompt).",
+            labels=["role", "kind"],
+        )
+        for (role, kind), n in sorted(self._registry.prefix_tokens.items()):
+            family.add_metric([role, kind], n)
+        yield family
 
 
 class RequestObserver:

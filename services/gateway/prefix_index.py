@@ -21,13 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from services.common import telemetry
 from services.common.prefix_hash import block_hashes
-
-if TYPE_CHECKING:
-    from services.gateway.registry import Worker
 
 PREDICTED_S = 5.0  # how long a routed prompt's blocks count as held without the worker's word
 
@@ -108,16 +103,3 @@ class PromptBlocks:
             return 0
         held = cache.prefix_blocks(hashes) * cache.block_size
         return min(held, len(self.token_ids) - 1)
-
-
-def routed(trace, worker: Worker, prompt: PromptBlocks) -> int:
-    """`prompt` goes to `worker`: the prompt tokens expected cached there go on the request's
-    span (`distserve.<role>.cached_tokens`), and its blocks count as held there from now on.
-    Returns the cached tokens."""
-    cache = worker.cache
-    if not cache.enabled:
-        return 0
-    cached = prompt.cached_tokens(cache)
-    telemetry.annotate(trace, {f"distserve.{worker.role}.cached_tokens": cached})
-    cache.predict(prompt.hashes(cache))
-    return cached

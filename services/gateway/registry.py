@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.common import telemetry
 from services.common.errors import Unavailable
 from services.gateway.prefix_index import CachedBlocks, PromptBlocks
 
@@ -127,12 +128,26 @@ class Worker:
         return self._now(2)
 
 
-class Registry:
-    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing."""
+ROUTING = ("prefix", "load", "round-robin")  # see Registry
 
-    def __init__(self, lease_s: float = 3.0) -> None:
+
+class Registry:
+    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing.
+
+    `routing`: "prefix" weighs each worker's cached prefix of the prompt and its load (the
+    default); "load" the load alone; "round-robin" takes the workers of a role in turn (both
+    for comparison)."""
+
+    def __init__(self, lease_s: float = 3.0, routing: str = "prefix") -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, not {routing!r}")
         self.lease_s = lease_s
+        self.routing = routing
         self._workers: dict[str, Worker] = {}
+        self._turns: dict[str, int] = {}  # round-robin: picks so far, by role
+        # Prompt tokens routed, by (role, kind): "prompt" all of them, "cached" those the chosen
+        # worker holds, "best" those the worker holding the most of each prompt holds.
+        self.prefix_tokens: dict[tuple[str, str], int] = {}
 
     def register(
         self, worker_id: str, role: str, address: str, load: Load, cache: CachedBlocks | None = None
@@ -190,7 +205,9 @@ class Registry:
         if not workers:
             raise Unavailable("no prefill instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
-        if prompt is None:
+        if self.routing == "round-robin":
+            return self._turn("prefill", workers)
+        if prompt is None or self.routing == "load":
             return min(workers, key=lambda w: (w.queued_tokens, w.worker_id))
         n = len(prompt.token_ids)
 
@@ -214,15 +231,43 @@ class Registry:
         if not workers:
             raise Unavailable(f"no {role} instance is registered with the gateway")
         workers = [w for w in workers if w.worker_id not in exclude] or workers
+        if self.routing == "round-robin":
+            return self._turn(role, workers)
 
         def load(w: Worker) -> tuple:
             return (w.open_requests, -w.load.free_kv_blocks, w.worker_id)
 
-        if prompt is None:
+        if prompt is None or self.routing == "load":
             return min(workers, key=load)
         least = min(w.open_requests for w in workers)
         near = [w for w in workers if w.open_requests <= least + DECODE_AFFINITY_SLACK]
         return min(near, key=lambda w: (-prompt.cached_tokens(w.cache), *load(w)))
+
+    def _turn(self, role: str, workers: list[Worker]) -> Worker:
+        n = self._turns[role] = self._turns.get(role, -1) + 1
+        return sorted(workers, key=lambda w: w.worker_id)[n % len(workers)]
+
+    def routed(self, trace, worker: Worker, prompt: PromptBlocks) -> int:
+        """`prompt` goes to `worker`: its blocks count as held there from now on, and the
+        prompt tokens cached there (and the most any worker of its role holds) go on the
+        request's span (`distserve.<role>.cached_tokens`, `...best_cached_tokens`) and into
+        `prefix_tokens`. Returns the tokens cached there."""
+        role = worker.role
+        cached = prompt.cached_tokens(worker.cache)
+        best = max((prompt.cached_tokens(w.cache) for w in self.live(role)), default=0)
+        best = max(best, cached)
+        for kind, n in (("prompt", len(prompt.token_ids)), ("cached", cached), ("best", best)):
+            self.prefix_tokens[role, kind] = self.prefix_tokens.get((role, kind), 0) + n
+        if worker.cache.enabled:
+            telemetry.annotate(
+                trace,
+                {
+                    f"distserve.{role}.cached_tokens": cached,
+                    f"distserve.{role}.best_cached_tokens": best,
+                },
+            )
+            worker.cache.predict(prompt.hashes(worker.cache))
+        return cached
 
     def mode(self) -> str:
         """How requests are served now: disaggregated when both pools exist, else colocated."""

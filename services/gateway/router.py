@@ -34,7 +34,7 @@ from services.gateway.conditional import LocalPrefill
 from services.gateway.handoff import DecodeCall, Handoff, Tokens
 from services.gateway.observe import GatewayMetrics, RequestObserver
 from services.gateway.planner_feed import PlannerFeed
-from services.gateway.prefix_index import PromptBlocks, routed
+from services.gateway.prefix_index import PromptBlocks
 from services.gateway.registry import Registry
 from services.gateway.request import Request
 from services.gateway.retries import Failover, Retries, RetryPolicy
@@ -227,7 +227,7 @@ class Router:
         """Prefill and decode on one instance: a colocated one, or (conditional
         disaggregation) a decode instance that prefills a short prompt itself."""
         worker = self.registry.pick_decode(role, prompt=prompt)
-        cached = routed(trace, worker, prompt)
+        cached = self.registry.routed(trace, worker, prompt)
         call = DecodeCall.start(self.channel, worker, req, trace, len(req.prompt_ids) - cached)
         try:
             async with contextlib.aclosing(call.tokens(self.registry)) as tokens:

@@ -177,3 +177,37 @@ async def _events_reach_the_gateway() -> None:
         for a in announcers:
             await a.stop()
         await server.stop(None)
+
+
+def test_load_and_round_robin_routing_ignore_the_cache_for_comparison():
+    r = _registry(("p0", "prefill"), ("p1", "prefill"), ("p2", "prefill"))
+    _holds(r, "p2", SYSTEM)
+    r.routing = "load"
+    assert r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
+    r.routing = "round-robin"
+    picks = [r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id for _ in range(4)]
+    assert picks == ["p0", "p1", "p2", "p0"]
+
+
+def test_routing_counts_cached_and_best_prefix_tokens_and_exports_them():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.common.slo import Slo
+    from services.gateway.observe import GatewayMetrics
+
+    r = _registry(("p0", "prefill"), ("p1", "prefill"))
+    _holds(r, "p1", SYSTEM)
+    metrics = GatewayMetrics(CollectorRegistry(), Slo())
+    metrics.watch(r)
+    r.routed(None, r._workers["p0"], PromptBlocks(PROMPT))  # not the best choice: p1 has 32
+    # What was routed to p0 counts as held there (its 9 full blocks), until p0's reports say
+    # otherwise: the same prompt again goes to p0.
+    prompt = PromptBlocks(PROMPT)
+    chosen = r.pick_prefill(prompt=prompt)
+    assert chosen.worker_id == "p0"
+    r.routed(None, chosen, prompt)
+    assert r.prefix_tokens["prefill", "prompt"] == 2 * len(PROMPT)
+    assert r.prefix_tokens["prefill", "cached"] == 0 + 36
+    assert r.prefix_tokens["prefill", "best"] == 32 + 36
+    text = generate_latest(metrics.registry).decode()
+    assert 'distserve_gateway_prefix_tokens_total{kind="best",role="prefill"} 68.0' in text
