@@ -127,8 +127,21 @@ _COUNTERS = {
     "pulls_failed": ("distserve_kv_pulls_failed", "KV pulls that gave up."),
     "chunks_retried": ("distserve_kv_chunks_retried", "KV chunks fetched again."),
     "checksum_failures": ("distserve_kv_checksum_failures", "KV chunks that failed checksums."),
+    "chunks_unverified": (
+        "distserve_kv_chunks_unverified",
+        "KV chunks used without a checksum check (received straight into device memory).",
+    ),
     "reconnects": ("distserve_kv_reconnects", "UCX endpoints re-established."),
     "lease_renewals": ("distserve_kv_lease_renewals", "KV leases renewed while pulling."),
+    "prompt_tokens_computed": (
+        "distserve_prompt_tokens_computed",
+        "Prompt tokens whose KV was computed here.",
+    ),
+    "prompt_tokens_cached": (
+        "distserve_prompt_tokens_cached",
+        "Prompt tokens whose KV was reused from the prefix cache (decode: pulled blocks it had).",
+    ),
+    "kv_blocks_evicted": ("distserve_kv_blocks_evicted", "Cached KV blocks evicted for room."),
 }
 # WorkerLoad gauges: field -> (metric name, help)
 _GAUGES = {
@@ -164,6 +177,13 @@ class StatsCollector(Collector):
         used = GaugeMetricFamily("distserve_kv_blocks_used", "KV blocks in use.", labels=labels)
         used.add_metric(values, load.total_kv_blocks - load.free_kv_blocks)
         yield used
+        cached = GaugeMetricFamily(
+            "distserve_prefix_cache_blocks",
+            "KV blocks the prefix cache holds (in use or evictable).",
+            labels=labels,
+        )
+        cached.add_metric(values, stats.prefix_cache_blocks)
+        yield cached
 
 
 def worker_registry() -> CollectorRegistry:

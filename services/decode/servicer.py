@@ -73,6 +73,7 @@ def worker_stats(worker: DecodeWorker) -> common_pb2.WorkerStats:
         pulls_failed=worker.pulls_failed,
         chunks_retried=worker.puller.chunks_retried,
         checksum_failures=worker.puller.checksum_failures,
+        chunks_unverified=worker.chunks_unverified,
         reconnects=worker.puller.reconnects,
         lease_renewals=worker.puller.lease_renewals,
     )

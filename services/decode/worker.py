@@ -89,6 +89,7 @@ class DecodeWorker:
         self.requests_aborted = 0
         self.pulls_total = 0
         self.pull_bytes_total = 0
+        self.chunks_unverified = 0  # chunks used without a checksum check (device memory)
         self.pull_bytes_by_rank = [0] * config.tensor_parallel_size
         self.pulls_failed = 0
         self.draining = False
@@ -287,6 +288,7 @@ class DecodeWorker:
     def _pulled(self, span, report: PullReport, seconds: float, hidden: float) -> None:
         self.pulls_total += 1
         self.pull_bytes_total += report.nbytes
+        self.chunks_unverified += report.unverified
         self.transfer_seconds.observe(seconds)
         self.hidden_fraction.observe(hidden / seconds if seconds > 0 else 0.0)
         span.set_attributes(

@@ -12,8 +12,9 @@ status: see chunk_server; the plan is layout.py's), over one of `lanes` connecti
 take turns chunk by chunk (between processes of one host the receiver copies: two lanes copy
 on two cores). Up to `window` chunks are in flight (their receives posted). Each chunk in host
 memory is checked against the checksum the source sends (the received bytes are hashed as each
-chunk arrives, by the thread that copied it; KV in device memory moves over UCX unchecksummed,
-counted in the report's `unverified`) and has its own timeout; a late, failed or
+chunk arrives, by the thread that copied it; over gRPC a chunk for device memory is hashed as it
+arrives, before it is copied there; KV in device memory moves over UCX unchecksummed, counted in
+the report's `unverified`) and has its own timeout; a late, failed or
 corrupt chunk alone is fetched again (bounded attempts, exponential backoff with jitter, a fresh
 endpoint after a transport fault).
 The lease is renewed while the pull runs. A pull that gives up raises, and the caller must not
@@ -334,7 +335,11 @@ class KvPuller:
                     for c in todo
                 ],
             )
-            verify = policy.verify and isinstance(first.buffer, np.ndarray)
+            # Over gRPC every chunk comes through host memory, where it is hashed; over UCX
+            # only chunks received into host memory are.
+            verify = policy.verify and (
+                isinstance(first.buffer, np.ndarray) or isinstance(transport, GrpcTransport)
+            )
             try:
                 fetched = await transport.fetch(
                     handle,

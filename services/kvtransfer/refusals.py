@@ -10,6 +10,7 @@ from services.common.errors import (
     InvalidRequest,
     NotFound,
     PermissionDenied,
+    Unavailable,
 )
 from services.common.gen.distserve.v1 import kvtransfer_pb2
 
@@ -22,11 +23,14 @@ _REASONS: dict[type[DistServeError], int] = {
     PermissionDenied: Status.REFUSAL_PERMISSION_DENIED,
     DeadlineExceeded: Status.REFUSAL_LAYER_NOT_COMPUTED,
 }
-# What the puller raises for each; any other reason (the request's own fault, a layer not
-# computed in time, none given) is an InvalidRequest.
+# What the puller raises for each; any other reason (the request's own fault, none given) is
+# an InvalidRequest. A layer the source did not compute in time (its prefill stalled or died
+# mid-prompt) makes the pull Unavailable: the gateway prefills the prompt again elsewhere, as
+# for a source that went away, rather than failing the client's request as its own fault.
 _ERRORS: dict[int, type[DistServeError]] = {
     Status.REFUSAL_NOT_FOUND: NotFound,
     Status.REFUSAL_PERMISSION_DENIED: PermissionDenied,
+    Status.REFUSAL_LAYER_NOT_COMPUTED: Unavailable,
 }
 
 

@@ -332,11 +332,17 @@ class GrpcTransport:
                 reply = await stub.FetchChunk(request, timeout=timeout_s)
             except grpc.aio.AioRpcError as e:
                 return Fetched(None, [Exception(f"{e.code().name}: {e.details()}")], [None])
-        if reply.status.ok and len(reply.data) == dst.nbytes:
-            np.copyto(dst, np.frombuffer(reply.data, dtype=np.uint8))
         received = None
-        if checksums and reply.status.ok:
-            received = await checksum(dst)
+        if reply.status.ok and len(reply.data) == dst.nbytes:
+            host = np.frombuffer(reply.data, dtype=np.uint8)
+            if checksums:  # the bytes as they came, before they go to the device, if they do
+                received = await checksum(host)
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, host)
+            else:  # a uint8 tensor in device memory (layout.raw)
+                import torch
+
+                dst.copy_(torch.from_numpy(host.copy()))
         return Fetched(reply.status, [None], [received])
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from services.common.errors import (
     InvalidRequest,
     NotFound,
     PermissionDenied,
+    Unavailable,
 )
 from services.common.kv_handle import RankSource
 from services.kvtransfer import wire
@@ -32,7 +33,8 @@ Status = wire.ChunkStatus
         (NotFound, Status.REFUSAL_NOT_FOUND, NotFound),
         (PermissionDenied, Status.REFUSAL_PERMISSION_DENIED, PermissionDenied),
         (InvalidRequest, Status.REFUSAL_INVALID_REQUEST, InvalidRequest),
-        (DeadlineExceeded, Status.REFUSAL_LAYER_NOT_COMPUTED, InvalidRequest),
+        # a layer not computed in time: retried from a new prefill, not the client's fault
+        (DeadlineExceeded, Status.REFUSAL_LAYER_NOT_COMPUTED, Unavailable),
     ],
 )
 def test_a_refusal_is_sent_as_its_reason_and_raised_as_the_error_it_names(error, reason, raised):
