@@ -120,11 +120,12 @@ class PullKv:
 
     request_id: str
     handle: str  # KvHandle.encode(): the engine does not read it
-    blocks: list[int]
+    blocks: list[int]  # for the handle's blocks from `skip` on
+    skip: int = 0  # the handle's first blocks the request reuses from the prefix cache
 
     def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> None:
         if kv is not None:
-            kv.pull(self.request_id, self.handle, self.blocks)
+            kv.pull(self.request_id, self.handle, self.blocks, self.skip)
 
 
 EngineCommand = (

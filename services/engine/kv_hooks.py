@@ -26,8 +26,9 @@ class KvHooks(Protocol):
     def step_done(self, outputs: list[StepOutput]) -> None:
         """A prefill batch ended; its prompts that finished at their first token hold no KV."""
 
-    def pull(self, request_id: str, handle: str, blocks: list[int]) -> None:
-        """Start pulling this rank's heads of `handle` (`KvHandle.encode()`) into `blocks`."""
+    def pull(self, request_id: str, handle: str, blocks: list[int], skip: int = 0) -> None:
+        """Start pulling this rank's heads of `handle` (`KvHandle.encode()`) into `blocks`,
+        from the handle's block `skip` on (the first `skip` are in place already)."""
 
     def forget(self, request_id: str) -> None:
         """Before a request's blocks are freed: stop its transfer and wait until it stopped."""

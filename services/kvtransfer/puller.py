@@ -206,18 +206,23 @@ class KvPuller:
         dst_blocks: list[int],
         dst: KvDestination,
         trace: telemetry.Context | None = None,
+        skip: int = 0,
     ) -> PullReport:
-        """Fill dst_blocks of `dst` with the handle's KV for the heads `dst` holds; returns what
-        was moved. `trace` (the pull's span) travels with the lease renewals to the source.
+        """Fill dst_blocks of `dst` with the handle's KV for the heads `dst` holds, from the
+        handle's block `skip` on (the first `skip` blocks are already in place: a prefix the
+        destination had cached); returns what was moved. `trace` (the pull's span) travels with
+        the lease renewals to the source.
 
         Raises Unavailable when the source cannot be reached or a chunk runs out of attempts,
         PermissionDenied or NotFound when the source refuses the handle.
         """
-        ends = self.link.reserve(handle.num_tokens) if self.link is not None else None
-        src_blocks = handle.blocks()
-        if len(src_blocks) != len(dst_blocks):
+        tokens = max(0, handle.num_tokens - skip * handle.block_size)  # those moved
+        ends = self.link.reserve(tokens) if self.link is not None else None
+        src_blocks = handle.blocks()[skip:]
+        if skip < 0 or len(src_blocks) != len(dst_blocks):
             raise InvalidRequest(
-                f"handle has {len(src_blocks)} blocks, destination {len(dst_blocks)}"
+                f"handle has {len(handle.blocks())} blocks, {skip} of them in place, "
+                f"destination {len(dst_blocks)}"
             )
         pieces = [
             (self.transport_for(handle, source), source, heads)
@@ -227,7 +232,7 @@ class KvPuller:
         for transport, source, heads in pieces:
             piece_block_bytes = handle.block_bytes * len(heads) // handle.num_kv_heads
             per_chunk = max(1, self.policy.chunk_bytes // max(1, piece_block_bytes))
-            segs = segments(src_blocks, dst_blocks, per_chunk)
+            segs = [(i + skip, d, n) for i, d, n in segments(src_blocks, dst_blocks, per_chunk)]
             plan = [
                 (layer, kv, seg)
                 for layer in range(handle.num_layers)
@@ -290,7 +295,7 @@ class KvPuller:
             raise errors[0]
         report.nbytes = sum(results)
         if ends is not None:
-            report.modelled_bytes = handle.num_tokens * self.link.bytes_per_token
+            report.modelled_bytes = tokens * self.link.bytes_per_token
             await clock.sleep(ends - clock.monotonic())
         return report
 
@@ -436,12 +441,16 @@ class KvPuller:
         blocks: list[int],
         heads: range,
         trace: telemetry.Context | None = None,
+        skip: int = 0,
     ) -> PullReport:
         """Fill `blocks` of an engine's KV cache (a KvCache holding the global KV heads `heads`)
-        with the handle's KV. KV in another block size or dtype is pulled into a staging
-        buffer in the source's layout and converted into place."""
+        with the handle's KV, from its block `skip` on (`blocks` are for those; the first
+        `skip` are in place already). KV in another block size or dtype is pulled whole into a
+        staging buffer in the source's layout and converted into place (`skip` must be 0)."""
         if (handle.block_size, handle.dtype) == (cache.block_size, dtype_name(cache.data.dtype)):
-            return await self.pull(handle, blocks, KvDestination(cache.data, heads), trace)
+            return await self.pull(handle, blocks, KvDestination(cache.data, heads), trace, skip)
+        if skip:
+            raise InvalidRequest("KV in another block size or dtype is pulled whole (skip 0)")
         n, h = handle.num_blocks, len(heads)
         staging = torch.empty(
             (handle.num_layers, 2, n, handle.block_size, h, handle.head_dim),

@@ -100,11 +100,11 @@ class RankKv:
             if out.finished:
                 self.loop.call_soon_threadsafe(self._end, out.request_id)
 
-    def pull(self, request_id: str, handle: str, blocks: list[int]) -> None:
-        """Start pulling this rank's heads of `handle` (`KvHandle.encode()`) into `blocks`; the
-        outcome goes to rank 0 as a `pulled` event."""
+    def pull(self, request_id: str, handle: str, blocks: list[int], skip: int = 0) -> None:
+        """Start pulling this rank's heads of `handle` (`KvHandle.encode()`) into `blocks`, from
+        its block `skip` on; the outcome goes to rank 0 as a `pulled` event."""
         decoded = KvHandle.decode(handle)
-        self.loop.call_soon_threadsafe(self._start_pull, request_id, decoded, blocks)
+        self.loop.call_soon_threadsafe(self._start_pull, request_id, decoded, blocks, skip)
 
     def forget(self, request_id: str) -> None:
         """Before a request's blocks are freed: close its lease (and wait for its sends), or
@@ -211,8 +211,10 @@ class RankKv:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    def _start_pull(self, request_id: str, handle: KvHandle, blocks: list[int]) -> None:
-        task = asyncio.ensure_future(self._pull(request_id, handle, blocks))
+    def _start_pull(
+        self, request_id: str, handle: KvHandle, blocks: list[int], skip: int = 0
+    ) -> None:
+        task = asyncio.ensure_future(self._pull(request_id, handle, blocks, skip))
         self._pulls[request_id] = task
 
         def done(_: asyncio.Task) -> None:
@@ -221,11 +223,13 @@ class RankKv:
 
         task.add_done_callback(done)
 
-    async def _pull(self, request_id: str, handle: KvHandle, blocks: list[int]) -> None:
+    async def _pull(
+        self, request_id: str, handle: KvHandle, blocks: list[int], skip: int = 0
+    ) -> None:
         event: dict = {"event": "pulled", "request_id": request_id}
         try:
             cache = self.engine.runner.cache
-            report = await self.puller.pull_into(handle, cache, blocks, self.heads)
+            report = await self.puller.pull_into(handle, cache, blocks, self.heads, skip=skip)
         except asyncio.CancelledError:
             raise  # rank 0 gave the request up: it waits for nothing
         except DistServeError as e:

@@ -152,3 +152,31 @@ def test_a_handle_missing_some_heads_is_refused_before_any_transfer():
         assert not any(s.source.chunks_served for s in servers)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("skip", [1, 3, 4])
+def test_a_pull_that_skips_a_cached_prefix_moves_only_the_rest(skip):
+    """Decode-side reuse: the destination holds the handle's first `skip` blocks already (its
+    prefix cache); only the others are asked for and written, each to its own place (3 skips
+    exactly the source's first run; 4 starts inside the second)."""
+    full = torch.randn(LAYERS, 2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+
+    async def scenario():
+        handle, servers = await _serve(full, 2)
+        dst = _cache(HEADS)
+        puller = KvPuller(PullPolicy(chunk_bytes=2 * BLOCK_SIZE * HEAD_DIM * 4, window=3), "ucx")
+        try:
+            report = await puller.pull(
+                handle, DST_BLOCKS[skip:], KvDestination(dst, range(HEADS)), skip=skip
+            )
+        finally:
+            await puller.close()
+            for s in servers:
+                s.close()
+        return dst, report, handle
+
+    dst, report, handle = asyncio.run(scenario())
+    moved = DST_BLOCKS[skip:]
+    assert torch.equal(dst[:, :, moved], full[:, :, SRC_BLOCKS[skip:]])
+    assert not dst[:, :, [b for b in range(BLOCKS) if b not in moved]].any()
+    assert report.nbytes == handle.total_bytes * (len(SRC_BLOCKS) - skip) // len(SRC_BLOCKS)

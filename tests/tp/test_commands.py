@@ -55,15 +55,15 @@ def test_pull_kv_carries_the_handle_whole():
             RankSource(1, "127.0.0.1", 3, range(1, 2)),
         ),
     )
-    back = commands.decode(commands.encode(commands.PullKv("r", handle.encode(), [7, 8])))
+    back = commands.decode(commands.encode(commands.PullKv("r", handle.encode(), [7, 8], 2)))
     pulled = []
 
     class Kv:
-        def pull(self, request_id, h, blocks):
-            pulled.append((request_id, KvHandle.decode(h), blocks))
+        def pull(self, request_id, h, blocks, skip):
+            pulled.append((request_id, KvHandle.decode(h), blocks, skip))
 
     back.apply(None, Kv())
-    assert pulled == [("r", handle, [7, 8])]
+    assert pulled == [("r", handle, [7, 8], 2)]
 
 
 def test_a_command_outside_the_vocabulary_is_refused():
