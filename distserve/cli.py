@@ -12,14 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from distserve.deploy.cli import register as register_deploy
+from distserve.loadgen.cli import register as register_bench
+from distserve.local_mesh import add_emulation_options, emulated_mesh
+from distserve.plan import register as register_planner
+from distserve.trace_report import register as register_trace_report
 from services.common import mesh_tls
 from services.common.errors import DistServeError, InvalidRequest
-from services.deploy.cli import register as register_deploy
 from services.edge.options import add_edge_options
-from services.launcher import add_emulation_options, emulated_mesh
-from services.loadgen.cli import register as register_bench
-from services.planner.cli import register as register_planner
-from services.trace_report import register as register_trace_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,8 +243,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from distserve.local_mesh import MeshSpec, run_until_signal
     from services.edge.options import edge_config
-    from services.launcher import MeshSpec, run_until_signal
 
     emulation = emulated_mesh(args)
     if args.model is None:
