@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `trace-report` to the `distserve` command line."""
     p = subparsers.add_parser(
         "trace-report",
@@ -142,7 +142,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_arguments(p)
     p.set_defaults(func=run)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
