@@ -83,13 +83,13 @@ from bench.chaos_faults import (
 )
 from bench.chaos_load import ChaosSpec, Outcome, Planned, plan, references, request
 from bench.common import host, percentiles
+from distserve.local_mesh import Mesh
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import (
     gateway_pb2_grpc,
 )
 from services.common.slo import Slo
 from services.engine.presets import default_model
-from services.launcher import Mesh
 
 MOVED = re.compile(r"request (\S+): lost its serving instance")
 

@@ -17,13 +17,13 @@ import aiohttp
 import grpc
 
 from bench.chaos_load import ChaosSpec
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
     prefill_pb2_grpc,
 )
-from services.launcher import Mesh, MeshSpec
 
 WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "16")
 # A dead KV source is given up on fast: short chunk tries (a dropped chunk costs 1 s).

@@ -43,17 +43,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
+from distserve.loadgen.cli import ADMISSION_OFF, WORKER_ARGS
+from distserve.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest
+from distserve.loadgen.results import LoadResult
+from distserve.loadgen.runner import run_load
+from distserve.loadgen.targets import GrpcTarget
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.common.stats import percentile
 from services.engine.presets import default_model
 from services.gateway.conditional import LocalPrefill
-from services.launcher import Mesh, MeshSpec
-from services.loadgen.cli import ADMISSION_OFF, WORKER_ARGS
-from services.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget
 
 LONG = 512  # tokens of a long prompt
 OUTPUT = 32  # tokens asked for, every request

@@ -18,10 +18,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services.edge.envoy as envoy_process
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.stats import percentile
 from services.edge.config import EdgeConfig
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 
 def bare(config_of):

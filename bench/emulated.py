@@ -11,7 +11,7 @@ Parts (`--parts`, default all):
 
 * `fidelity`: OPT-13B, prompts 512 / outputs 64 (DistServe's seed example), SLO TTFT 400 ms /
   TPOT 40 ms. For colocated x4 and the planner's best disaggregated placement on 4 GPUs, the
-  rates where the simulator (the same instances, `services.loadgen.emulated`) predicts 95, 80,
+  rates where the simulator (the same instances, `distserve.loadgen.emulated`) predicts 95, 80,
   65 and 50% attainment; each rate's requests through the mesh twice. `emulated_fidelity_max_
   gap_pp` (prediction against the mean of the runs), `emulated_repeat_spread_pp` (between runs).
 * `opt13b`: the same two meshes' goodput (the highest rate with >= 90% of the middle half of the
@@ -41,11 +41,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host, percentiles, report_and_exit_code
+from distserve.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
+from distserve.loadgen.goodput import GoodputSearch, Probe
+from distserve.local_mesh import Mesh
 from services.common.slo import Slo
 from services.engine.presets import emulated_model
-from services.launcher import Mesh
-from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
-from services.loadgen.goodput import GoodputSearch, Probe
 from services.planner.cluster import ClusterSpec
 from services.planner.goodput import max_rate
 from services.planner.placement import PlanSpec, plan
@@ -178,7 +178,7 @@ def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[d
 def step_search(measure, start: float, probes: int, step: float = 0.04) -> GoodputSearch:
     """The highest passing rate near `start` (the simulator's goodput): from 0.97 x start, up
     or down by `step` until a pass and a fail are adjacent, then halfway between them with
-    what probes are left. (The goodput bisection of `services.loadgen.goodput` halves a
+    what probes are left. (The goodput bisection of `distserve.loadgen.goodput` halves a
     failing range, too coarse where the answer is known to within ~10%.)"""
     done: list[Probe] = []
     rate = 0.97 * start

@@ -30,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from distserve.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, run
+from distserve.local_mesh import Mesh
 from services.engine.presets import emulated_model
-from services.launcher import Mesh
-from services.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, run
 from services.planner.workload import LengthDist, Workload
 
 OUTPUT_TOKENS = 200

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host, report_and_exit_code
 from bench.emulated import compare, log
+from distserve.loadgen.emulated import EmulatedCluster
 from services.common.slo import Slo
-from services.loadgen.emulated import EmulatedCluster
 from services.planner.workload import parse_workload
 
 # DistServe's Table 1: workload -> (model, SLO, time scale)

@@ -1,8 +1,8 @@
 """Goodput per core: disaggregated (1 prefill + 1 decode) against colocated x2 on this host.
 
-For each CPU-scaled workload (`services.loadgen.goodput.SCALED`: chat, code, summarization) and
+For each CPU-scaled workload (`distserve.loadgen.goodput.SCALED`: chat, code, summarization) and
 the `small` model (12 layers, 105M parameters, fp32), both meshes run with every worker pinned
-to its own core (one torch thread) and the same engine options (`services.loadgen.cli.
+to its own core (one torch thread) and the same engine options (`distserve.loadgen.cli.
 WORKER_ARGS`); the SLO is 5x the unloaded TTFT and 3x the unloaded TPOT of the workload's median
 request (the smaller of the two modes' for each), alpha 0.9, Poisson arrivals; each mode's
 goodput is found by bisection over the rate, 24 seeded requests per probe, at most 5 probes.
@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cpu_model
+from distserve.loadgen.cli import BenchSpec, describe, run_bench
 from services.engine.presets import default_model
-from services.loadgen.cli import BenchSpec, describe, run_bench
 
 WORKLOADS = ("summarization", "chat", "code")
 # DistServe's targets on this comparison: disaggregated per-core goodput over colocated's.

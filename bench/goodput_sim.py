@@ -10,7 +10,7 @@ fed this host's profile of the `small` model, what each placement would serve:
   worker runs (one process pinned to one core, one torch thread; the profiler's quick grid,
   about 3 minutes);
 * workloads: `bench/goodput.py`'s CPU-scaled chat, code and summarisation
-  (`services.loadgen.goodput.SCALED`), Poisson arrivals;
+  (`distserve.loadgen.goodput.SCALED`), Poisson arrivals;
 * instances: the engine options of `bench/goodput.py`'s workers (`WORKER_ARGS`: a 384 MB KV
   pool, 16 seats, 2048-token prefill batches); KV moves at `--bandwidth` (default 6 GB/s, what
   a 64 MiB pull over UCX shared memory achieves on this host: `make bench-kvtransfer`) and,
@@ -45,24 +45,24 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cpu_model
+from distserve.loadgen.fidelity import profile_pinned
+from distserve.loadgen.goodput import SCALED
 from services.common import latency as latency_file
 from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.engine.presets import default_model
-from services.loadgen.fidelity import profile_pinned
-from services.loadgen.goodput import SCALED
 from services.planner.goodput import goodput
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Workload
 
-# The engine options of bench/goodput.py's workers (services.loadgen.cli.WORKER_ARGS).
+# The engine options of bench/goodput.py's workers (distserve.loadgen.cli.WORKER_ARGS).
 KV_MB = 384
 MAX_NUM_SEQS = 16
 MAX_BATCH_TOKENS = 2048
 LAYERWISE_MIN_TOKENS = 256  # the gateway's default
 ALPHA = 0.9
-TTFT_SLO_FACTOR = 5.0  # bench/goodput.py's rule (services.loadgen.goodput.slo_from_unloaded)
+TTFT_SLO_FACTOR = 5.0  # bench/goodput.py's rule (distserve.loadgen.goodput.slo_from_unloaded)
 TPOT_SLO_FACTOR = 3.0
 
 

@@ -29,9 +29,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 MODES = ("layerwise", "after-prefill")
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
 from bench.kvtransfer_handoff import prefill_and_pull
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 
 def parse_env(text: str) -> dict[str, str]:

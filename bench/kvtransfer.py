@@ -310,8 +310,8 @@ def main() -> None:
     rates = {t: m["pull"] for t, m in measured.items()}
     raw = {t: m["raw"] for t, m in measured.items() if m["raw"]}
 
+    from distserve.local_mesh import Mesh, MeshSpec
     from services.engine.presets import default_model
-    from services.launcher import Mesh, MeshSpec
 
     lengths = [int(x) for x in args.handoff_lengths.split(",")]
     spec = MeshSpec(

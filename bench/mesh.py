@@ -33,6 +33,7 @@ import aiohttp
 import grpc
 import torch
 
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.common.stats import percentile
@@ -40,7 +41,6 @@ from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 # Requests before each measurement that are not counted: a mesh that has just started pays for
 # its first requests' connections, allocations and UCX endpoints; users meet a warm one.

@@ -4,15 +4,15 @@ process's resident memory stay within a documented bound?
 Target: "under 5x the goodput rate, accepted requests still meet the SLO at >= 90% attainment and
 each process's resident memory stays within a documented bound."
 
-What runs, in one invocation (every mesh: 1 prefill + 1 decode, `services.launcher.Mesh`, built by
-`services.loadgen.cli.mesh_spec` exactly as `distserve bench goodput` builds its disaggregated
-mode: each worker pinned to its own core with one torch thread, engine options
-`services.loadgen.cli.WORKER_ARGS` = `--kv-cache-mb 384 --max-num-seqs 16 --max-batch-tokens
+What runs, in one invocation (every mesh: 1 prefill + 1 decode, `distserve.local_mesh.Mesh`,
+built by `distserve.loadgen.cli.mesh_spec` exactly as `distserve bench goodput` builds its
+disaggregated mode: each worker pinned to its own core with one torch thread, engine options
+`distserve.loadgen.cli.WORKER_ARGS` = `--kv-cache-mb 384 --max-num-seqs 16 --max-batch-tokens
 2048`; no Envoy; the load goes over gRPC straight to the gateway):
 
 1. **Goodput.** A first mesh, admission off (so that a refusal never counts as a miss and the
    rate found is what the mesh serves), gets the SLO by `distserve bench goodput`'s rule
-   (`services.loadgen.goodput.unloaded` + `slo_from_unloaded`: 5x the unloaded TTFT, 3x the
+   (`distserve.loadgen.goodput.unloaded` + `slo_from_unloaded`: 5x the unloaded TTFT, 3x the
    unloaded TPOT of the workload's median request) and its goodput by `search_goodput` (alpha
    0.9, Poisson, `--requests-per-probe` seeded requests per probe, at most `--max-probes`
    probes, the first bracket from `rate_range`). `--slo` and `--goodput-rps` skip these.
@@ -54,7 +54,7 @@ as `distserve bench goodput` uses, because `tiny` serves the chat workload in a 
 request, so that 5x its goodput would be hundreds of requests per second and the load generator
 on these 2 cores would be the bottleneck, not the mesh; with `small` the prefill core saturates
 at under 2 req/s, and a 1.2 GB worker makes the memory figures those of a real model.
-Workload: the CPU-scaled `chat` (`services.loadgen.goodput.SCALED`: prompts lognormal 256 +- 200
+Workload: the CPU-scaled `chat` (`distserve.loadgen.goodput.SCALED`: prompts lognormal 256 +- 200
 tokens [16, 768], outputs 48 +- 40 [4, 128]), `--workload` takes another. Defaults are sized for
 about 10-15 minutes on 2 shared cores: 24 requests per probe and at most 5 probes for the search
 (as bench/goodput.py), 90 s of overload per run (the baseline then runs until its backlog is
@@ -87,14 +87,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import host
 from bench.overload_memory import MiB, allowance, engine_options, memory_table
 from bench.overload_run import fmt, log, overload_run, run_table
+from distserve.loadgen import goodput as g
+from distserve.loadgen.cli import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
+from distserve.loadgen.targets import GrpcTarget
+from distserve.local_mesh import Mesh
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.engine.presets import default_model
 from services.gateway.admission import AdmissionConfig
-from services.launcher import Mesh
-from services.loadgen import goodput as g
-from services.loadgen.cli import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
-from services.loadgen.targets import GrpcTarget
 
 
 def main() -> int:

@@ -34,9 +34,9 @@ import statistics
 import threading
 import time
 
+from distserve.local_mesh import Mesh
 from services.common.model_config import ModelConfig
 from services.kvtransfer.puller import PullPolicy
-from services.launcher import Mesh
 
 MiB = 2**20
 # The bound's stated constants (see the module docstring).

@@ -14,13 +14,13 @@ import grpc
 import numpy as np
 
 from bench.overload_memory import RssSampler, process_order
+from distserve.loadgen import goodput as g
+from distserve.loadgen.requests import load_requests
+from distserve.loadgen.results import LoadResult
+from distserve.loadgen.runner import run_load
+from distserve.loadgen.targets import GrpcTarget, LoadError
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.slo import Slo
-from services.launcher import Mesh, MeshSpec
-from services.loadgen import goodput as g
-from services.loadgen.requests import load_requests
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget, LoadError
 from services.planner.workload import Requests
 
 

@@ -3,7 +3,7 @@
 (1) Simulator fidelity: the profile of `fidelity.MODEL` (the tiny preset's architecture, ~11M
     parameters, so that an engine step outweighs the mesh's per-token messaging) measured here
     (pinned, one torch thread, the full grid), the mesh's costs beyond the engine measured on a
-    running 1P1D mesh (pinned; services/loadgen/fidelity.py and calibration.py state them), then
+    running 1P1D mesh (pinned; distserve/loadgen/fidelity.py and calibration.py state them), then
     the same seeded requests (300 per rate)
     through `simulate_1p1d` and through the mesh with the load generator, at the 4 rates where
     the simulator predicts 90/70/50/30% attainment; SLOs 5x the unloaded TTFT, 3x the unloaded
@@ -110,7 +110,7 @@ def simulator_fidelity(grid: str, targets: tuple[float, ...], requests: int, rep
     """Predicted vs measured attainment of 1P1D on this machine (part (1))."""
     import tempfile
 
-    from services.loadgen import fidelity
+    from distserve.loadgen import fidelity
 
     with tempfile.TemporaryDirectory() as tmp:
         model = fidelity.create(Path(tmp) / "model")

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
 from bench.handoff import decode_metrics, request
+from distserve.local_mesh import Mesh, MeshSpec
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 CONFIGS = {"P1-D1": (1, 1), "P2-D1": (2, 1), "P1-D2": (1, 2), "P2-D2": (2, 2)}
 

@@ -60,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import host
 from bench.mesh import mesh_ttft_and_gap
 from bench.tracing_load import Receiver, counters, cpu_seconds, load_together
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.stats import percentile
 from services.engine.presets import default_model
-from services.launcher import Mesh, MeshSpec
 
 # KV cache per worker, by preset: room for every stream's prompt and tokens.
 KV_CACHE_MB = {"tiny": 64, "small": 256}

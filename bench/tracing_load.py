@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from distserve.local_mesh import Mesh
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.launcher import Mesh
 
 
 def counters(mesh: Mesh) -> dict[str, float]:

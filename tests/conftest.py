@@ -31,7 +31,7 @@ MESH_WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "8")
 
 
 def start_mesh(model: Path, **kwargs):
-    from services.launcher import Mesh, MeshSpec
+    from distserve.local_mesh import Mesh, MeshSpec
 
     spec = MeshSpec(model=model, gateway_port=0, worker_args=MESH_WORKER_ARGS, **kwargs)
     mesh = Mesh(spec)

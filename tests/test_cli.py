@@ -14,7 +14,7 @@ from services.engine.engine import LLMEngine
 
 def distserve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "distserve.cli", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},

@@ -14,6 +14,9 @@ import grpc
 import numpy as np
 import pytest
 
+from distserve.loadgen.emulated import EmulatedCluster, Shape, run
+from distserve.local_mesh import Mesh, MeshSpec
+from distserve.trace_report import main as trace_report
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.model_spec import PRESETS
 from services.common.sampling import SamplingParams
@@ -21,11 +24,8 @@ from services.common.slo import Slo
 from services.engine.config import Emulation, EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import emulated_model
-from services.launcher import Mesh, MeshSpec
-from services.loadgen.emulated import EmulatedCluster, Shape, run
 from services.planner.simulator import simulate
 from services.planner.workload import LengthDist, Workload
-from services.trace_report import main as trace_report
 from tests.conftest import stop_now
 from tests.test_mesh import addresses, kv_all_free, stats, wait_until
 from tests.test_observability import scrape, value

@@ -7,8 +7,9 @@
     prefill, decode              the worker layer and what it glues
     gateway, planner, edge       processes: none imports another process or the worker layer
 
-The tools (CLI, launcher, load generator, deploy, trace report) sit apart and are not listed.
-Every import counts, also one inside a function or under TYPE_CHECKING.
+The tools (the `distserve` package: CLI, local mesh, load generator, deploy, trace report) sit
+apart, above every layer: they may import any of services/, and nothing in services/ imports
+them. Every import counts, also one inside a function or under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import ast
 from pathlib import Path
 
 SERVICES = Path(__file__).resolve().parents[1] / "services"
+TOOLS = "distserve"  # the tools' package, beside services/
 
 MAY_IMPORT: dict[str, set[str]] = {
     "common": set(),
@@ -55,6 +57,32 @@ def imports(path: Path) -> list[tuple[int, str, str]]:
     return found
 
 
+def tool_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module imported) of every import of the tools' package in a module."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        else:
+            continue  # a relative import stays inside services/
+        found += [(node.lineno, m) for m in modules if m.split(".")[0] == TOOLS]
+    return found
+
+
+def tool_violations() -> list[str]:
+    """One line per import of a tool by anything in services/."""
+    violations = []
+    for path in sorted(SERVICES.rglob("*.py")):
+        if "gen" in path.relative_to(SERVICES).parts:
+            continue  # generated stubs (their own `distserve.v1` is rewritten away)
+        for line, module in tool_imports(path):
+            rel = path.relative_to(SERVICES.parent)
+            violations.append(f"{rel}:{line} imports {module}; services/ imports no tool")
+    return violations
+
+
 def layer_violations() -> list[str]:
     """One line per import that breaks the layering: where it is, what it imports, the rule."""
     violations = []
@@ -73,6 +101,11 @@ def layer_violations() -> list[str]:
 def test_every_package_imports_only_the_layers_below_it():
     violations = layer_violations()
     assert not violations, "layering broken:\n" + "\n".join(violations)
+
+
+def test_no_service_imports_a_tool():
+    violations = tool_violations()
+    assert not violations, "a process imports a tool:\n" + "\n".join(violations)
 
 
 def test_every_layered_package_exists():

@@ -264,7 +264,7 @@ def test_bad_input_is_invalid_argument_with_a_message(mesh_1p1d, request_fields,
 def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_path):
     argv = ["up", "--model", str(tiny_model), "--port", "0", "--edge-port", "0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *argv],
+        [sys.executable, "-m", "distserve.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -303,7 +303,7 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
     scratch = tmp_path / "tmp"  # the mesh's TMPDIR
     scratch.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *argv],
+        [sys.executable, "-m", "distserve.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -263,7 +263,7 @@ def test_a_decode_the_gateway_cuts_short_is_still_a_span(traced_mesh):
 def test_trace_report_breaks_down_the_requests_the_mesh_recorded(
     traced_mesh, tiny_model, tmp_path, capsys
 ):
-    from services.trace_report import load_spans, main, requests
+    from distserve.trace_report import load_spans, main, requests
 
     mesh, receiver = traced_mesh, traced_mesh.receiver
     root_name = f"text_completion {tiny_model.name}"

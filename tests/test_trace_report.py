@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import trace_report
-from services.trace_report import (
+from distserve import trace_report
+from distserve.trace_report import (
     BubbleRule,
     TraceReportError,
     breakdown,

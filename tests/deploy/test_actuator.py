@@ -11,9 +11,9 @@ import shlex
 import kubernetes_validate
 import pytest
 
+from distserve.deploy.actuator import DELETION_COST, KubernetesActuator
+from distserve.deploy.render import RenderOptions, render
 from services.common.errors import InvalidRequest
-from services.deploy.actuator import DELETION_COST, KubernetesActuator
-from services.deploy.render import RenderOptions, render
 from tests.deploy.test_render import K8S_VERSIONS, find, load
 
 
@@ -115,7 +115,7 @@ def test_what_a_replica_patch_cannot_do_is_refused(tmp_path):
 
 
 def test_deploy_scale_prints_the_commands_and_writes_the_patches(tmp_path, capsys):
-    from services.cli import main
+    from distserve.cli import main
 
     plan = load("plan_high_affinity.json")
     (tmp_path / "now.json").write_text(json.dumps(plan))

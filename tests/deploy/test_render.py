@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from distserve.deploy.render import GPU, NODE_GROUP, RenderOptions, render
 from services.common.errors import InvalidRequest
-from services.deploy.render import GPU, NODE_GROUP, RenderOptions, render
 from services.edge.envoy import envoy_binary
 
 HERE = Path(__file__).parent
@@ -283,7 +283,7 @@ def test_a_placement_that_cannot_run_as_pods_is_refused_with_the_reason():
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "deploy", "render", *argv],
+        [sys.executable, "-m", "distserve.cli", "deploy", "render", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.launcher import Mesh, MeshSpec
 from tests.conftest import stop_now
 from tests.test_mesh import kv_all_free, wait_until
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from distserve.loadgen.calibration import MeshCalibration, mesh_latency, under_load
+from distserve.loadgen.results import LoadResult
 from services.common.latency import Coefficients, LatencyModel, TpLatency
-from services.loadgen.calibration import MeshCalibration, mesh_latency, under_load
-from services.loadgen.results import LoadResult
 from services.planner.simulator import SimResult, simulate_1p1d
 from services.planner.workload import Requests
 

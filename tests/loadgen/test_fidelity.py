@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from distserve.loadgen.calibration import MeshCalibration
+from distserve.loadgen.fidelity import EngineParams, Fidelity, FidelityRow
 from services.common.slo import Slo
-from services.loadgen.calibration import MeshCalibration
-from services.loadgen.fidelity import EngineParams, Fidelity, FidelityRow
 
 
 def row(rate: float, predicted: float, *runs: float) -> FidelityRow:

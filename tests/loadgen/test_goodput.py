@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from distserve.loadgen import GrpcTarget
+from distserve.loadgen import goodput as g
+from distserve.loadgen.cli import BenchSpec, main, mesh_spec
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
-from services.loadgen import GrpcTarget
-from services.loadgen import goodput as g
-from services.loadgen.cli import BenchSpec, main, mesh_spec
 from services.planner.workload import LengthDist, Workload
 
 # Long prompts (two fit a 2048-token prefill batch): a burst of them queues for prefill, so

@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
+from distserve.loadgen import GrpcTarget, HttpTarget, LoadRequest, load_requests, run_load
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
-from services.loadgen import GrpcTarget, HttpTarget, LoadRequest, load_requests, run_load
 from services.planner.workload import LengthDist, Requests, Workload
 
 WORKLOAD = Workload(

@@ -79,7 +79,7 @@ def trace_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(topology, tiny_model, trace_file):
-    from services.launcher import Mesh, MeshSpec
+    from distserve.local_mesh import Mesh, MeshSpec
 
     delays = ",".join(f"delay@{i}:{CHUNK_DELAY_S}" for i in range(1, 401))
     ucx = {"UCX_NET_DEVICES": "kv0"}  # UCX's tcp lanes on the kv link, not the front network

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
+from distserve.loadgen.emulated import EmulatedCluster
 from services.common.errors import InvalidRequest
 from services.common.slo import Slo
-from services.loadgen.emulated import EmulatedCluster
 from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay
 from services.planner.cluster import ClusterSpec
 from services.planner.drift import Sample

@@ -1,7 +1,7 @@
 """`distserve deploy render`: Kubernetes manifests from a `distserve plan` placement.
 
 `register(subparsers)` adds `deploy` to the `distserve` parser; `main(argv)` runs it on its own
-(`python -m services.deploy.cli deploy render ...`).
+(`python -m distserve.deploy.cli deploy render ...`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from services.common.errors import DistServeError, InvalidRequest
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `deploy render` and `deploy scale` to a subparsers object, with their `func`."""
-    from services.deploy.render import RenderOptions
+    from distserve.deploy.render import RenderOptions
 
     d = RenderOptions()
     deploy = sub.add_parser("deploy", help="deploy the mesh on Kubernetes").add_subparsers(
@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def render_command(args: argparse.Namespace) -> int:
-    from services.deploy.render import NODE_GROUP, RenderOptions, node_groups, render, write
+    from distserve.deploy.render import NODE_GROUP, RenderOptions, node_groups, render, write
 
     try:
         plan = json.loads(args.placement.read_text())
@@ -120,8 +120,8 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 def scale_command(args: argparse.Namespace) -> int:
-    from services.deploy.actuator import KubernetesActuator
-    from services.deploy.render import RenderOptions
+    from distserve.deploy.actuator import KubernetesActuator
+    from distserve.deploy.render import RenderOptions
 
     plans = []
     for path in (args.placement, args.to):

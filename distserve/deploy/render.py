@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from distserve.deploy.pools import WORKER_ROLES, WorkerPool, select_placement, worker_pools
 from services.common.errors import InvalidRequest
-from services.deploy.pools import WORKER_ROLES, WorkerPool, select_placement, worker_pools
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy_config import envoy_config
 

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
+from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.requests import load_requests
+from distserve.loadgen.results import LoadResult
+from distserve.loadgen.runner import run_load
+from distserve.loadgen.targets import GrpcTarget
 from services.common.latency import LatencyModel, for_model
 from services.common.model_spec import GIB, PUBLISHED_GPU_MEMORY, ModelSpec, kv_capacity
 from services.common.model_spec import model_spec as spec_named
 from services.common.slo import Slo
-from services.loadgen.cli import ADMISSION_OFF
-from services.loadgen.requests import load_requests
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Requests
 
@@ -142,7 +142,7 @@ class EmulatedCluster:
     def mesh_spec(self, shape: Shape, model_dir: Path, time_scale: float, **kwargs):
         """The launcher's spec of the emulated mesh of a shape (`model_dir`: the emulated
         folder of `model`, `presets.emulated_model`)."""
-        from services.launcher import MeshSpec
+        from distserve.local_mesh import MeshSpec
 
         emulation = ["--gpu-memory-gib", repr(self.gpu_memory_bytes / GIB)]
         emulation += ["--link-gbs", repr(self.link_gbs)]

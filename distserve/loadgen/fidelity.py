@@ -5,7 +5,7 @@ as a `--pin` worker runs) times the engine's steps alone; a worker of the mesh d
 core, and on a 2-core machine the unpinned gateway and load generator share the same cores. So
 the comparison runs on a model whose engine steps outweigh that (`MODEL`), with the gateway's
 admission off (the simulator models queues, not refusals), and adds what the mesh costs beyond
-the engine, measured on the mesh itself (`services.loadgen.calibration`): unloaded, then how
+the engine, measured on the mesh itself (`distserve.loadgen.calibration`): unloaded, then how
 much slower each phase runs in a saturating burst (`BURST` requests at once). The SLOs come
 from the unloaded figures.
 
@@ -27,13 +27,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
-from services.common.latency import LatencyModel
-from services.common.model_config import ModelConfig
-from services.common.slo import Slo
-from services.common.stats import percentile
-from services.engine.presets import create_model
-from services.loadgen.calibration import (
+from distserve.loadgen.calibration import (
     MeshCalibration,
     after_prefill,
     calibrate,
@@ -43,8 +37,14 @@ from services.loadgen.calibration import (
     under_load,
     warm_up,
 )
-from services.loadgen.cli import ADMISSION_OFF
-from services.loadgen.results import LoadResult
+from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.results import LoadResult
+from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
+from services.common.latency import LatencyModel
+from services.common.model_config import ModelConfig
+from services.common.slo import Slo
+from services.common.stats import percentile
+from services.engine.presets import create_model
 from services.planner.profiler import QUICK, ProfileGrid, _compositions
 from services.planner.simulator import SimResult, simulate_1p1d
 from services.planner.workload import LengthDist, Requests, Workload
@@ -123,7 +123,7 @@ def profile_pinned(model_dir: Path, grid: str = "quick", cpu: int | None = None)
         "from services.engine.config import configure_process\n"
         f"configure_process(argparse.Namespace(cpu={cpu}, threads=1))\n"
         "from services.planner.profiler import profile\n"
-        "from services.loadgen.fidelity import GRIDS\n"
+        "from distserve.loadgen.fidelity import GRIDS\n"
         f"grid = GRIDS[{grid!r}]\n"
         f"print(json.dumps(profile(Path({str(model_dir)!r}), grid, progress=False)))\n"
     )
@@ -367,8 +367,8 @@ def measure(
     mesh, calibrate it, derive the SLOs, pick the rates at which the simulator predicts each
     target attainment, and run the same `requests` seeded requests at each rate through both
     (through the mesh `repeats` times)."""
+    from distserve.local_mesh import Mesh, MeshSpec
     from services.common.latency import load
-    from services.launcher import Mesh, MeshSpec
 
     profile = profile_pinned(model_dir, grid)
     with tempfile.TemporaryDirectory() as tmp:

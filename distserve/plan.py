@@ -1,7 +1,7 @@
 """`distserve plan` and `distserve profile`: the planner's command line.
 
 `register(subparsers)` adds both subcommands to the `distserve` parser; `main(argv)` runs them
-on their own (`python -m services.planner.cli plan ...`).
+on their own (`python -m distserve.plan plan ...`).
 """
 
 from __future__ import annotations

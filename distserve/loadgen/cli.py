@@ -7,7 +7,7 @@ Each mode runs as a mesh of its workers, each pinned to a core with one torch th
 (`ADMISSION_OFF`: goodput is what the mesh serves in time, not what an admission told other
 SLOs lets in). With `--mode both` the two meshes run side by side (the idle one costs next to
 nothing) so that the SLO can come from both: the rule is
-`services.loadgen.goodput.slo_from_unloaded` (5x the unloaded TTFT, 3x the unloaded TPOT of the
+`distserve.loadgen.goodput.slo_from_unloaded` (5x the unloaded TTFT, 3x the unloaded TPOT of the
 workload's median request, the smaller of the two modes' for each) unless `--slo`
 gives it. Both searches start from the same rate bracket, so they share their first probe, where
 the TTFT and TPOT distributions are compared at equal load (the largest rate both probed).
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from distserve.local_mesh import add_emulation_options, emulated_mesh
 from services.common.errors import DistServeError
-from services.launcher import add_emulation_options, emulated_mesh
 
 if TYPE_CHECKING:
-    from services.loadgen.emulated import EmulatedCluster
+    from distserve.loadgen.emulated import EmulatedCluster
 
 MODES = ("disaggregated", "colocated")
 # Engine options of every worker in both modes: a 384 MB KV pool (16k tokens of the `small`
@@ -130,8 +130,8 @@ def goodput_command(args: argparse.Namespace) -> int:
         return 2
     emulated = None
     if emulation:  # the mesh's instances as the planner's simulator sees them
+        from distserve.loadgen.emulated import EmulatedCluster
         from services.common.model_spec import GIB
-        from services.loadgen.emulated import EmulatedCluster
 
         emulated = EmulatedCluster.of(
             args.model_spec,
@@ -188,8 +188,8 @@ def goodput_command(args: argparse.Namespace) -> int:
 def mesh_spec(spec: BenchSpec, mode: str):
     """The mesh of one mode: its workers (`spec.prefill` + `spec.decode`, or `spec.colocated`),
     pinned, one core each; emulated, one emulated A100 each (the planner's engine limits)."""
+    from distserve.local_mesh import MeshSpec
     from services.edge.config import EdgeConfig
-    from services.launcher import MeshSpec
 
     if mode == "disaggregated":
         roles = {"prefill": spec.prefill, "decode": spec.decode}
@@ -197,7 +197,7 @@ def mesh_spec(spec: BenchSpec, mode: str):
         roles = {"prefill": 0, "decode": 0, "colocated": spec.colocated}
     edge = EdgeConfig(port=0, rate_limit_rps=0, access_log="") if spec.edge else None
     if spec.emulated is not None:
-        from services.loadgen.emulated import Shape
+        from distserve.loadgen.emulated import Shape
 
         shape = Shape(**{role: (n, 1) for role, n in roles.items()})
         return spec.emulated.mesh_spec(shape, spec.model, spec.time_scale, edge=edge)
@@ -213,7 +213,7 @@ def mesh_spec(spec: BenchSpec, mode: str):
 
 
 def target_of(mesh, spec: BenchSpec):
-    from services.loadgen.targets import GrpcTarget, HttpTarget
+    from distserve.loadgen.targets import GrpcTarget, HttpTarget
 
     scale = spec.time_scale
     if spec.protocol == "grpc":
@@ -229,10 +229,10 @@ def run_bench(spec: BenchSpec) -> dict:
     returns the report (as written to goodput.json). Every mesh is stopped before returning."""
     from tqdm import tqdm
 
+    from distserve.loadgen import goodput as g
+    from distserve.local_mesh import Mesh
     from services.common.model_config import ModelConfig
     from services.common.slo import Slo
-    from services.launcher import Mesh
-    from services.loadgen import goodput as g
 
     for mode in spec.modes:
         if mode not in MODES:
@@ -292,7 +292,7 @@ def run_bench(spec: BenchSpec) -> dict:
 
 
 def build_report(spec: BenchSpec, workload: str, slo, alone, cores, searches) -> dict:
-    from services.loadgen import goodput as g
+    from distserve.loadgen import goodput as g
 
     modes = {}
     for mode, s in searches.items():

@@ -27,4 +27,4 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"services.loadgen.{module}"), name)
+    return getattr(importlib.import_module(f"distserve.loadgen.{module}"), name)

@@ -8,7 +8,7 @@ outlive the grace period. Children die with the launcher even if it is killed
 (PR_SET_PDEATHSIG).
 
 A running mesh also grows and shrinks one worker at a time (`add_worker`, `stop_worker`: a
-drain), which the planner's actuator uses (`--budget`, services/planner/actuator.py); that is
+drain), which the planner's actuator uses (`--budget`, distserve/local_actuator.py); that is
 why this file is over ~450 lines: starting, watching and resizing one set of processes is one
 idea.
 """
@@ -62,7 +62,7 @@ class MeshSpec:
     planner: bool = False  # a planner, fed the live workload by the gateway
     planner_args: tuple[str, ...] = ()
     # > 0: the planner resizes the running mesh within this many devices, through the
-    # launcher's actuator (services/planner/actuator.py); planner_args must name the model
+    # launcher's actuator (distserve/local_actuator.py); planner_args must name the model
     # spec and the SLO it plans for.
     budget: int = 0
     # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
@@ -269,7 +269,7 @@ class Mesh:
 
     def _serve_actuator(self) -> list[str]:
         """Serve a LocalActuator for the planner; its command-line options for it."""
-        from services.planner.actuator import LocalActuator, serve
+        from distserve.local_actuator import LocalActuator, serve
 
         spec = self.spec
         roles = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated}

@@ -20,9 +20,9 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
+from distserve.deploy.pools import WorkerPool, select_placement, worker_pools
+from distserve.deploy.render import RenderOptions, gpus_per_node
 from services.common.errors import InvalidRequest
-from services.deploy.pools import WorkerPool, select_placement, worker_pools
-from services.deploy.render import RenderOptions, gpus_per_node
 from services.planner.actuator import ActuatorStatus, Instance
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"

@@ -47,12 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
+from distserve.loadgen.requests import load_requests
+from distserve.loadgen.results import LoadResult
+from distserve.loadgen.runner import run_load
+from distserve.loadgen.targets import Target
 from services.common.errors import InvalidRequest
 from services.common.slo import Slo
-from services.loadgen.requests import load_requests
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import Target
 from services.planner.workload import (
     LengthDist,
     Requests,

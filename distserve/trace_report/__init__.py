@@ -19,22 +19,22 @@ import math
 import sys
 from pathlib import Path
 
-from services.common.errors import DistServeError
-from services.trace_report.breakdown import (
+from distserve.trace_report.breakdown import (
     BubbleRule,
     breakdown,
     percentiles,
     requests,
     summarize,
 )
-from services.trace_report.spans import (
+from distserve.trace_report.spans import (
     GATEWAY_SERVICE,
     REQUEST_MARKER,
     TraceReportError,
     load_spans,
 )
-from services.trace_report.text import format_report, report_json
-from services.trace_report.waterfall import draw_waterfall, slowest
+from distserve.trace_report.text import format_report, report_json
+from distserve.trace_report.waterfall import draw_waterfall, slowest
+from services.common.errors import DistServeError
 
 DESCRIPTION = (
     "Per-request latency breakdown (queueing, prefill, KV handoff, handoff bubble, TPOT) "
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `trace-report` to the `distserve` command line."""
     p = subparsers.add_parser(
         "trace-report",
@@ -142,7 +142,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_arguments(p)
     p.set_defaults(func=run)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from services.trace_report.breakdown import (
+from distserve.trace_report.breakdown import (
     COLUMNS,
     Breakdown,
     BubbleRule,
     Summary,
     percentiles,
 )
-from services.trace_report.spans import SpanFile
+from distserve.trace_report.spans import SpanFile
 
 ERROR_KINDS = 5  # the most frequent kinds of error the summary names
 

@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.stats import percentile
-from services.trace_report.spans import (
+from distserve.trace_report.spans import (
     DECODE_QUEUE,
     GATEWAY_SERVICE,
     KV_HANDOFF,
@@ -21,6 +20,7 @@ from services.trace_report.spans import (
     REQUEST_MARKER,
     Span,
 )
+from services.common.stats import percentile
 
 # Per-request columns that get percentiles: (Breakdown field, text heading).
 COLUMNS = (

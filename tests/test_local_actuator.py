@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
+from distserve.local_actuator import LocalActuator
 from services.common.errors import InvalidRequest
 from services.common.model_spec import PRESETS
 from services.common.sampling import SamplingParams
 from services.engine.config import Emulation, EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import emulated_model
-from services.planner.actuator import LocalActuator
 from tests.conftest import stop_now
 from tests.test_emulated_mesh import emulated_mesh, generate_ids
 from tests.test_mesh import kv_all_free, wait_until
@@ -187,8 +187,8 @@ def test_the_planner_resizes_a_running_mesh_to_its_load_and_back_when_idle(opt13
     at 3 req/s with a TTFT SLO of 250 ms is more than one prefill instance meets (~56%): the
     planner adds prefill; once the load stops and a whole window is idle it returns to 1P1D.
     No request fails, the budget is never exceeded, no KV stays held."""
-    from services.cli import main
-    from services.loadgen.emulated import run
+    from distserve.cli import main
+    from distserve.loadgen.emulated import run
     from services.planner.workload import PRESETS as WORKLOADS
 
     mesh = emulated_mesh(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.loadgen.requests import LoadRequest
-from services.loadgen.results import LoadResult, RequestRecord
-from services.loadgen.targets import LoadError, Target
+from distserve.loadgen.requests import LoadRequest
+from distserve.loadgen.results import LoadResult, RequestRecord
+from distserve.loadgen.targets import LoadError, Target
 
 
 async def run_load(

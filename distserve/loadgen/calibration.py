@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass, replace
 import grpc
 import numpy as np
 
+from distserve.loadgen.requests import load_requests
+from distserve.loadgen.results import LoadResult
+from distserve.loadgen.runner import run_load
+from distserve.loadgen.targets import GrpcTarget
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.latency import Coefficients, LatencyModel, TpLatency
 from services.common.model_config import ModelConfig
 from services.common.stats import percentile
-from services.loadgen.requests import load_requests
-from services.loadgen.results import LoadResult
-from services.loadgen.runner import run_load
-from services.loadgen.targets import GrpcTarget
 from services.planner.simulator import SimResult
 from services.planner.workload import Requests
 

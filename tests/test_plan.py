@@ -1,17 +1,17 @@
-"""`distserve profile` on the tiny model and `distserve plan`, through the planner's CLI."""
+"""`distserve profile` on the tiny model and `distserve plan`, through distserve/plan.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from distserve import plan as plan_cli
 from services.common.latency import load
-from services.planner import cli
 
 
 def test_profile_writes_a_profile_with_a_sane_fit(tiny_model, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert cli.main(["profile", "--model", str(tiny_model), "--quick", "--out", str(out)]) == 0
+    assert plan_cli.main(["profile", "--model", str(tiny_model), "--quick", "--out", str(out)]) == 0
     raw = json.loads(out.read_text())
     assert raw["fit_error"]["prefill"]["mean_rel"] < 0.5
     assert raw["fit_error"]["decode"]["mean_rel"] < 0.5
@@ -32,7 +32,7 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
         "plan", "--model-spec", "opt-13b", "--cluster", "1x4", "--workload", "code",
         "--slo", "250,100", "--num-requests", "300", "--out", str(out),
     ]  # fmt: skip
-    assert cli.main(argv) == 0
+    assert plan_cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "placement (" in printed and "colocated baseline" in printed and "ratio over" in printed
     plan = json.loads(out.read_text())
@@ -43,17 +43,17 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
 
 def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys):
     argv = ["plan", "--model-spec", "opt-175b", "--cluster", "1x2", "--slo", "1000,100"]
-    assert cli.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+    assert plan_cli.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("distserve: error: opt-175b fits no parallel configuration")
 
 
 def test_register_adds_both_commands_with_their_functions():
     parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers(dest="command"))
+    plan_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["profile", "--quick"])
-    assert args.func is cli.profile_command
+    assert args.func is plan_cli.profile_command
     args = parser.parse_args(
         ["plan", "--model-spec", "opt-13b", "--cluster", "1x8", "--slo", "1,1"]
     )
-    assert args.func is cli.plan_command
+    assert args.func is plan_cli.plan_command

@@ -6,8 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.trace_report.breakdown import Breakdown, RequestTrace, is_request_span
-from services.trace_report.spans import (
+from distserve.trace_report.breakdown import Breakdown, RequestTrace, is_request_span
+from distserve.trace_report.spans import (
     DECODE,
     DECODE_QUEUE,
     NS_PER_MS,
@@ -16,7 +16,7 @@ from services.trace_report.spans import (
     Span,
     TraceReportError,
 )
-from services.trace_report.text import cell
+from distserve.trace_report.text import cell
 
 KIND_COLOURS = {
     "request": "#4c72b0",

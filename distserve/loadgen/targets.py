@@ -15,9 +15,9 @@ from typing import Protocol
 import aiohttp
 import grpc
 
+from distserve.loadgen.requests import LoadRequest
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.loadgen.requests import LoadRequest
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,3 @@
+"""The tools of the mesh, apart from its processes: the `distserve` command and what its
+subcommands run (the local mesh of `distserve up`, the load generator, the trace report, the
+Kubernetes render, the planner's offline commands). Nothing in services/ imports from here."""

@@ -1,0 +1,46 @@
+"""`distserve model create`: writes a model folder (tiny random weights, or an emulated model's
+shape with no weights) to serve or test with."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `model create` to a subparsers object."""
+    model = sub.add_parser("model", help="create embedded models").add_subparsers(
+        dest="model_command", required=True
+    )
+    create = model.add_parser("create", help="write a Hugging Face-format model folder")
+    create.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    create.add_argument("--out", required=True, type=Path)
+    create.add_argument("--seed", type=int, default=0)
+    create.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    create.add_argument(
+        "--architecture",
+        choices=("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"),
+        default="LlamaForCausalLM",
+    )
+    create.add_argument(
+        "--emulated",
+        metavar="SPEC",
+        help="an emulated model's folder instead (no weights): the shape of SPEC (opt-13b, "
+        "opt-66b, opt-175b or a model folder), served only by --engine emulated",
+    )
+    create.set_defaults(func=_model_create)
+
+
+def _model_create(args: argparse.Namespace) -> int:
+    from services.engine.presets import create_emulated, create_model
+
+    if args.emulated:
+        from services.common.model_spec import model_spec
+
+        print(create_emulated(model_spec(args.emulated), args.out))
+        return 0
+    out = create_model(
+        args.preset, args.out, seed=args.seed, architecture=args.architecture, dtype=args.dtype
+    )
+    print(out)
+    return 0
