@@ -3,6 +3,13 @@
 `step()` is schedule, run, postprocess, collect. Prefill has priority: when waiting prompts fit,
 a step prefills them (one batch up to L_m tokens); otherwise it decodes one token for every
 running sequence. The prefill and decode services use the same pieces on their own.
+
+Prefix cache (`EngineConfig.prefix_cache`): once a step has written a full block's KV, the block
+is registered in the pool under its chained hash (services/common/prefix_hash.py, salted with
+`cache_salt`) and stays cached after its request ends, until an allocation needs its room. A
+prompt takes the longest cached prefix of its full blocks and computes only the rest (at least
+one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
+`kv_events` reports what was cached and evicted.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 
 from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig
+from services.common.prefix_hash import block_hashes, cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine import emulated, gemm
@@ -27,11 +35,12 @@ from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.emulated import PAYLOAD, EmulatedRunner
 from services.engine.kv_cache import KvCache, KvGeometry
+from services.engine.kv_events import KvEvents
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
-from services.engine.weights import load_model
+from services.engine.weights import fingerprint, load_model
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +54,16 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache's counters since the engine started, and its size now."""
+
+    prompt_tokens_computed: int  # prefilled tokens run through the model (recomputes included)
+    prompt_tokens_reused: int  # prefilled tokens whose KV came from the cache (hits)
+    blocks_evicted: int
+    blocks_cached: int  # now: cached blocks, referenced or evictable
 
 
 class LLMEngine:
@@ -80,9 +99,18 @@ class LLMEngine:
         check_tp(mc, self.tp.world_size)
         if config.emulation is not None:
             self.runner, num_blocks = self._emulated(mc, config)
+            weights = emulated.fingerprint(self.model_dir, mc)
         else:
             self.runner, num_blocks = self._loaded(mc, config)
+            weights = fingerprint(self.model_dir)
         self.pool = BlockPool(num_blocks)
+        self.block_size = config.block_size
+        # What a cached block's KV depends on besides its tokens (the same on every rank).
+        self.cache_salt: bytes = cache_salt(
+            weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
+        )
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_reused = 0
         self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
@@ -269,16 +297,20 @@ class LLMEngine:
         place (a prefill instance publishes layers as they are computed).
         """
         seats = self.config.max_num_seqs if hold else self.running.free_seats
-        seqs = self.batcher.next_batch(self.waiting, self._admit, seats)
+        seqs = self.batcher.next_batch(self.waiting, self._admit, seats, self._uncached_tokens)
         if not seqs:
             return []
-        self.last_step = ("prefill", len(seqs), sum(s.num_tokens for s in seqs))
+        computed = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        self.prompt_tokens_computed += computed
+        self.prompt_tokens_reused += sum(s.num_cached_tokens for s in seqs)
+        self.last_step = ("prefill", len(seqs), computed)
         if on_scheduled is not None:
             on_scheduled(seqs)
         tokens = self.runner.sample(self.runner.prefill(seqs, on_layer), seqs)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             out = self._postprocess(seq, token)
+            out.num_cached_tokens = seq.num_cached_tokens
             if not out.finished:
                 if hold:
                     seq.status = SequenceStatus.HELD
@@ -302,14 +334,77 @@ class LLMEngine:
         return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 
     def _admit(self, seq: Sequence) -> bool:
-        need = seq.blocks_needed(seq.num_tokens, self.config.block_size)
-        if not self.pool.can_allocate(need):
+        """Blocks for a waiting sequence (it has none): its cached prefix, then new ones."""
+        return self._allocate(seq, seq.num_tokens, self._cached_prefix(seq, seq.num_tokens - 1))
+
+    def _allocate(self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0) -> bool:
+        """Give a sequence without blocks the cached blocks `hits` and new ones up to
+        `num_tokens` tokens, if they fit with `spare` blocks left free."""
+        bs = self.block_size
+        need = -(-num_tokens // bs) - len(hits)
+        if not self.pool.can_allocate(need + spare, hits):
             return False
-        growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
-        seq.block_table.extend(self.pool.allocate(need, reserve=growth))
+        self.pool.acquire(hits)
+        seq.block_table.extend(hits)
+        seq.num_cached_tokens = len(hits) * bs
+        seq.num_committed_blocks = len(hits)
+        growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // bs)
+        after = hits[-1] if hits else None
+        seq.block_table.extend(self.pool.allocate(need, after=after, reserve=growth))
         return True
 
+    # -- the prefix cache ------------------------------------------------------------------------
+
+    def _cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The cached blocks of the longest cached prefix of a sequence's first `num_tokens`
+        tokens, in full blocks (no reference taken)."""
+        if not self.config.prefix_cache:
+            return []
+        return self.pool.cached_prefix(self._hashes(seq, num_tokens // self.block_size))
+
+    def _uncached_tokens(self, seq: Sequence) -> int:
+        """The tokens a waiting sequence's prefill would compute (the batcher's cost)."""
+        return seq.num_tokens - len(self._cached_prefix(seq, seq.num_tokens - 1)) * self.block_size
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of a sequence's first `num_blocks` full blocks (fewer if it has
+        fewer), computed once."""
+        if len(seq.block_hashes) < num_blocks:
+            seq.block_hashes = block_hashes(
+                seq.token_ids, self.block_size, self.cache_salt, limit=num_blocks
+            )
+        return seq.block_hashes[:num_blocks]
+
+    def _commit(self, seq: Sequence, written: int) -> None:
+        """A step wrote the KV of a sequence's first `written` tokens: cache its full blocks
+        (a hash cached already in another block leaves this one private)."""
+        full = written // self.block_size
+        if full <= seq.num_committed_blocks or not self.config.prefix_cache:
+            return
+        hashes = self._hashes(seq, full)
+        blocks = seq.block_table.blocks
+        for i in range(seq.num_committed_blocks, full):
+            self.pool.register(blocks[i], hashes[i])
+        seq.num_committed_blocks = full
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_reused=self.prompt_tokens_reused,
+            blocks_evicted=self.pool.num_evicted,
+            blocks_cached=self.pool.num_cached,
+        )
+
+    def kv_events(self, max_events: int = 4096) -> KvEvents:
+        """The block hashes this engine cached and dropped since the last call (KvEvents: a
+        reset, with the whole cached set, when more changed than the log or `max_events`
+        holds)."""
+        return self.pool.events.drain(max_events, self.pool.cached_hashes)
+
     def _postprocess(self, seq: Sequence, token: int) -> StepOutput:
+        # The step wrote the KV of every token the sequence had: its full blocks can be cached.
+        self._commit(seq, seq.num_tokens)
         delta = seq.append(token)
         finished = seq.finish_reason is not None
         if finished:
@@ -345,11 +440,19 @@ class LLMEngine:
         first_token: int | None,
         params: SamplingParams,
         request_id: str,
+        *,
+        reuse_prefix: bool = False,
     ) -> str:
         """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls).
-        `first_token` None: prefill is still running; the token comes with `start_decoding`."""
+        `first_token` None: prefill is still running; the token comes with `start_decoding`.
+
+        reuse_prefix: the caller pulls only the blocks this engine lacks: at admission the
+        sequence starts from the longest cached prefix of its prompt's full blocks here, and
+        its first `num_cached_tokens // block_size` blocks hold that KV already (shared with
+        other sequences: never write into them). False: every block is new and pulled."""
         self._validate(prompt_ids, params)
         seq = self._new_sequence(prompt_ids, params, request_id)
+        seq.reuse_prefix = reuse_prefix
         if first_token is not None:
             self._append_first(seq, first_token)
         seq.status = SequenceStatus.PULL_WAITING
@@ -359,19 +462,20 @@ class LLMEngine:
     def admit_pulls(self) -> list[Sequence]:
         """Give queued prefilled requests blocks for their prompt KV, in order, while they fit.
 
-        Returns the sequences whose KV can now be pulled into `seq.block_table`.
+        Returns the sequences whose KV can now be pulled into `seq.block_table`: all of its
+        blocks, or (added with reuse_prefix) those after its first `seq.num_cached_tokens //
+        block_size`, which hold cached KV already.
         """
         admitted = []
         pulling = sum(1 for s in self._requests.values() if s.status is SequenceStatus.PULLING)
         seats = self.running.free_seats - pulling
         while self.pull_waiting and len(admitted) < seats:
             seq = self.pull_waiting[0]
-            need = seq.blocks_needed(seq.num_prompt_tokens, self.config.block_size)
+            n = seq.num_prompt_tokens
+            hits = self._cached_prefix(seq, n) if seq.reuse_prefix else []
             # Keep room for every running sequence's next block, so admission never preempts.
-            if not self.pool.can_allocate(need + len(self.running)):
+            if not self._allocate(seq, n, hits, spare=len(self.running)):
                 break
-            growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
-            seq.block_table.extend(self.pool.allocate(need, reserve=growth))
             self.pull_waiting.popleft()
             seq.status = SequenceStatus.PULLING
             admitted.append(seq)
