@@ -4,12 +4,14 @@
 a step prefills them (one batch up to L_m tokens); otherwise it decodes one token for every
 running sequence. The prefill and decode services use the same pieces on their own.
 
-Prefix cache (`EngineConfig.prefix_cache`): once a step has written a full block's KV, the block
-is registered in the pool under its chained hash (services/common/prefix_hash.py, salted with
-`cache_salt`) and stays cached after its request ends, until an allocation needs its room. A
-prompt takes the longest cached prefix of its full blocks and computes only the rest (at least
+With the prefix cache (`EngineConfig.prefix_cache`, services/engine/prefix_cache.py) a prompt
+starts from the longest cached prefix of its full blocks and computes only the rest (at least
 one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
 `kv_events` reports what was cached and evicted.
+
+Why one file (~490 lines): `LLMEngine` is the one object every worker drives (requests, the step,
+a prefill instance's held KV, a decode instance's pulled KV, the prefix cache's reports), and
+each of those sections is a few short methods over the same queues and pool.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig
-from services.common.prefix_hash import block_hashes, cache_salt
+from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine import emulated, gemm
@@ -39,6 +41,7 @@ from services.engine.kv_events import KvEvents
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
+from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
 from services.engine.weights import fingerprint, load_model
 
@@ -54,16 +57,6 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """The prefix cache's counters since the engine started, and its size now."""
-
-    prompt_tokens_computed: int  # prefilled tokens run through the model (recomputes included)
-    prompt_tokens_reused: int  # prefilled tokens whose KV came from the cache (hits)
-    blocks_evicted: int
-    blocks_cached: int  # now: cached blocks, referenced or evictable
 
 
 class LLMEngine:
@@ -109,8 +102,7 @@ class LLMEngine:
         self.cache_salt: bytes = cache_salt(
             weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
         )
-        self.prompt_tokens_computed = 0
-        self.prompt_tokens_reused = 0
+        self.prefix = PrefixCache(self.pool, self.block_size, self.cache_salt, config.prefix_cache)
         self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
@@ -276,6 +268,19 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    # -- the prefix cache ------------------------------------------------------------------------
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prompt tokens computed and reused, blocks evicted, blocks cached (for metrics)."""
+        return self.prefix.stats
+
+    def kv_events(self, max_events: int = 4096) -> KvEvents:
+        """The block hashes this engine cached and dropped since the last call (KvEvents: a
+        reset, with the whole cached set, when more changed than the log or `max_events`
+        holds)."""
+        return self.prefix.events(max_events)
+
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -297,13 +302,12 @@ class LLMEngine:
         place (a prefill instance publishes layers as they are computed).
         """
         seats = self.config.max_num_seqs if hold else self.running.free_seats
-        seqs = self.batcher.next_batch(self.waiting, self._admit, seats, self._uncached_tokens)
+        seqs = self.batcher.next_batch(
+            self.waiting, self._admit, seats, self.prefix.uncached_tokens
+        )
         if not seqs:
             return []
-        computed = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-        self.prompt_tokens_computed += computed
-        self.prompt_tokens_reused += sum(s.num_cached_tokens for s in seqs)
-        self.last_step = ("prefill", len(seqs), computed)
+        self.last_step = ("prefill", len(seqs), self.prefix.count(seqs))
         if on_scheduled is not None:
             on_scheduled(seqs)
         tokens = self.runner.sample(self.runner.prefill(seqs, on_layer), seqs)
@@ -335,7 +339,7 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence (it has none): its cached prefix, then new ones."""
-        return self._allocate(seq, seq.num_tokens, self._cached_prefix(seq, seq.num_tokens - 1))
+        return self._allocate(seq, seq.num_tokens, self.prefix.hits(seq, seq.num_tokens - 1))
 
     def _allocate(self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0) -> bool:
         """Give a sequence without blocks the cached blocks `hits` and new ones up to
@@ -353,58 +357,9 @@ class LLMEngine:
         seq.block_table.extend(self.pool.allocate(need, after=after, reserve=growth))
         return True
 
-    # -- the prefix cache ------------------------------------------------------------------------
-
-    def _cached_prefix(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """The cached blocks of the longest cached prefix of a sequence's first `num_tokens`
-        tokens, in full blocks (no reference taken)."""
-        if not self.config.prefix_cache:
-            return []
-        return self.pool.cached_prefix(self._hashes(seq, num_tokens // self.block_size))
-
-    def _uncached_tokens(self, seq: Sequence) -> int:
-        """The tokens a waiting sequence's prefill would compute (the batcher's cost)."""
-        return seq.num_tokens - len(self._cached_prefix(seq, seq.num_tokens - 1)) * self.block_size
-
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """The chained hashes of a sequence's first `num_blocks` full blocks (fewer if it has
-        fewer), computed once."""
-        if len(seq.block_hashes) < num_blocks:
-            seq.block_hashes = block_hashes(
-                seq.token_ids, self.block_size, self.cache_salt, limit=num_blocks
-            )
-        return seq.block_hashes[:num_blocks]
-
-    def _commit(self, seq: Sequence, written: int) -> None:
-        """A step wrote the KV of a sequence's first `written` tokens: cache its full blocks
-        (a hash cached already in another block leaves this one private)."""
-        full = written // self.block_size
-        if full <= seq.num_committed_blocks or not self.config.prefix_cache:
-            return
-        hashes = self._hashes(seq, full)
-        blocks = seq.block_table.blocks
-        for i in range(seq.num_committed_blocks, full):
-            self.pool.register(blocks[i], hashes[i])
-        seq.num_committed_blocks = full
-
-    @property
-    def prefix_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            prompt_tokens_reused=self.prompt_tokens_reused,
-            blocks_evicted=self.pool.num_evicted,
-            blocks_cached=self.pool.num_cached,
-        )
-
-    def kv_events(self, max_events: int = 4096) -> KvEvents:
-        """The block hashes this engine cached and dropped since the last call (KvEvents: a
-        reset, with the whole cached set, when more changed than the log or `max_events`
-        holds)."""
-        return self.pool.events.drain(max_events, self.pool.cached_hashes)
-
     def _postprocess(self, seq: Sequence, token: int) -> StepOutput:
         # The step wrote the KV of every token the sequence had: its full blocks can be cached.
-        self._commit(seq, seq.num_tokens)
+        self.prefix.commit(seq, seq.num_tokens)
         delta = seq.append(token)
         finished = seq.finish_reason is not None
         if finished:
@@ -472,7 +427,7 @@ class LLMEngine:
         while self.pull_waiting and len(admitted) < seats:
             seq = self.pull_waiting[0]
             n = seq.num_prompt_tokens
-            hits = self._cached_prefix(seq, n) if seq.reuse_prefix else []
+            hits = self.prefix.hits(seq, n) if seq.reuse_prefix else []
             # Keep room for every running sequence's next block, so admission never preempts.
             if not self._allocate(seq, n, hits, spare=len(self.running)):
                 break
