@@ -3,6 +3,12 @@
 Both backends compute the same thing. Prefill attends within each prompt (causal) using the K and
 V just computed; decode attends from each sequence's one new token over its cached context. Every
 new token's K and V are first written into the cache at its slot.
+
+A prefill whose prompts start from a cached prefix (prefix cache) runs only the uncached tokens:
+their queries attend over the whole context, read back from the cache (`kv_slots`), causal with
+the mask aligned bottom-right (query i of L sees keys up to S - L + i of S). The torch backend
+builds that mask; flash-attn's varlen kernel aligns a causal mask bottom-right itself when
+seqlen_q != seqlen_k (flash-attn >= 2.1).
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     cu_seqlens_t: torch.Tensor | None = None  # prefill, flash backend: cu_seqlens on device
+    # prefill over a cached prefix: (S,) int64 cache slots of every sequence's whole context
+    # (cached and new tokens), packed, with its offsets per sequence (None: the keys are the
+    # new tokens, cu_seqlens)
+    kv_slots: torch.Tensor | None = None
+    cu_seqlens_k: list[int] | None = None
+    max_seqlen_k: int = 0
+    cu_seqlens_k_t: torch.Tensor | None = None  # flash backend: cu_seqlens_k on device
 
 
 class TorchAttention:
@@ -50,17 +63,25 @@ class TorchAttention:
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q (T, H, D), k and v (T, KV, D), packed prompts -> (T, H, D)."""
+        """q (T, H, D), packed prompts; k and v (S, KV, D), their keys (S = T, or each
+        sequence's whole context with a cached prefix: cu_seqlens_k) -> (T, H, D)."""
         out = torch.empty_like(q)
         cu = meta.cu_seqlens
+        cu_k = meta.cu_seqlens_k or cu
         gqa = self.group > 1
-        for a, b in itertools.pairwise(cu):
+        for (a, b), (ka, kb) in zip(itertools.pairwise(cu), itertools.pairwise(cu_k), strict=True):
+            L, S = b - a, kb - ka
+            # Causal from the end: query i (position S - L + i) sees keys 0 .. S - L + i.
+            mask = None
+            if L != S:
+                mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
             # 4-D inputs: with 3-D ones torch picks the slow math kernel on CPU.
             o = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1)[None],  # (1, H, L, D)
-                k[a:b].transpose(0, 1)[None],  # (1, KV, L, D)
-                v[a:b].transpose(0, 1)[None],
-                is_causal=True,
+                k[ka:kb].transpose(0, 1)[None],  # (1, KV, S, D)
+                v[ka:kb].transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=gqa,
             )[0]
@@ -126,11 +147,11 @@ class FlashAttention(TorchAttention):
             k,
             v,
             cu_seqlens_q=meta.cu_seqlens_t,
-            cu_seqlens_k=meta.cu_seqlens_t,
+            cu_seqlens_k=meta.cu_seqlens_t if meta.kv_slots is None else meta.cu_seqlens_k_t,
             max_seqlen_q=meta.max_seqlen,
-            max_seqlen_k=meta.max_seqlen,
+            max_seqlen_k=meta.max_seqlen if meta.kv_slots is None else meta.max_seqlen_k,
             softmax_scale=self.scale,
-            causal=True,
+            causal=True,  # bottom-right aligned where a cached prefix makes seqlen_k longer
         )
 
     def decode(
@@ -202,5 +223,8 @@ class AttentionContext:
         k_cache.index_copy_(0, self.meta.slots, k)
         v_cache.index_copy_(0, self.meta.slots, v)
         if self.meta.is_prefill:
+            if self.meta.kv_slots is not None:  # the keys include a cached prefix
+                k = k_cache.index_select(0, self.meta.kv_slots)
+                v = v_cache.index_select(0, self.meta.kv_slots)
             return self.backend.prefill(q, k, v, self.meta)
         return self.backend.decode(q, k_cache, v_cache, self.meta)

@@ -48,7 +48,9 @@ class EngineConfig:
     block_size: tokens per KV block. num_blocks: size of the KV pool; 0 sizes it from
     kv_cache_bytes. max_batch_tokens is L_m, the prefill token budget per batch (a longer prompt
     runs alone). max_num_seqs bounds the decode batch. dtype "auto" computes in the stored dtype on
-    CUDA and in float32 on CPU (half-precision matmuls are slow there).
+    CUDA and in float32 on CPU (half-precision matmuls are slow there). prefix_cache: keep the KV
+    of full blocks after their request and reuse it for prompts that share the prefix
+    (services/engine/engine.py).
     """
 
     block_size: int = 16
@@ -61,6 +63,7 @@ class EngineConfig:
     attention: str = "auto"  # auto | torch | flash
     seed: int = 0  # seeds requests that give no seed of their own
     tune_gemm: bool = True  # on CPU, time decode's small GEMM forms at start (engine/gemm.py)
+    prefix_cache: bool = True  # reuse the KV of cached full blocks of a prompt's prefix
     emulation: Emulation | None = None  # set: the emulated engine (no weights, modelled steps)
 
     def __post_init__(self) -> None:

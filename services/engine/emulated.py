@@ -64,6 +64,12 @@ def spec_of(model_dir: Path, mc: ModelConfig) -> ModelSpec:
     return model_spec(mc.emulated)
 
 
+def fingerprint(model_dir: Path, mc: ModelConfig) -> str:
+    """A name of what an emulated engine's KV depends on, for the prefix cache's salt: the
+    modelled shape and the folder (its tokenizer)."""
+    return f"emulated:{spec_of(model_dir, mc)}:{model_dir.resolve()}"
+
+
 class StepTimes:
     """How long a prefill batch and a decode step of one instance take, in seconds, from the
     latency model (as the planner's simulator times them: a prefill batch pays the profile's
@@ -157,16 +163,23 @@ class EmulatedRunner:
 
     def prefill(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None = None) -> None:
         """Write the prompts' payload, then wait out the batch's modelled time, publishing
-        each payload layer (`on_layer`) at its share of it."""
+        each payload layer (`on_layer`) at its share of it.
+
+        A cached prefix (a sequence's first `num_cached_tokens`) is neither written nor timed:
+        the batch costs its L computed tokens per prompt, and the attention term (sum of L^2
+        for whole prompts) counts their pairs with the cached C tokens too: L^2 + 2 C L."""
         start = self._start()
-        lengths = [s.num_tokens for s in seqs]
-        seconds = self.times.prefill_s(sum(lengths), sum(n * n for n in lengths))
+        sum_l = sum_l2 = 0
         slots, ids, positions = [], [], []
         for seq in seqs:
-            slots.extend(_slots(seq, 0, seq.num_tokens, self.block_size))
-            ids.extend(seq.token_ids)
-            positions.extend(range(seq.num_tokens))
+            c, n = seq.num_cached_tokens, seq.num_tokens
+            sum_l += n - c
+            sum_l2 += (n - c) * (n + c)  # (n - c)^2 + 2 c (n - c)
+            slots.extend(_slots(seq, c, n, self.block_size))
+            ids.extend(seq.token_ids[c:])
+            positions.extend(range(c, n))
             self._contexts.pop(seq, None)  # its KV is written anew (e.g. after preemption)
+        seconds = self.times.prefill_s(sum_l, sum_l2)
         self._write(slots, ids, positions)
         layers = self.cache.num_layers
         for i in range(layers):

@@ -3,6 +3,15 @@
 `step()` is schedule, run, postprocess, collect. Prefill has priority: when waiting prompts fit,
 a step prefills them (one batch up to L_m tokens); otherwise it decodes one token for every
 running sequence. The prefill and decode services use the same pieces on their own.
+
+With the prefix cache (`EngineConfig.prefix_cache`, services/engine/prefix_cache.py) a prompt
+starts from the longest cached prefix of its full blocks and computes only the rest (at least
+one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
+`kv_events` reports what was cached and evicted.
+
+Why one file (~490 lines): `LLMEngine` is the one object every worker drives (requests, the step,
+a prefill instance's held KV, a decode instance's pulled KV, the prefix cache's reports), and
+each of those sections is a few short methods over the same queues and pool.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 
 from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig
+from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine import emulated, gemm
@@ -27,11 +37,13 @@ from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.emulated import PAYLOAD, EmulatedRunner
 from services.engine.kv_cache import KvCache, KvGeometry
+from services.engine.kv_events import KvEvents
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
+from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
-from services.engine.weights import load_model
+from services.engine.weights import fingerprint, load_model
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,9 +92,17 @@ class LLMEngine:
         check_tp(mc, self.tp.world_size)
         if config.emulation is not None:
             self.runner, num_blocks = self._emulated(mc, config)
+            weights = emulated.fingerprint(self.model_dir, mc)
         else:
             self.runner, num_blocks = self._loaded(mc, config)
+            weights = fingerprint(self.model_dir)
         self.pool = BlockPool(num_blocks)
+        self.block_size = config.block_size
+        # What a cached block's KV depends on besides its tokens (the same on every rank).
+        self.cache_salt: bytes = cache_salt(
+            weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
+        )
+        self.prefix = PrefixCache(self.pool, self.block_size, self.cache_salt, config.prefix_cache)
         self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
@@ -248,6 +268,19 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    # -- the prefix cache ------------------------------------------------------------------------
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prompt tokens computed and reused, blocks evicted, blocks cached (for metrics)."""
+        return self.prefix.stats
+
+    def kv_events(self, max_events: int = 4096) -> KvEvents:
+        """The block hashes this engine cached and dropped since the last call (KvEvents: a
+        reset, with the whole cached set, when more changed than the log or `max_events`
+        holds)."""
+        return self.prefix.events(max_events)
+
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -269,16 +302,19 @@ class LLMEngine:
         place (a prefill instance publishes layers as they are computed).
         """
         seats = self.config.max_num_seqs if hold else self.running.free_seats
-        seqs = self.batcher.next_batch(self.waiting, self._admit, seats)
+        seqs = self.batcher.next_batch(
+            self.waiting, self._admit, seats, self.prefix.uncached_tokens
+        )
         if not seqs:
             return []
-        self.last_step = ("prefill", len(seqs), sum(s.num_tokens for s in seqs))
+        self.last_step = ("prefill", len(seqs), self.prefix.count(seqs))
         if on_scheduled is not None:
             on_scheduled(seqs)
         tokens = self.runner.sample(self.runner.prefill(seqs, on_layer), seqs)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             out = self._postprocess(seq, token)
+            out.num_cached_tokens = seq.num_cached_tokens
             if not out.finished:
                 if hold:
                     seq.status = SequenceStatus.HELD
@@ -302,14 +338,28 @@ class LLMEngine:
         return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 
     def _admit(self, seq: Sequence) -> bool:
-        need = seq.blocks_needed(seq.num_tokens, self.config.block_size)
-        if not self.pool.can_allocate(need):
+        """Blocks for a waiting sequence (it has none): its cached prefix, then new ones."""
+        return self._allocate(seq, seq.num_tokens, self.prefix.hits(seq, seq.num_tokens - 1))
+
+    def _allocate(self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0) -> bool:
+        """Give a sequence without blocks the cached blocks `hits` and new ones up to
+        `num_tokens` tokens, if they fit with `spare` blocks left free."""
+        bs = self.block_size
+        need = -(-num_tokens // bs) - len(hits)
+        if not self.pool.can_allocate(need + spare, hits):
             return False
-        growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
-        seq.block_table.extend(self.pool.allocate(need, reserve=growth))
+        self.pool.acquire(hits)
+        seq.block_table.extend(hits)
+        seq.num_cached_tokens = len(hits) * bs
+        seq.num_committed_blocks = len(hits)
+        growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // bs)
+        after = hits[-1] if hits else None
+        seq.block_table.extend(self.pool.allocate(need, after=after, reserve=growth))
         return True
 
     def _postprocess(self, seq: Sequence, token: int) -> StepOutput:
+        # The step wrote the KV of every token the sequence had: its full blocks can be cached.
+        self.prefix.commit(seq, seq.num_tokens)
         delta = seq.append(token)
         finished = seq.finish_reason is not None
         if finished:
@@ -345,11 +395,19 @@ class LLMEngine:
         first_token: int | None,
         params: SamplingParams,
         request_id: str,
+        *,
+        reuse_prefix: bool = False,
     ) -> str:
         """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls).
-        `first_token` None: prefill is still running; the token comes with `start_decoding`."""
+        `first_token` None: prefill is still running; the token comes with `start_decoding`.
+
+        reuse_prefix: the caller pulls only the blocks this engine lacks: at admission the
+        sequence starts from the longest cached prefix of its prompt's full blocks here, and
+        its first `num_cached_tokens // block_size` blocks hold that KV already (shared with
+        other sequences: never write into them). False: every block is new and pulled."""
         self._validate(prompt_ids, params)
         seq = self._new_sequence(prompt_ids, params, request_id)
+        seq.reuse_prefix = reuse_prefix
         if first_token is not None:
             self._append_first(seq, first_token)
         seq.status = SequenceStatus.PULL_WAITING
@@ -359,19 +417,20 @@ class LLMEngine:
     def admit_pulls(self) -> list[Sequence]:
         """Give queued prefilled requests blocks for their prompt KV, in order, while they fit.
 
-        Returns the sequences whose KV can now be pulled into `seq.block_table`.
+        Returns the sequences whose KV can now be pulled into `seq.block_table`: all of its
+        blocks, or (added with reuse_prefix) those after its first `seq.num_cached_tokens //
+        block_size`, which hold cached KV already.
         """
         admitted = []
         pulling = sum(1 for s in self._requests.values() if s.status is SequenceStatus.PULLING)
         seats = self.running.free_seats - pulling
         while self.pull_waiting and len(admitted) < seats:
             seq = self.pull_waiting[0]
-            need = seq.blocks_needed(seq.num_prompt_tokens, self.config.block_size)
+            n = seq.num_prompt_tokens
+            hits = self.prefix.hits(seq, n) if seq.reuse_prefix else []
             # Keep room for every running sequence's next block, so admission never preempts.
-            if not self.pool.can_allocate(need + len(self.running)):
+            if not self._allocate(seq, n, hits, spare=len(self.running)):
                 break
-            growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // self.config.block_size)
-            seq.block_table.extend(self.pool.allocate(need, reserve=growth))
             self.pull_waiting.popleft()
             seq.status = SequenceStatus.PULLING
             admitted.append(seq)

@@ -41,30 +41,43 @@ class ModelRunner:
     def prefill(
         self, seqs: list[Sequence], on_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Run whole prompts (packed) -> logits of each prompt's last token (N, vocab).
-        `on_layer(i)`: layer i's KV is in the cache (on a GPU, once the device got there)."""
+        """Run prompts (packed) -> logits of each prompt's last token (N, vocab). A sequence's
+        first `num_cached_tokens` tokens have their KV in the cache already (a cached prefix):
+        only the rest is run, attending over the whole context. `on_layer(i)`: layer i's KV is
+        in the cache (on a GPU, once the device got there)."""
         bs = self.block_size
         ids: list[int] = []
         slots: list[int] = []
+        positions: list[np.ndarray] = []
         cu = [0]
+        # With a cached prefix, attention reads every sequence's whole context from the cache.
+        with_context = any(s.num_cached_tokens for s in seqs)
+        kv_slots: list[int] = []
+        cu_k = [0]
         for seq in seqs:
-            n = seq.num_tokens
-            ids.extend(seq.token_ids)
-            for first, count in seq.block_table.runs:
-                slots.extend(range(first * bs, min(first * bs + count * bs, first * bs + n)))
-                n -= count * bs
-                if n <= 0:
-                    break
+            c, n = seq.num_cached_tokens, seq.num_tokens
+            runs = seq.block_table.runs
+            ids.extend(seq.token_ids[c:])
+            slots.extend(_slots(runs, c, n, bs))
+            positions.append(np.arange(c, n))
             cu.append(len(ids))
-        positions = np.concatenate([np.arange(b - a) for a, b in itertools.pairwise(cu)])
+            if with_context:
+                kv_slots.extend(_slots(runs, 0, n, bs))
+                cu_k.append(len(kv_slots))
         meta = AttentionMetadata(
             slots=self._to_device(np.asarray(slots, dtype=np.int64)),
             is_prefill=True,
             cu_seqlens=cu,
             max_seqlen=max(b - a for a, b in itertools.pairwise(cu)),
         )
+        if with_context:
+            meta.kv_slots = self._to_device(np.asarray(kv_slots, dtype=np.int64))
+            meta.cu_seqlens_k = cu_k
+            meta.max_seqlen_k = max(b - a for a, b in itertools.pairwise(cu_k))
         if self.backend.name == "flash":
             meta.cu_seqlens_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
+            if with_context:
+                meta.cu_seqlens_k_t = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
         if on_layer is not None and self.device.type == "cuda":
             user = on_layer
 
@@ -74,7 +87,7 @@ class ModelRunner:
 
         hidden = self.model(
             self._to_device(np.asarray(ids, dtype=np.int64)),
-            self._to_device(positions),
+            self._to_device(np.concatenate(positions)),
             AttentionContext(self.cache, meta, self.backend),
             on_layer,
         )
@@ -147,6 +160,20 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
+def _slots(runs: list[list[int]], start: int, end: int, bs: int) -> list[int]:
+    """Cache slots of positions [start, end) of a sequence whose blocks are `runs`."""
+    out: list[int] = []
+    base = 0  # the position of the run's first slot
+    for first, count in runs:
+        lo, hi = max(start, base), min(end, base + count * bs)
+        if lo < hi:
+            out.extend(range(first * bs - base + lo, first * bs - base + hi))
+        base += count * bs
+        if base >= end:
+            break
+    return out
 
 
 def _spans(runs: list[list[int]], n: int, bs: int) -> list[tuple[int, int]]:

@@ -14,6 +14,8 @@ class PrefillBatcher:
     `max_batch_tokens` is L_m, the batch size in tokens past which prefill stops gaining
     throughput; a prompt longer than L_m runs alone. `admit` says whether a sequence's KV fits now
     (and reserves it); the first sequence that does not fit ends the batch, so order is kept.
+    `cost` is the tokens a sequence's prefill computes (default: all of them; with a prefix
+    cache, those after its cached prefix).
     """
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int) -> None:
@@ -21,18 +23,23 @@ class PrefillBatcher:
         self.max_batch_seqs = max_batch_seqs
 
     def next_batch(
-        self, waiting: deque[Sequence], admit: Callable[[Sequence], bool], max_seqs: int
+        self,
+        waiting: deque[Sequence],
+        admit: Callable[[Sequence], bool],
+        max_seqs: int,
+        cost: Callable[[Sequence], int] | None = None,
     ) -> list[Sequence]:
         batch: list[Sequence] = []
         tokens = 0
         limit = min(self.max_batch_seqs, max_seqs)
         while waiting and len(batch) < limit:
             seq = waiting[0]
-            if batch and tokens + seq.num_tokens > self.max_batch_tokens:
+            n = seq.num_tokens if cost is None else cost(seq)
+            if batch and tokens + n > self.max_batch_tokens:
                 break
             if not admit(seq):
                 break
             waiting.popleft()
             batch.append(seq)
-            tokens += seq.num_tokens
+            tokens += n
         return batch

@@ -32,6 +32,8 @@ class StepOutput:
     finish_reason: FinishReason | None
     # A prefill instance's held sequence: its KV blocks as (first block, count) runs.
     held_runs: tuple[tuple[int, int], ...] | None = None
+    # A prefill step's sequence: its leading tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 class Sequence:
@@ -55,6 +57,14 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table = BlockTable()
+        # Prefix cache: the leading tokens whose KV was reused when the sequence last got its
+        # blocks (a multiple of the block size; prefill computes only the rest), the chained
+        # hashes of its full blocks known so far, and how many of its blocks were offered to
+        # the cache (their KV written).
+        self.num_cached_tokens = 0
+        self.block_hashes: list[int] = []
+        self.num_committed_blocks = 0
+        self.reuse_prefix = False  # a pulled sequence: may start from KV cached here
         self.max_context = max_context
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

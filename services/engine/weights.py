@@ -12,6 +12,7 @@ columns (o_proj, down_proj) through a buffer of one tensor's size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -291,3 +292,15 @@ def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
         cols = columns_of(r, n, cfg.intermediate_size)
         return Shard(1, cols.start, len(cols), cfg.intermediate_size)
     return None
+
+
+def fingerprint(path: Path) -> str:
+    """A name of a model folder's weights that changes when they do (for the prefix cache's
+    salt): a hash of config.json and of each safetensors file's name, size and modification
+    time. Reading the weights themselves would cost seconds per GB at every start."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        st = file.stat()
+        h.update(f"\x1f{file.name}\x1f{st.st_size}\x1f{st.st_mtime_ns}".encode())
+    return h.hexdigest()
