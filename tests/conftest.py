@@ -33,7 +33,8 @@ MESH_WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "8")
 def start_mesh(model: Path, **kwargs):
     from distserve.local_mesh import Mesh, MeshSpec
 
-    spec = MeshSpec(model=model, gateway_port=0, worker_args=MESH_WORKER_ARGS, **kwargs)
+    kwargs.setdefault("worker_args", MESH_WORKER_ARGS)
+    spec = MeshSpec(model=model, gateway_port=0, **kwargs)
     mesh = Mesh(spec)
     mesh.start()
     return mesh

@@ -59,7 +59,9 @@ class MeshCalibration:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def run(address: str, requests: Requests, vocab_size: int, seed: int) -> LoadResult:
+def run(
+    address: str, requests: Requests, vocab_size: int, seed: int | tuple[int, ...]
+) -> LoadResult:
     """The requests through the gateway's gRPC API, open loop (same seed: same prompts)."""
     return asyncio.run(run_load(GrpcTarget(address), load_requests(requests, vocab_size, seed)))
 
@@ -141,7 +143,7 @@ def calibrate(
             requests.output[mask],
         )
         pulled0 = _pull_totals(mesh)
-        result = run(mesh.gateway_address, part, vocab_size, seed)
+        result = run(mesh.gateway_address, part, vocab_size, (seed, len(parts)))
         pulled1 = _pull_totals(mesh)
         if mask is late:
             nbytes, seconds = pulled1[0] - pulled0[0], pulled1[1] - pulled0[1]

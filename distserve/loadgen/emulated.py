@@ -190,7 +190,7 @@ def run(
     time_scale: float,
     requests: Requests,
     vocab_size: int,
-    seed: int,
+    seed: int | tuple[int, ...],
     until: int | None = None,
 ) -> LoadResult:
     """`requests` (arrivals in emulated seconds) through an emulated mesh's gateway, open loop;

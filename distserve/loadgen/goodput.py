@@ -7,9 +7,10 @@ both SLOs (TTFT and TPOT, jointly), found by bisection over the rate with the lo
 
 Every probe sends the same seeded requests (sampled once at rate 1 and rescaled with
 `Requests.at_rate`), so rates are comparable: attainment changes with the rate, not with the
-prompts. The first probe is the geometric middle of [rate_lo, rate_hi]; then the range's ends
-until the answer is bracketed (halving below rate_lo, doubling above rate_hi if needed), then
-bisection, never more than `max_probes` probes.
+lengths. Each probe's prompts are its own tokens (of those lengths): a prompt sent again would
+find its KV in the workers' prefix caches. The first probe is the geometric middle of
+[rate_lo, rate_hi]; then the range's ends until the answer is bracketed (halving below
+rate_lo, doubling above rate_hi if needed), then bisection, never more than `max_probes` probes.
 
 SLO rule (`slo_from_unloaded`): the unloaded TTFT and TPOT of the workload's median request
 (median prompt, median output) on the endpoint, measured with one warm-up and three sequential
@@ -205,7 +206,9 @@ class Probe:
         }
 
 
-def run(target: Target, requests: Requests, vocab_size: int, seed: int = 0) -> LoadResult:
+def run(
+    target: Target, requests: Requests, vocab_size: int, seed: int | tuple[int, ...] = 0
+) -> LoadResult:
     """`requests` through `target`, open loop, prompts seeded by `seed`."""
     return asyncio.run(run_load(target, load_requests(requests, vocab_size, seed)))
 
@@ -213,8 +216,10 @@ def run(target: Target, requests: Requests, vocab_size: int, seed: int = 0) -> L
 def measure(
     target: Target, base: Requests, rate: float, slo: Slo, vocab_size: int, seed: int = 0
 ) -> Probe:
-    """Attainment at `rate`: the base requests (sampled at rate 1) rescaled to it."""
-    return Probe.of(rate, run(target, base.at_rate(rate), vocab_size, seed), slo)
+    """Attainment at `rate`: the base requests (sampled at rate 1) rescaled to it, with prompts
+    of this probe's own (no probe finds another's in the prefix caches)."""
+    probe_seed = (seed, round(rate * 1e6))
+    return Probe.of(rate, run(target, base.at_rate(rate), vocab_size, probe_seed), slo)
 
 
 # -- the SLO rule ------------------------------------------------------------------------------

@@ -30,11 +30,18 @@ class LoadRequest:
 
 
 def load_requests(
-    requests: Requests, vocab_size: int, seed: int = 0, first_id: int = FIRST_ORDINARY_ID
+    requests: Requests,
+    vocab_size: int,
+    seed: int | tuple[int, ...] = 0,
+    first_id: int = FIRST_ORDINARY_ID,
 ) -> list[LoadRequest]:
     """A workload's requests as prompts of exactly `requests.prompt[i]` random token ids from
     [first_id, vocab_size), seeded, so that the same (requests, seed) always gives the same
-    prompts; `max_tokens` is the output length."""
+    prompts; `max_tokens` is the output length.
+
+    Runs on one mesh that should not share prompts take seeds of their own (a tuple, e.g.
+    (seed, probe)): a prompt sent twice finds its KV in the workers' prefix caches the second
+    time, and a run meant to measure serving without reuse would measure the cache."""
     if vocab_size <= first_id:
         raise InvalidRequest(f"vocab_size {vocab_size} leaves no ordinary token ids")
     rng = np.random.default_rng(seed)

@@ -65,8 +65,9 @@ class PrefillPhases:
             registry, "distserve_prefill_compute_seconds", "Time of the prefill batch's pass."
         )
 
-    def record(self, trace, submitted: float, info) -> None:
-        """`info`: the engine's StepInfo of the batch (monotonic `started`, `seconds`)."""
+    def record(self, trace, submitted: float, info, cached_tokens: int = 0) -> None:
+        """`info`: the engine's StepInfo of the batch (monotonic `started`, `seconds`);
+        `cached_tokens`: the request's prompt tokens whose KV came from the prefix cache."""
         from services.common import telemetry
 
         self.queue.observe(info.started - submitted)
@@ -77,7 +78,11 @@ class PrefillPhases:
             trace,
             info.started,
             info.started + info.seconds,
-            {"prefill.batch_size": info.batch_size, "prefill.batch_tokens": info.batch_tokens},
+            {
+                "prefill.batch_size": info.batch_size,
+                "prefill.batch_tokens": info.batch_tokens,
+                "prefill.cached_tokens": cached_tokens,
+            },
         )
 
 

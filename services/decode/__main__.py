@@ -121,6 +121,7 @@ async def serve(config: DecodeConfig) -> None:
         drain=worker.drain,
         drain_timeout_s=config.drain_timeout_s,
         stop=stop,
+        prefix_cache=worker.loop.prefix_log,
         metrics_address=metrics_address,
     )
 

@@ -8,6 +8,7 @@ from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.kv_handle import KvHandle
 from services.decode.worker import DecodeWorker
+from services.worker.prefix_log import prefix_cache_stats
 
 _ROLES = {"decode": common_pb2.WORKER_ROLE_DECODE, "colocated": common_pb2.WORKER_ROLE_COLOCATED}
 
@@ -74,6 +75,7 @@ def worker_stats(worker: DecodeWorker) -> common_pb2.WorkerStats:
         chunks_retried=worker.puller.chunks_retried,
         checksum_failures=worker.puller.checksum_failures,
         chunks_unverified=worker.chunks_unverified,
+        **prefix_cache_stats(worker.engine, worker.prompt_tokens_reused),
         reconnects=worker.puller.reconnects,
         lease_renewals=worker.puller.lease_renewals,
     )

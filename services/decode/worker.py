@@ -24,7 +24,7 @@ from services.decode.config import DecodeConfig
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
 from services.engine.parallel import kv_heads_of
 from services.engine.sequence import Sequence
-from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport
+from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport, dtype_name
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop, StepInfo
 from services.worker.tp_group import start_engine
@@ -90,6 +90,7 @@ class DecodeWorker:
         self.pulls_total = 0
         self.pull_bytes_total = 0
         self.chunks_unverified = 0  # chunks used without a checksum check (device memory)
+        self.prompt_tokens_reused = 0  # prompt KV not pulled: it was in the prefix cache here
         self.pull_bytes_by_rank = [0] * config.tensor_parallel_size
         self.pulls_failed = 0
         self.draining = False
@@ -124,10 +125,13 @@ class DecodeWorker:
         await settle(lambda: not self._background, DRAIN_SETTLE_S)
 
     def _admitted(self, seqs: list[Sequence]) -> None:
+        """Pulled requests got their blocks: (the blocks, how many of the first ones hold a
+        cached prefix of the prompt already) to each one's pull."""
         for seq in seqs:
             future = self._admissions.pop(seq.request_id, None)
             if future is not None and not future.done():
-                future.set_result(list(seq.block_table.blocks))
+                reused = seq.num_cached_tokens // self.engine.block_size
+                future.set_result((list(seq.block_table.blocks), reused))
 
     async def generate(
         self,
@@ -153,8 +157,8 @@ class DecodeWorker:
             if handle is None:
                 submitted = clock.monotonic()
                 self.loop.submit(request_id, AddRequest(prompt, params, request_id))
-                ids, reason, info = await self._next_tokens(queue)
-                self.prefill.record(trace, submitted, info)
+                ids, reason, info, cached = await self._next_tokens(queue)
+                self.prefill.record(trace, submitted, info, cached)
                 decode_start = clock.monotonic()
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
@@ -169,7 +173,7 @@ class DecodeWorker:
                 decode_start = clock.monotonic()
                 yield pulled
             while not finished:
-                ids, reason, _ = await self._next_tokens(queue)
+                ids, reason, _, _ = await self._next_tokens(queue)
                 decoded += len(ids)
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
@@ -193,12 +197,14 @@ class DecodeWorker:
 
     async def _next_tokens(
         self, queue: asyncio.Queue
-    ) -> tuple[list[int], FinishReason | None, StepInfo]:
+    ) -> tuple[list[int], FinishReason | None, StepInfo, int]:
         """The tokens produced since the last call: one or more steps' worth when the caller
         is slower than the engine, so a busy stream sends fewer, larger messages. The step
-        info is the first step's."""
+        info is the first step's; the last, the prompt tokens a prefill among them reused from
+        the prefix cache."""
         ids: list[int] = []
         first: StepInfo | None = None
+        cached = 0
         while True:
             out, info = await queue.get()
             if isinstance(out, EngineFailed):
@@ -207,8 +213,9 @@ class DecodeWorker:
                 raise out
             first = first or info
             ids += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
             if out.finished or queue.empty():
-                return ids, out.finish_reason, first
+                return ids, out.finish_reason, first, cached
 
     def _release_later(self, handle: KvHandle, trace=None) -> None:
         task = asyncio.create_task(self._release_quietly(handle, trace))
@@ -246,16 +253,21 @@ class DecodeWorker:
         self.pulling += 1
         span = None
         try:
-            await self.loop.call(AddPrefilled(prompt, first_token, params, request_id))
+            reuse = self._can_reuse(handle)
+            await self.loop.call(AddPrefilled(prompt, first_token, params, request_id, reuse))
             async with self.puller.holding(handle, trace):  # its KV stays while it waits
-                blocks = await admission
+                blocks, reused = await admission
             started = clock.monotonic()
             self.queue_seconds.observe(started - queued)
             telemetry.record("decode.queue", trace, queued, started)
-            span = telemetry.start("kv.handoff", trace, {"kv.source": handle.source_instance})
+            span = telemetry.start(
+                "kv.handoff",
+                trace,
+                {"kv.source": handle.source_instance, "kv.blocks_reused": reused},
+            )
             handoff = telemetry.context_of(span)
             try:
-                report = await self._pull_heads(request_id, handle, blocks, handoff)
+                report = await self._pull_heads(request_id, handle, blocks, reused, handoff)
                 done = clock.monotonic()
                 prefill_done = started  # the prompt was computed before the pull began
                 late_first = None
@@ -273,6 +285,7 @@ class DecodeWorker:
         # The part of the pull that ran while prefill was still computing: hidden behind it.
         hidden = max(0.0, min(done, prefill_done) - started)
         self._pulled(span, report, done - started, hidden)
+        self.prompt_tokens_reused += min(reused * handle.block_size, handle.num_tokens)
         span.end()
         return (
             DecodeEvent(
@@ -306,6 +319,16 @@ class DecodeWorker:
         if report.modelled_bytes:  # an emulated engine: the payload stood for this much KV
             span.set_attribute("kv.emulated_bytes", report.modelled_bytes)
 
+    def _can_reuse(self, handle: KvHandle) -> bool:
+        """Whether a pull of `handle` may skip the prompt's prefix cached here: the cache is
+        on and the KV comes in this cache's block size and dtype (else it is converted whole)."""
+        cache = self.engine.runner.cache
+        return (
+            self.engine.prefix.enabled
+            and handle.block_size == cache.block_size
+            and handle.dtype == dtype_name(cache.data.dtype)
+        )
+
     def _check(self, handle: KvHandle) -> None:
         """FailedPrecondition if the handle's KV cannot be used here (another model shape, an
         unknown dtype); another block size or dtype is converted as it is pulled."""
@@ -321,19 +344,21 @@ class DecodeWorker:
             raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")
 
     async def _pull_heads(
-        self, request_id: str, handle: KvHandle, blocks: list[int], trace
+        self, request_id: str, handle: KvHandle, blocks: list[int], reused: int, trace
     ) -> PullReport:
         """Every rank pulls the heads it owns, from the source ranks that hold them: rank 0
-        here, the others on their own data planes (told by PullKv; they report back). Waits for
-        all of them, so that no rank still writes into the blocks when this returns or raises."""
+        here, the others on their own data planes (told by PullKv; they report back). The first
+        `reused` blocks hold a cached prefix already: only the rest is pulled. Waits for all
+        of them, so that no rank still writes into the blocks when this returns or raises."""
+        blocks = blocks[reused:]
         followers = []
         if self.group is not None:
             followers = self.group.expect_pulls(request_id)
         try:
             if followers:
-                await self.loop.call(PullKv(request_id, handle.encode(), blocks))
+                await self.loop.call(PullKv(request_id, handle.encode(), blocks, reused))
             cache = self.engine.runner.cache
-            local = self.puller.pull_into(handle, cache, blocks, self.heads, trace)
+            local = self.puller.pull_into(handle, cache, blocks, self.heads, trace, reused)
             results = await asyncio.gather(local, *followers, return_exceptions=True)
         finally:
             if self.group is not None:

@@ -43,9 +43,16 @@ class AddPrefilled:
     first_token: int | None
     params: SamplingParams
     request_id: str
+    reuse_prefix: bool = False  # start from its prompt's cached prefix here; pull the rest
 
     def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> str:
-        return engine.add_prefilled(self.prompt, self.first_token, self.params, self.request_id)
+        return engine.add_prefilled(
+            self.prompt,
+            self.first_token,
+            self.params,
+            self.request_id,
+            reuse_prefix=self.reuse_prefix,
+        )
 
 
 @dataclass(frozen=True)

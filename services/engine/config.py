@@ -99,6 +99,7 @@ class EngineConfig:
             device=args.device,
             dtype=args.dtype,
             tune_gemm=args.tune_gemm,
+            prefix_cache=args.prefix_cache,
             emulation=emulation,
         )
 
@@ -123,6 +124,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="on CPU, skip timing the small-batch GEMM forms at start (about 2 s for a 100M "
         "model; decode at batch 2-4 can then be up to 2x slower)",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="free a request's KV when it ends instead of keeping its full blocks for prompts "
+        "that share the prefix (and reporting them to the gateway for routing)",
     )
     p.add_argument("--cpu", type=int, help="pin this process to one CPU core")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")

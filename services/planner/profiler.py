@@ -109,6 +109,7 @@ def profile(model_dir: Path, grid: ProfileGrid, progress: bool = True) -> dict:
             max_batch_tokens=longest,
             max_num_seqs=seqs,
             kv_cache_bytes=_kv_bytes(model_dir, longest),
+            prefix_cache=False,  # every timed prompt is computed whole, however often it repeats
         ),
         detokenize=False,
     )

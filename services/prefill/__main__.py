@@ -113,6 +113,7 @@ async def serve(config: PrefillConfig) -> None:
         drain=worker.drain,
         drain_timeout_s=config.drain_timeout_s,
         stop=stop,
+        prefix_cache=worker.loop.prefix_log,
         ucx_port=worker.chunks.port if worker.chunks is not None else 0,
         metrics_address=metrics_address,
     )

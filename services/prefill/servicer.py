@@ -8,6 +8,7 @@ from services.common import telemetry
 from services.common.convert import finish_to_pb, sampling_from_pb
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
+from services.worker.prefix_log import prefix_cache_stats
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -87,4 +88,5 @@ def worker_stats(worker: PrefillWorker) -> common_pb2.WorkerStats:
         leases_expired=worker.leases.expired_total,
         blocks_reclaimed=worker.blocks_reclaimed,
         kv_bytes_served_by_rank=worker.bytes_served_by_rank(),
+        **prefix_cache_stats(worker.engine),
     )

@@ -178,7 +178,7 @@ class PrefillWorker:
             self.loop.unsubscribe(request_id)
             self._early.pop(request_id, None)
             self.loop.layerwise.discard(request_id)
-        self.phases.record(trace, submitted, info)
+        self.phases.record(trace, submitted, info, out.num_cached_tokens)
         result = dict(
             first_token=out.new_token_ids[0],
             finish_reason=out.finish_reason,

@@ -25,6 +25,7 @@ from services.common.errors import InvalidRequest
 from services.engine.commands import AdmitPulls, EngineCommand, PrefillStep, Step
 from services.engine.engine import LLMEngine
 from services.engine.sequence import Sequence, StepOutput
+from services.worker.prefix_log import PrefixCacheLog
 
 if TYPE_CHECKING:
     from services.worker.tp_group import RankGroup
@@ -84,8 +85,12 @@ class EngineLoop:
         its blocks, before it runs; on_layer(request ids, i) once its layer i is computed. A
         batch with none of them runs without the calls (each would wake the event loop).
         on_step(info): after each step that produced output, on the event loop (metrics).
-        `group`: the other ranks of a tensor-parallel engine (None: tp == 1)."""
+        `group`: the other ranks of a tensor-parallel engine (None: tp == 1).
+
+        `prefix_log`: what the engine's prefix cache stored and evicted, taken from it on this
+        thread after each step, for the worker's heartbeats (None: the cache is off)."""
         self.engine = engine
+        self.prefix_log = PrefixCacheLog(engine.cache_salt) if engine.prefix.enabled else None
         self.group = group
         self.hold = hold
         self._on_admitted = on_admitted
@@ -237,6 +242,10 @@ class EngineLoop:
 
     def _snapshot(self) -> None:
         e = self.engine
+        if self.prefix_log is not None:
+            events = e.kv_events()
+            if events.reset or events.stored or events.removed:
+                self.prefix_log.record(events.reset, events.stored, events.removed)
         self.load = EngineLoad(
             queued_prompt_tokens=sum(s.num_tokens for s in e.waiting),
             waiting_seqs=len(e.waiting),

@@ -70,3 +70,15 @@ class PrefixCacheLog:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def prefix_cache_stats(engine, pulled_tokens_reused: int = 0) -> dict[str, int]:
+    """The WorkerStats fields of an engine's prefix cache (`LLMEngine.prefix_stats`);
+    `pulled_tokens_reused`: a decode instance's prompt tokens it did not pull, having them."""
+    s = engine.prefix_stats
+    return {
+        "prompt_tokens_computed": s.prompt_tokens_computed,
+        "prompt_tokens_cached": s.prompt_tokens_reused + pulled_tokens_reused,
+        "kv_blocks_evicted": s.blocks_evicted,
+        "prefix_cache_blocks": s.blocks_cached,
+    }

@@ -118,10 +118,13 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
 ):
     """Tokens equal the in-process engine's; every rank of either side moved exactly its share
     of the bytes (so each decode rank pulled its own heads, from the source ranks that hold
-    them, and none went through another rank); nothing stays held on either side."""
+    them, and none went through another rank); nothing stays held on either side. The mesh is
+    shared by the cases and the prompts repeat: a decode instance that saw them before holds
+    their full blocks in its prefix cache and pulls only the rest, on every rank alike."""
     p = 2 if prefill == "prefill-1" else 1
     d = 2 if decode == "decode-1" else 1
     served, pulled = _by_rank(mesh, prefill), _by_rank(mesh, decode)
+    reused_before = stats(_address(mesh, decode), "decode").prompt_tokens_cached
 
     async def both():
         return await asyncio.gather(
@@ -138,6 +141,8 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
         assert handle.streaming is early
         assert len(handle.rank_sources) == (p if p > 1 else 0)
         total += handle.total_bytes
+    reused = stats(_address(mesh, decode), "decode").prompt_tokens_cached - reused_before
+    total -= reused // handle.block_size * 2 * handle.block_bytes * handle.num_layers
     assert _minus(_by_rank(mesh, decode), pulled) == [total // d] * d
     # A follower's count arrives as each of its leases ends.
     wait_until(
