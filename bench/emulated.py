@@ -109,6 +109,7 @@ class EmulatedMesh:
         self.requests = 0
         self.cpu_s = 0.0
         self.emulated_s = 0.0
+        self.runs = 0
 
     def __enter__(self) -> EmulatedMesh:
         self.mesh.start()
@@ -118,8 +119,11 @@ class EmulatedMesh:
         self.mesh.stop()
 
     def run(self, requests: Requests, seed: int = 0, until: int | None = None):
+        """`requests` through the mesh, with prompts of this run's own (a prompt sent again
+        would find its KV in the prefix caches, which the simulator does not model)."""
         cpu = cpu_seconds(self.mesh)
-        result = run(self.mesh, self.time_scale, requests, self.vocab, seed, until)
+        self.runs += 1
+        result = run(self.mesh, self.time_scale, requests, self.vocab, (seed, self.runs), until)
         self.cpu_s += cpu_seconds(self.mesh) - cpu
         self.requests += int(np.isfinite(result.sent_s).sum())  # those sent
         return result
