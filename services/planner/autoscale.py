@@ -71,7 +71,7 @@ class View:
     """What the planner sees now."""
 
     now_s: float
-    samples: tuple[Sample, ...]  # finished requests, in arrival order (any age)
+    samples: tuple[Sample, ...]  # finished requests, in the order they finished (any age)
     counts: Mapping[str, int]  # instances per role now (the registry's view)
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
@@ -198,7 +198,9 @@ class Autoscaler:
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
     """The window's rate and its requests (gaps and lengths as measured) at 1 request/s,
-    repeated to `n`: enough for the simulator to reach a steady state."""
+    repeated to `n`: enough for the simulator to reach a steady state. The samples may come in
+    any order (a feed reports requests as they finish): they are put in arrival order."""
+    window = sorted(window, key=lambda s: s.arrival_s)
     t = np.array([s.arrival_s for s in window], dtype=float)
     t -= t[0]
     span = t[-1] * len(t) / (len(t) - 1) if t[-1] > 0 else float(len(t))

@@ -133,3 +133,19 @@ def test_few_requests_decide_nothing_and_bad_configs_are_refused(autoscaler):
         AutoscaleConfig(budget=8, up_headroom=1.5, down_headroom=1.2)
     with pytest.raises(InvalidRequest, match="budget"):
         AutoscaleConfig(budget=0)
+
+
+def test_samples_in_the_order_requests_finished_measure_the_same_rate(autoscaler):
+    """The gateway reports a request when it finishes: a long one that arrived first comes
+    late. The measured rate and decision are those of the samples in arrival order (they were
+    not: the window's span was read from its first and last samples as they came)."""
+    counts = {"prefill": 1, "decode": 1}
+    samples = served(autoscaler, counts, "chat", 3.0, 0)
+    finished = sorted(
+        samples, key=lambda s: s.arrival_s + s.ttft_ms / 1000 + s.tpot_ms / 1000 * s.output_tokens
+    )
+    assert list(finished) != list(samples)
+    in_order = autoscaler.decide(View(NOW, samples, counts))
+    as_finished = autoscaler.decide(View(NOW, tuple(finished), counts))
+    assert as_finished.rate == pytest.approx(in_order.rate)
+    assert (as_finished.action, as_finished.counts) == (in_order.action, in_order.counts)
