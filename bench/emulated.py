@@ -99,10 +99,13 @@ def rate_for(
 class EmulatedMesh:
     """One shape's running emulated mesh, and its CPU bookkeeping."""
 
-    def __init__(self, cluster: EmulatedCluster, shape: Shape, time_scale: float) -> None:
+    def __init__(
+        self, cluster: EmulatedCluster, shape: Shape, time_scale: float, **mesh_spec
+    ) -> None:
+        """`mesh_spec`: more `MeshSpec` fields (a planner, a budget, ...)."""
         self.cluster, self.shape, self.time_scale = cluster, shape, time_scale
         spec = cluster.mesh_spec(
-            shape, emulated_model(cluster.model), time_scale, ready_timeout_s=600
+            shape, emulated_model(cluster.model), time_scale, ready_timeout_s=600, **mesh_spec
         )
         self.mesh = Mesh(spec)
         self.vocab = cluster.model.vocab_size

@@ -23,12 +23,19 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
 * **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
 * **Idle shrinks**: fewer than MIN_SAMPLES requests over a whole window since the last change
   (or the start) scale the pool down to its smallest placement.
+* **The latency model is corrected by what the mesh measures.** Each window judged on a
+  settled placement compares its observed median TTFT and TPOT with the simulator's on the
+  same requests and placement (the uncorrected model); the ratios, clamped to
+  `correction_bounds` and smoothed (`correction_weight` of each new one), scale the model's
+  prefill and decode step times for every prediction after. `decide` does no I/O; the
+  correction is its one state (`Autoscaler.correction`, and each decision's `correction`).
 
 The tensor degree of each role is the mesh's (instances are resized, not re-sharded).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.errors import InvalidRequest
+from services.common.latency import Coefficients, LatencyModel, TpLatency
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import simulate
@@ -54,6 +62,8 @@ class AutoscaleConfig:
     margin: float = 0.05  # attainment a change must add (a scale-up or a reshape)
     cooldown_s: float = 30.0
     replay: int = 600  # requests the simulator replays per prediction (the window repeated)
+    correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
+    correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -71,7 +81,7 @@ class View:
     """What the planner sees now."""
 
     now_s: float
-    samples: tuple[Sample, ...]  # finished requests, in arrival order (any age)
+    samples: tuple[Sample, ...]  # finished requests, in the order they finished (any age)
     counts: Mapping[str, int]  # instances per role now (the registry's view)
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
@@ -85,6 +95,8 @@ class Decision:
     rate: float = 0.0  # measured, requests/s
     observed: float = math.nan  # attainment observed in the window
     predicted: dict[str, float] = field(default_factory=dict)  # "current"/"target" at the rate
+    # step-time factors applied to the latency model ("prefill", "decode"; 1: as profiled)
+    correction: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -94,6 +106,7 @@ class Decision:
             "rate_rps": round(float(self.rate), 4),
             "observed_attainment": None if math.isnan(self.observed) else round(self.observed, 4),
             "predicted_attainment": {k: round(v, 4) for k, v in self.predicted.items()},
+            "latency_correction": {k: round(v, 4) for k, v in self.correction.items()},
         }
 
 
@@ -109,6 +122,8 @@ class Autoscaler:
             raise InvalidRequest(f"roles {roles}: prefill and decode, or colocated alone")
         self.roles = roles
         self._instances = {r: sim_instance(spec, r, self.tp[r]) for r in roles}
+        self._profiled = spec  # the latency models as profiled; self.spec's are corrected
+        self.correction = {"prefill": 1.0, "decode": 1.0}
 
     def devices(self, counts: Mapping[str, int]) -> int:
         return sum(counts.get(r, 0) * self.tp[r] for r in self.roles)
@@ -124,17 +139,54 @@ class Autoscaler:
         return sorted(out, key=lambda c: (self.devices(c), tuple(c.values())))
 
     def predict(self, counts: Mapping[str, int], requests: Requests) -> float:
-        """Attainment the simulator predicts for `requests` on `counts` instances."""
+        """Attainment the simulator predicts for `requests` on `counts` instances (with the
+        latency model as corrected so far)."""
+        result = self._simulate(self.spec, counts, requests)
+        return 0.0 if result is None else result.attainment(self.spec.slo)
+
+    def _simulate(self, spec: PlanSpec, counts: Mapping[str, int], requests: Requests):
+        """The simulator's run of `requests` on `counts` instances (None: no prefill or no
+        decode capacity)."""
         instances = tuple(
             inst for r in self.roles for inst in [self._instances[r]] * counts.get(r, 0)
         )
         if not any(i.role in ("decode", "colocated") for i in instances) or not any(
             i.role in ("prefill", "colocated") for i in instances
         ):
-            return 0.0
-        return simulate(sim_cluster(self.spec, instances), requests).attainment(self.spec.slo)
+            return None
+        return simulate(sim_cluster(spec, instances), requests)
+
+    def correct(self, counts: Mapping[str, int], window: list[Sample], requests: Requests) -> None:
+        """Move the correction toward observed/predicted median TTFT (prefill) and TPOT
+        (decode) of `window` on `counts`, predicted by the profiled model on `requests` (the
+        window's replay at its rate)."""
+        result = self._simulate(self._profiled, counts, requests)
+        if result is None:
+            return
+        lo, hi = self.config.correction_bounds
+        w = self.config.correction_weight
+        for phase, observed, predicted in (
+            ("prefill", [s.ttft_ms / 1000 for s in window], result.ttft),
+            ("decode", [s.tpot_ms / 1000 for s in window if s.output_tokens > 1], result.tpot),
+        ):
+            predicted = np.asarray(predicted)
+            predicted = predicted[predicted > 0]
+            if not observed or not len(predicted):
+                continue
+            ratio = min(hi, max(lo, float(np.median(observed) / np.median(predicted))))
+            self.correction[phase] = (1 - w) * self.correction[phase] + w * ratio
+        p, d = self.correction["prefill"], self.correction["decode"]
+        self.spec = dataclasses.replace(
+            self._profiled,
+            latency=_scaled(self._profiled.latency, p, d),
+            colocated_latency=_scaled(self._profiled.colocated_latency, p, d),
+        )
 
     def decide(self, view: View) -> Decision:
+        decision = self._decide(view)
+        return dataclasses.replace(decision, correction=dict(self.correction))
+
+    def _decide(self, view: View) -> Decision:
         current = {r: view.counts.get(r, 0) for r in self.roles}
         if view.in_flight:
             return Decision("wait", "a change is being applied", current)
@@ -149,6 +201,10 @@ class Autoscaler:
                 return Decision("scale", why, smallest)
             return Decision("hold", f"{len(window)} requests measured: too few to decide", current)
         rate, requests = _replay(window, self.config.replay)
+        settled = [s for s in window if s.arrival_s >= view.last_change_s]  # on `current`
+        if len(settled) >= MIN_SAMPLES:
+            settled_rate, settled_requests = _replay(settled, self.config.replay)
+            self.correct(current, settled, settled_requests.at_rate(settled_rate))
         slo = self.spec.slo
         observed = float(np.mean([slo.met(s.ttft_ms / 1000, s.tpot_ms / 1000) for s in window]))
 
@@ -198,7 +254,9 @@ class Autoscaler:
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
     """The window's rate and its requests (gaps and lengths as measured) at 1 request/s,
-    repeated to `n`: enough for the simulator to reach a steady state."""
+    repeated to `n`: enough for the simulator to reach a steady state. The samples may come in
+    any order (a feed reports requests as they finish): they are put in arrival order."""
+    window = sorted(window, key=lambda s: s.arrival_s)
     t = np.array([s.arrival_s for s in window], dtype=float)
     t -= t[0]
     span = t[-1] * len(t) / (len(t) - 1) if t[-1] > 0 else float(len(t))
@@ -208,3 +266,23 @@ def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
     prompt = np.tile([s.prompt_tokens for s in window], reps)[:n]
     output = np.tile([s.output_tokens for s in window], reps)[:n]
     return rate, Requests(arrivals, prompt, output)
+
+
+def _scaled(lat: LatencyModel, prefill: float, decode: float) -> LatencyModel:
+    """`lat` with its prefill step times times `prefill` and its decode step times times
+    `decode` (L_m, a ratio of coefficients, unchanged)."""
+
+    def times(c: Coefficients, k: float) -> Coefficients:
+        return Coefficients(c.a * k, c.b * k, c.c * k)
+
+    by_tp = {
+        tp: TpLatency(
+            times(t.prefill, prefill),
+            times(t.decode_small, decode),
+            times(t.decode_large, decode),
+            t.threshold,
+        )
+        for tp, t in lat.by_tp.items()
+    }
+    source = f"{lat.source}, corrected x{prefill:.3g} prefill, x{decode:.3g} decode"
+    return dataclasses.replace(lat, by_tp=by_tp, source=source)

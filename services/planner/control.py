@@ -3,7 +3,8 @@
 
 Each tick asks the actuator's status first: while it applies a change, the decision is `wait`;
 the moment a change lands starts the cool-down. Every decision is a log line (changes at INFO,
-holds at DEBUG), a span `planner.decide` with its inputs and predictions, and a count in
+holds at DEBUG), a span `planner.decide` with its inputs, predictions and the latency model's
+correction (`planner.correction.prefill` / `.decode`), and a count in
 `distserve_planner_decisions_total{action}`; the latest is `latest` (what `distserve plan
 --watch` prints). Advisory mode decides and reports but never applies.
 """
@@ -123,6 +124,7 @@ class ControlLoop:
             "planner.samples": len(self.samples),
             **{f"planner.target.{r}": n for r, n in decision.counts.items()},
             **{f"planner.predicted.{k}": v for k, v in decision.predicted.items()},
+            **{f"planner.correction.{k}": v for k, v in decision.correction.items()},
         }
         if not math.isnan(decision.observed):
             attributes["planner.observed_attainment"] = decision.observed
@@ -133,11 +135,12 @@ class ControlLoop:
         verb = "advises" if self.advisory and decision.action == "scale" else "decides"
         log.log(
             level,
-            "planner %s %s %s: %s",
+            "planner %s %s %s: %s (step times x%s of the profile)",
             verb,
             decision.action,
             decision.counts,
             decision.reason,
+            ", x".join(f"{v:.2f} {k}" for k, v in decision.correction.items()),
         )
 
     def to_pb(self):

@@ -11,7 +11,7 @@ import pytest
 from distserve.loadgen.emulated import EmulatedCluster
 from services.common.errors import InvalidRequest
 from services.common.slo import Slo
-from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay
+from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay, _scaled
 from services.planner.cluster import ClusterSpec
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster
@@ -133,3 +133,78 @@ def test_few_requests_decide_nothing_and_bad_configs_are_refused(autoscaler):
         AutoscaleConfig(budget=8, up_headroom=1.5, down_headroom=1.2)
     with pytest.raises(InvalidRequest, match="budget"):
         AutoscaleConfig(budget=0)
+
+
+def test_samples_in_the_order_requests_finished_measure_the_same_rate(autoscaler):
+    """The gateway reports a request when it finishes: a long one that arrived first comes
+    late. The measured rate and decision are those of the samples in arrival order (they were
+    not: the window's span was read from its first and last samples as they came)."""
+    counts = {"prefill": 1, "decode": 1}
+    samples = served(autoscaler, counts, "chat", 3.0, 0)
+    finished = sorted(
+        samples, key=lambda s: s.arrival_s + s.ttft_ms / 1000 + s.tpot_ms / 1000 * s.output_tokens
+    )
+    assert list(finished) != list(samples)
+    in_order = autoscaler.decide(View(NOW, samples, counts))
+    as_finished = autoscaler.decide(View(NOW, tuple(finished), counts))
+    assert as_finished.rate == pytest.approx(in_order.rate)
+    assert (as_finished.action, as_finished.counts) == (in_order.action, in_order.counts)
+
+
+def slower_mesh(a: Autoscaler, prefill: float, decode: float) -> PlanSpec:
+    """The spec of a mesh whose steps take `prefill` / `decode` times the profile's."""
+    return dataclasses.replace(
+        a.spec,
+        latency=_scaled(a.spec.latency, prefill, decode),
+        colocated_latency=_scaled(a.spec.colocated_latency, prefill, decode),
+    )
+
+
+def test_the_latency_model_is_corrected_toward_what_the_mesh_measures_clamped_and_smoothed():
+    cluster = EmulatedCluster.of("opt-13b")
+    spec = PlanSpec(
+        model=cluster.model,
+        cluster=ClusterSpec(1, BUDGET),
+        workload=PRESETS["chat"],
+        slo=SLO,
+        latency=cluster.latency,
+        colocated_latency=cluster.colocated_latency,
+    )
+    a = Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
+    counts = {"prefill": 2, "decode": 2}
+    requests = PRESETS["chat"].sample(240, 0).at_rate(2.0)
+    instances = [a._instances[r] for r in a.roles for _ in range(counts[r])]
+
+    def window(mesh: PlanSpec) -> tuple[Sample, ...]:
+        result = simulate(sim_cluster(mesh, instances), requests)
+        start = NOW - requests.arrival_s[-1] - 0.01
+        return tuple(
+            Sample(start + t, int(p), int(o), ttft * 1000, tpot * 1000)
+            for t, p, o, ttft, tpot in zip(
+                requests.arrival_s,
+                requests.prompt,
+                requests.output,
+                result.ttft,
+                result.tpot,
+                strict=True,
+            )
+        )
+
+    slow = window(slower_mesh(a, 1.5, 1.5))
+    before = a.predict(counts, requests)
+    first = a.decide(View(NOW, slow, counts))
+    # one window moves it by correction_weight of the way, no further
+    assert 1.0 < first.correction["decode"] < 1.5 * 0.3 + 0.7 + 0.05, first.correction
+    assert first.to_json()["latency_correction"] == {
+        k: round(v, 4) for k, v in first.correction.items()
+    }
+    for _ in range(12):
+        last = a.decide(View(NOW, slow, counts))
+    assert last.correction["decode"] == pytest.approx(1.5, rel=0.1), last.correction
+    assert last.correction["prefill"] > 1.2, last.correction
+    assert a.predict(counts, requests.at_rate(3.0)) <= before  # slower steps: no better
+    # a mesh 5x slower than the profile: the correction stops at its bound
+    slowest = window(slower_mesh(a, 5.0, 5.0))
+    for _ in range(20):
+        d = a.decide(View(NOW, slowest, counts))
+    assert max(d.correction.values()) <= a.config.correction_bounds[1]
