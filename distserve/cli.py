@@ -31,9 +31,16 @@ REGISTRARS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
+    return run(REGISTRARS, argv)
+
+
+def run(registrars, argv: list[str] | None = None, description: str | None = None) -> int:
+    """`distserve` with the subcommands of `registrars` (a tool module run on its own passes
+    its one `register`): parse `argv`, run the command, a DistServeError as exit status 2."""
+    description = description or __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="distserve", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in REGISTRARS:
+    for register in registrars:
         register(sub)
     args = parser.parse_args(argv)
     try:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.common.errors import DistServeError, InvalidRequest
+from services.common.errors import InvalidRequest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -139,14 +139,9 @@ def scale_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except DistServeError as e:
-        print(f"distserve: error: {e}", file=sys.stderr)
-        return 2
+    from distserve import cli  # it imports this module's `register`
+
+    return cli.run((register,), argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

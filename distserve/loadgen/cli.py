@@ -423,10 +423,9 @@ def _fmt(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="distserve", description=__doc__.splitlines()[0])
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    from distserve import cli  # it imports this module's `register`
+
+    return cli.run((register,), argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
