@@ -113,8 +113,18 @@ class LocalActuator:
     def status(self) -> ActuatorStatus:
         with self._lock:
             draining, starting = set(self._draining), dict(self._starting)
+        try:
+            loads = self.mesh.worker_loads()
+        except grpc.RpcError as e:  # the gateway away: the status without loads
+            log.warning("no worker loads from the gateway: %s", e.code().name)
+            loads = {}
         instances = [
-            Instance(p.name, _role(p.name), "draining" if p.name in draining else "serving")
+            Instance(
+                p.name,
+                _role(p.name),
+                "draining" if p.name in draining else "serving",
+                loads.get(p.name),
+            )
             for p in list(self.mesh.workers)
             if p.name not in starting
         ]
@@ -196,7 +206,9 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
             s = actuator.status()
             return planner_pb2.ActuatorStatus(
                 instances=[
-                    planner_pb2.ActuatorInstance(name=i.name, role=i.role, state=i.state)
+                    planner_pb2.ActuatorInstance(
+                        name=i.name, role=i.role, state=i.state, load=i.load
+                    )
                     for i in s.instances
                 ],
                 changing=s.changing,

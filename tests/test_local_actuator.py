@@ -9,13 +9,14 @@ import threading
 
 import pytest
 
-from distserve.local_actuator import LocalActuator
+from distserve.local_actuator import LocalActuator, serve
 from services.common.errors import InvalidRequest
 from services.common.model_spec import PRESETS
 from services.common.sampling import SamplingParams
 from services.engine.config import Emulation, EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import emulated_model
+from services.planner.actuator import RemoteActuator
 from tests.conftest import stop_now
 from tests.test_emulated_mesh import emulated_mesh, generate_ids
 from tests.test_mesh import kv_all_free, wait_until
@@ -91,6 +92,15 @@ def test_a_mesh_goes_from_1p1d_to_2p1d_and_back_while_it_serves(opt13b, expected
             ]
             assert not status.changing and status.count("prefill") == 2
             wait_until(lambda: len(traffic.results) >= 12, what="requests through 2P1D")
+            # Each serving worker's load (as the gateway has it) reaches the planner over gRPC
+            server, address = serve(actuator)
+            try:
+                remote = RemoteActuator(address).status()
+            finally:
+                server.stop(0)
+            assert all(i.load.total_kv_blocks > 0 for i in remote.instances), remote
+            assert set(remote.loads()) == {"prefill", "decode"}
+            assert remote.loads()["decode"]["decode_step_ms"] > 0, remote.loads()
             served = len(traffic.results)
             actuator.scale("default", "prefill", 1)
             assert actuator.status().count("prefill") == 1

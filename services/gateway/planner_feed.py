@@ -1,11 +1,13 @@
 """The gateway's report of the live workload to the planner (`Planner.ReportWorkload`).
 
-One sample per finished request: when it arrived, its lengths, its measured TTFT and TPOT. A
-request never waits for this: samples go through a bounded queue and are dropped (and counted)
-when the planner is slow or away. Samples travel in client streams of at most `stream_samples`
-samples or `stream_s` seconds; the planner's reply at the end of each stream says whether the
-workload drifted and what it now recommends, which is logged. A broken stream is re-opened
-with backoff.
+Two samples per request: one the moment it is accepted (`arrival`: when, and its prompt's
+length), so the planner sees the arrival rate now rather than a request's latency later (a burst
+shows at its next decision), and one when it finishes (its lengths, its measured TTFT and TPOT;
+a request that fails is not reported). A request never waits for this: samples go through a
+bounded queue and are dropped (and counted) when the planner is slow or away. Samples travel in
+client streams of at most `stream_samples` samples or `stream_s` seconds; the planner's reply at
+the end of each stream says whether the workload drifted and what it now recommends, which is
+logged. A broken stream is re-opened with backoff.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ class PlannerFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def arrived(self, arrival_unix_s: float, prompt_tokens: int) -> None:
+        """A request accepted now (never blocks; dropped when the queue is full)."""
+        self._put(
+            planner_pb2.WorkloadSample(
+                arrival_unix_s=arrival_unix_s, prompt_tokens=prompt_tokens, arrival=True
+            )
+        )
+
     def add(
         self,
         arrival_unix_s: float,
@@ -76,6 +86,9 @@ class PlannerFeed:
             ttft_ms=ttft_s * 1000,
             tpot_ms=tpot_s * 1000,
         )
+        self._put(sample)
+
+    def _put(self, sample: planner_pb2.WorkloadSample) -> None:
         try:
             self._queue.put_nowait(sample)
         except asyncio.QueueFull:

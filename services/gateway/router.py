@@ -71,7 +71,7 @@ class Router:
         self.tokenizer = tokenizer
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
-        self.feed = feed  # finished requests' samples for the planner
+        self.feed = feed  # requests' arrivals and finishes, for the planner
         # Conditional disaggregation: short prompts prefilled on a decode instance.
         self.local_prefill = local_prefill
         # Refuses early (429) what cannot be served in time; None admits everything.
@@ -105,6 +105,8 @@ class Router:
         `received` when the API got it (monotonic s)."""
         text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
+        if self.feed is not None:
+            self.feed.arrived(seen.arrival_unix_s, seen.prompt_tokens)
         reason: FinishReason | None = None
         error: BaseException | None = None
         verdict = None

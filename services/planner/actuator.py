@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common import mesh_tls
-from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.gen.distserve.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class Instance:
     name: str
     role: str
     state: str  # "serving", "starting" or "draining"
+    # its last reported load (a `WorkerLoad`, as the gateway has it); None: not known (a
+    # starting worker, or an actuator that cannot see loads)
+    load: common_pb2.WorkerLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,27 @@ class ActuatorStatus:
     def count(self, role: str) -> int:
         """Instances of `role` serving or starting (those draining are on their way out)."""
         return sum(1 for i in self.instances if i.role == role and i.state != "draining")
+
+    def loads(self) -> dict[str, dict[str, float]]:
+        """Each role's load over its serving instances that report one: requests waiting and
+        running, prompt tokens queued (sums), KV in use and decode step time (means)."""
+        out = {}
+        for role in sorted({i.role for i in self.instances}):
+            loads = [
+                i.load for i in self.instances if i.role == role and i.state == "serving" and i.load
+            ]
+            if not loads:
+                continue
+            steps = [x.decode_step_ms for x in loads if x.decode_step_ms > 0]
+            used = [1 - x.free_kv_blocks / x.total_kv_blocks for x in loads if x.total_kv_blocks]
+            out[role] = {
+                "waiting": sum(x.waiting_seqs for x in loads),
+                "running": sum(x.running_seqs for x in loads),
+                "queued_prompt_tokens": sum(x.queued_prompt_tokens for x in loads),
+                "kv_used": sum(used) / len(used) if used else 0.0,
+                "decode_step_ms": sum(steps) / len(steps) if steps else 0.0,
+            }
+        return out
 
 
 class Actuator(Protocol):
@@ -72,7 +96,10 @@ class RemoteActuator:
     def status(self) -> ActuatorStatus:
         pb = self._stub.Status(planner_pb2.ActuatorStatusRequest(), timeout=self.timeout_s)
         return ActuatorStatus(
-            tuple(Instance(i.name, i.role, i.state) for i in pb.instances),
+            tuple(
+                Instance(i.name, i.role, i.state, i.load if i.HasField("load") else None)
+                for i in pb.instances
+            ),
             changing=pb.changing,
             last_error=pb.last_error,
             changes=pb.changes,

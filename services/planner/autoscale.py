@@ -21,6 +21,10 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
   rule fires, so noise in the measured rate cannot scale 2 -> 1 -> 2 under a constant load,
   Dynamo #9294), and only when the current one meets the SLO as observed.
 * **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
+* **Rates are arrivals, seen as they come.** The gateway reports each request when it is
+  accepted (and again when it finishes, with its latencies): the rate is arrivals over the
+  window, and a surge (a Poisson CUSUM's evidence of a rise to twice the window's rate) is
+  decided on at its own rate at once, not a request's latency and a window later.
 * **Idle shrinks**: fewer than MIN_SAMPLES requests over a whole window since the last change
   (or the start) scale the pool down to its smallest placement.
 * **The latency model is corrected by what the mesh measures.** Each window judged on a
@@ -64,6 +68,12 @@ class AutoscaleConfig:
     replay: int = 600  # requests the simulator replays per prediction (the window repeated)
     correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
+    # A surge: a Poisson CUSUM over the window's arrivals for a rise to `surge_factor` x the
+    # window's rate passes `surge_threshold` (nats of evidence). 10 gave no false surge in 10
+    # hours of constant Poisson load at 1-20 req/s, ticks every 2.5 s, and saw a tripled rate
+    # in 2-3 s (median) at 3.8 req/s and above
+    surge_factor: float = 2.0
+    surge_threshold: float = 10.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -85,6 +95,11 @@ class View:
     counts: Mapping[str, int]  # instances per role now (the registry's view)
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
+    # when requests arrived (the gateway reports each as it is accepted), counted since
+    # `arrivals_since_s`; none reported: the rate is measured from the finished requests
+    arrivals: tuple[float, ...] = ()
+    arrivals_since_s: float = -math.inf
+    loads: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # per role (shown)
 
 
 @dataclass(frozen=True)
@@ -201,6 +216,7 @@ class Autoscaler:
                 return Decision("scale", why, smallest)
             return Decision("hold", f"{len(window)} requests measured: too few to decide", current)
         rate, requests = _replay(window, self.config.replay)
+        rate, surge = self._arrival_rate(view, rate)
         settled = [s for s in window if s.arrival_s >= view.last_change_s]  # on `current`
         if len(settled) >= MIN_SAMPLES:
             settled_rate, settled_requests = _replay(settled, self.config.replay)
@@ -224,7 +240,7 @@ class Autoscaler:
             then = self.predict(target, at(1.0))
             predicted = {**base, "target": then}
             why = (
-                f"SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
+                f"{surge}SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
                 f"{observed:.1%}, target {alpha:.0%})"
             )
             if target == current or then < now + self.config.margin:
@@ -250,6 +266,44 @@ class Autoscaler:
         return Decision(
             "hold", "the SLO is met and no smaller placement is safe", current, rate, observed, base
         )
+
+    def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
+        """The arrival rate to decide on, and "" or what makes it a surge. Measured over the
+        window from the arrivals the gateway reported (over the part of the window since they
+        are counted), or, with none reported, `finished_rate` (the finished requests': a
+        request's latency late). In a surge (`_surge`) the rate is the surge's own: a burst
+        is decided on at the first tick that has evidence of it, not a window later."""
+        start = max(view.now_s - self.config.window_s, view.arrivals_since_s)
+        span = view.now_s - start
+        counted = sorted(t for t in view.arrivals if start <= t <= view.now_s)
+        if not counted or span <= 0:
+            return finished_rate, ""
+        rate = len(counted) / span
+        surge = self._surge(counted, view.now_s, rate)
+        if surge is None:
+            return rate, ""
+        n, seconds = surge
+        why = f"a surge ({n} arrivals in the last {seconds:.3g} s, {rate:.3g} req/s before): "
+        return n / seconds, why
+
+    def _surge(self, arrivals: list[float], now: float, rate: float) -> tuple[int, float] | None:
+        """A Poisson CUSUM: the log-likelihood ratio of the arrivals at `surge_factor` x `rate`
+        against `rate`, restarted at 0 whenever it falls there. Past `surge_threshold` it is a
+        surge: (arrivals since it started rising, seconds since). Else None."""
+        gain = math.log(self.config.surge_factor)  # each arrival's evidence
+        drain = (self.config.surge_factor - 1) * rate  # evidence lost per second without one
+        score, prev, start, n = 0.0, arrivals[0], arrivals[0], 0
+        for t in arrivals:
+            score -= drain * (t - prev)
+            prev = t
+            if score <= 0:
+                score, start, n = 0.0, t, 0
+            score += gain
+            n += 1
+        score -= drain * (now - prev)
+        if score <= self.config.surge_threshold or now <= start:
+            return None
+        return n, now - start
 
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:

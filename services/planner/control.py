@@ -32,13 +32,15 @@ class ControlLoop:
         autoscaler: Autoscaler,
         actuator: Actuator,
         registry: CollectorRegistry,
-        interval_s: float = 5.0,
+        interval_s: float = 2.5,
         pool: str = "default",
         advisory: bool = False,
     ) -> None:
         self.autoscaler, self.actuator = autoscaler, actuator
         self.interval_s, self.pool, self.advisory = interval_s, pool, advisory
-        self.samples: collections.deque[Sample] = collections.deque()
+        self.samples: collections.deque[Sample] = collections.deque()  # finished requests
+        self.arrivals: collections.deque[float] = collections.deque()  # when each arrived
+        self._since_s = clock.time_s()  # arrivals are counted from here
         self.latest: Decision | None = None
         self.latest_at_s = math.nan
         self._latest_view: View | None = None
@@ -65,10 +67,18 @@ class ControlLoop:
         )
 
     def observe(self, sample: Sample) -> None:
+        """A finished request."""
         self.samples.append(sample)
         horizon = clock.time_s() - self.autoscaler.config.window_s
         while self.samples and self.samples[0].arrival_s < horizon:
             self.samples.popleft()
+
+    def arrived(self, arrival_s: float) -> None:
+        """A request the gateway accepted (at `arrival_s`, the mesh's clock)."""
+        self.arrivals.append(arrival_s)
+        horizon = clock.time_s() - self.autoscaler.config.window_s
+        while self.arrivals and self.arrivals[0] < horizon:
+            self.arrivals.popleft()
 
     async def run(self) -> None:
         while True:
@@ -92,6 +102,9 @@ class ControlLoop:
             counts=counts,
             in_flight=status.changing,
             last_change_s=self._last_change_s,
+            arrivals=tuple(self.arrivals),
+            arrivals_since_s=self._since_s,
+            loads=status.loads(),
         )
         span = telemetry.start("planner.decide", None, {"planner.advisory": self.advisory})
         try:
@@ -125,6 +138,11 @@ class ControlLoop:
             **{f"planner.target.{r}": n for r, n in decision.counts.items()},
             **{f"planner.predicted.{k}": v for k, v in decision.predicted.items()},
             **{f"planner.correction.{k}": v for k, v in decision.correction.items()},
+            **{
+                f"planner.load.{role}.{k}": v
+                for role, load in (self._latest_view.loads if self._latest_view else {}).items()
+                for k, v in load.items()
+            },
         }
         if not math.isnan(decision.observed):
             attributes["planner.observed_attainment"] = decision.observed

@@ -65,13 +65,17 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def _report(self, request_iterator, trace) -> planner_pb2.ReportWorkloadResponse:
         samples, reasons, replans = 0, [], []
         async for pb in request_iterator:
+            samples += 1
+            if pb.arrival:  # only the resizing loop uses arrivals (its rate, now)
+                if self.control is not None:
+                    self.control.arrived(pb.arrival_unix_s)
+                continue
             sample = Sample(
                 pb.arrival_unix_s, pb.prompt_tokens, pb.output_tokens, pb.ttft_ms, pb.tpot_ms
             )
             if self.control is not None:
                 self.control.observe(sample)
             drift = self.replanner.observe(sample)
-            samples += 1
             self.metrics.samples.inc()
             if drift is not None:
                 log.info("workload drift: %s", "; ".join(drift.reasons))

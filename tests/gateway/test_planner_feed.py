@@ -1,5 +1,6 @@
-"""The gateway's workload feed against a real planner process: samples arrive in windows, a
-drift makes the planner recommend a new placement, and a missing planner never blocks."""
+"""The gateway's workload feed against a real planner process: samples (arrivals and finished
+requests) arrive in windows, a drift makes the planner recommend a new placement, and a missing
+planner never blocks."""
 
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ async def feed_phases(address: str, registry: CollectorRegistry) -> PlannerFeed:
     t = 1000.0
     for prompt in [200] * (3 * WINDOW) + [2000] * (3 * WINDOW):
         t += rng.exponential(0.1)
+        feed.arrived(t, prompt)  # as the gateway does: at once, and again when it finishes
         feed.add(t, prompt, 100, ttft_s=0.05, tpot_s=0.03)
     deadline = time.monotonic() + 60
     sent = lambda: registry.get_sample_value("distserve_planner_samples_total", {"outcome": "sent"})  # noqa: E731
-    while (sent() or 0) < 6 * WINDOW and time.monotonic() < deadline:
+    while (sent() or 0) < 12 * WINDOW and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)  # the last stream's reply
     await feed.stop()
@@ -79,7 +81,7 @@ def test_a_drift_in_the_reported_workload_gets_a_new_placement(planner_address):
     registry = CollectorRegistry()
     asyncio.run(feed_phases(planner_address, registry))
     assert registry.get_sample_value("distserve_planner_samples_total", {"outcome": "sent"}) == (
-        6 * WINDOW
+        12 * WINDOW
     )
     after = placement(planner_address)
     assert after.version > before.version

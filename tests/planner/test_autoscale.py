@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from distserve.loadgen.emulated import EmulatedCluster
@@ -208,3 +209,28 @@ def test_the_latency_model_is_corrected_toward_what_the_mesh_measures_clamped_an
     for _ in range(20):
         d = a.decide(View(NOW, slowest, counts))
     assert max(d.correction.values()) <= a.config.correction_bounds[1]
+
+
+def test_a_surge_of_arrivals_is_seen_at_once_and_poisson_noise_never_looks_like_one(autoscaler):
+    """The arrival rate the planner decides on (the gateway reports arrivals as they come):
+    over 30 minutes of Poisson arrivals at a constant rate, no tick (every 5 s) sees a surge; a
+    tripled rate is one within a tick of its start and is measured at its own rate."""
+    rng = np.random.default_rng(7)
+    rate, tick = 6.0, 5.0
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * 1900)))
+    window = autoscaler.config.window_s
+    for now in np.arange(60.0, 1800.0, tick):
+        view = View(now, (), {}, arrivals=tuple(arrivals[arrivals <= now]), arrivals_since_s=0.0)
+        measured, surge = autoscaler._arrival_rate(view, 0.0)
+        assert surge == "", (now, surge)
+        assert abs(measured - rate) < 4 * np.sqrt(rate * window) / window, (now, measured)
+    burst = 1800.0 + np.cumsum(rng.exponential(1 / (3 * rate), int(3 * rate * tick)))
+    before = arrivals[arrivals <= 1800.0]
+    now = 1800.0 + tick
+    both = np.concatenate([before, burst[burst <= now]])
+    measured, surge = autoscaler._arrival_rate(
+        View(now, (), {}, arrivals=tuple(both), arrivals_since_s=0.0), 0.0
+    )
+    assert surge and 2 * rate < measured < 4 * rate, (measured, surge)
+    # No arrivals reported (an older gateway): the finished requests' rate stands
+    assert autoscaler._arrival_rate(View(now, (), {}), 4.2) == (4.2, "")

@@ -1,6 +1,7 @@
 """The planner's control loop (services/planner/control.py) on a fake clock and a fake actuator:
-a burst is decided on at the first tick after the loop can see it, and while a change is being
-applied every tick waits and nothing is asked of the actuator."""
+a burst is decided on at the first tick after it starts (a surge of arrivals, before most of its
+requests finished), and while a change is being applied every tick waits and nothing is asked
+of the actuator."""
 
 from __future__ import annotations
 
@@ -98,21 +99,26 @@ def burst_samples(a: Autoscaler) -> list[Sample]:
 def test_a_burst_is_decided_within_a_tick_and_no_decision_is_taken_while_one_is_applied(
     autoscaler, monkeypatch
 ):
-    """The feed here reports each request as it arrives (with what it will measure): what the
-    loop does with a burst it can see, not how soon a mesh's feed shows it (bench/autoplan.py
-    measures that)."""
+    """The feed reports each request twice, as the gateway does: when it arrives, and when it
+    finishes (at arrival + TTFT + TPOT x the rest, as 1P1D serves it). The burst is decided on
+    at the first tick after it starts, as a surge of arrivals (its requests have mostly not
+    finished yet)."""
     now = [0.0]
     monkeypatch.setattr(clock, "time_s", lambda: now[0])
     actuator = FakeActuator(lambda: now[0], {"prefill": 1, "decode": 1}, APPLY_S)
     loop = ControlLoop(autoscaler, actuator, CollectorRegistry(), interval_s=TICK_S)
     samples = burst_samples(autoscaler)
+    finishing = sorted(samples, key=ends)
     decisions = []
-    fed = 0
+    arrived = finished = 0
     for tick in range(1, int((BURST_AT + BURST_S) / TICK_S) + 1):
         now[0] = tick * TICK_S
-        while fed < len(samples) and samples[fed].arrival_s <= now[0]:
-            loop.observe(samples[fed])
-            fed += 1
+        while arrived < len(samples) and samples[arrived].arrival_s <= now[0]:
+            loop.arrived(samples[arrived].arrival_s)
+            arrived += 1
+        while finished < len(finishing) and ends(finishing[finished]) <= now[0]:
+            loop.observe(finishing[finished])
+            finished += 1
         changing = actuator.status().changing
         decision = asyncio.run(loop.tick())
         decisions.append((now[0], changing, decision))
@@ -125,3 +131,10 @@ def test_a_burst_is_decided_within_a_tick_and_no_decision_is_taken_while_one_is_
     assert actuator.asked and not any(busy for _, _, busy in actuator.asked), actuator.asked
     assert all(autoscaler.devices(counts) <= 8 for _, counts, _ in actuator.asked)
     assert not math.isnan(decisions[-1][2].rate)
+    first_burst = next(d for t, _, d in decisions if t > BURST_AT)
+    assert first_burst.action == "scale" and "surge" in first_burst.reason, first_burst
+
+
+def ends(s: Sample) -> float:
+    """When a request finishes: arrival + TTFT + TPOT for each token after the first."""
+    return s.arrival_s + (s.ttft_ms + s.tpot_ms * (s.output_tokens - 1)) / 1000
