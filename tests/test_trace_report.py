@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,6 +322,18 @@ def test_register_adds_the_subcommand_with_func(trace_file, capsys):
     missing = parser.parse_args(["trace-report", str(trace_file.with_name("nope.jsonl"))])
     with pytest.raises(TraceReportError, match="no such file"):
         missing.func(missing)
+
+
+def test_python_dash_m_runs_the_report(trace_file):
+    """`python -m distserve.trace_report` is `distserve trace-report`."""
+    run = subprocess.run(
+        [sys.executable, "-m", "distserve.trace_report", str(trace_file), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["summary"]["requests"] == 5
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,3 @@ def main(argv: list[str] | None = None) -> int:
     except DistServeError as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
