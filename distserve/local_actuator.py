@@ -125,7 +125,7 @@ class LocalActuator:
                 "draining" if p.name in draining else "serving",
                 loads.get(p.name),
             )
-            for p in list(self.mesh.workers)
+            for p in self._live()
             if p.name not in starting
         ]
         instances += [Instance(name, role, "starting") for name, role in starting.items()]
@@ -136,8 +136,12 @@ class LocalActuator:
             changes=self._changes,
         )
 
+    def _live(self) -> list:
+        """The mesh's workers whose process runs (one that exited unasked serves nothing)."""
+        return [p for p in list(self.mesh.workers) if p.popen.poll() is None]
+
     def _serving(self, role: str) -> list[str]:
-        return [p.name for p in self.mesh.workers if _role(p.name) == role]
+        return [p.name for p in self._live() if _role(p.name) == role]
 
     def _least_busy(self, names: list[str]) -> list[str]:
         """`names` by the work they hold now (the gateway's view), least first; ties: the

@@ -317,7 +317,7 @@ class Mesh:
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.popen.pid})")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
-        popen = subprocess.Popen(
+        popen = orphan_guard.popen(
             old.popen.args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env
         )
         proc = Process(name, popen)
@@ -330,7 +330,7 @@ class Mesh:
 
     def _spawn(self, name: str, module_args: list[str]) -> Process:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
-        popen = subprocess.Popen(
+        popen = orphan_guard.popen(
             orphan_guard.command(
                 [*self.spec.command_prefix.get(name, ()), sys.executable, "-m", *module_args]
             ),

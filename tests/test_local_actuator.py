@@ -83,7 +83,9 @@ def test_a_mesh_goes_from_1p1d_to_2p1d_and_back_while_it_serves(opt13b, expected
     try:
         actuator = LocalActuator(mesh)
         with Traffic(mesh.gateway_address, max_tokens=24) as traffic:
-            actuator.scale("default", "prefill", 2)
+            # as the Actuator service applies it: on a thread of its own, which then ends
+            actuator.apply_in_background("default", {"prefill": 2})
+            wait_until(lambda: not actuator.status().changing, what="the change to land")
             status = actuator.status()
             assert [(i.name, i.state) for i in status.instances] == [
                 ("decode-0", "serving"),
@@ -92,6 +94,14 @@ def test_a_mesh_goes_from_1p1d_to_2p1d_and_back_while_it_serves(opt13b, expected
             ]
             assert not status.changing and status.count("prefill") == 2
             wait_until(lambda: len(traffic.results) >= 12, what="requests through 2P1D")
+            # the worker started on the applying thread outlives it (PR_SET_PDEATHSIG is per
+            # thread: it once got SIGTERM as the thread ended)
+            assert [p.name for p in mesh.workers if p.popen.poll() is None] == [
+                "prefill-0",
+                "decode-0",
+                "prefill-1",
+            ]
+            assert sorted(mesh.worker_loads()) == ["decode-0", "prefill-0", "prefill-1"]
             # Each serving worker's load (as the gateway has it) reaches the planner over gRPC
             server, address = serve(actuator)
             try:

@@ -74,8 +74,9 @@ class Envoy:
             "1",
         ]
         if self.die_with_parent:
-            argv = orphan_guard.command(argv)
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            self.popen = orphan_guard.popen(orphan_guard.command(argv), stdin=subprocess.DEVNULL)
+        else:
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready(admin_path, timeout_s)
         except BaseException:

@@ -207,7 +207,7 @@ def start_engine(
             argv.append("--no-detokenize")
         if threads:
             argv += ["--threads", str(threads)]
-        process = subprocess.Popen(
+        process = orphan_guard.popen(
             orphan_guard.command(argv),
             stdin=subprocess.PIPE,
             stdout=None,
