@@ -5,7 +5,7 @@ Engine: **emulated** (docs/engine.md; every figure in emulated time): OPT-13B on
 (DistServe's published profile), SLO TTFT 250 ms / TPOT 100 ms (chat's, DistServe's Table 1),
 attainment target 0.9, a budget of 8 GPUs. The planner is the real planner service with
 `LocalActuator` over the launcher's `Mesh` (what `distserve up --planner --budget 8` starts),
-deciding every 2.5 s on a 60 s window, cooling down 30 s after a change.
+deciding every 1 s on a 60 s window, cooling down 30 s after a change.
 
 Parts (`--parts`, default all):
 
@@ -79,7 +79,7 @@ PLANNER_ARGS = (
     "--attainment",
     str(ALPHA),
     "--decide-every-s",
-    "2.5",
+    "1",
     "--window-s",
     "60",
     "--cooldown-s",

@@ -54,7 +54,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     g.add_argument("--slo", help="TTFT_MS,TPOT_MS the mesh is sized for")
     g.add_argument("--attainment", type=float, default=0.9)
     g.add_argument("--tp", default="prefill=1,decode=1", help="ROLE=TP,...: the mesh's roles")
-    g.add_argument("--decide-every-s", type=float, default=2.5)
+    g.add_argument("--decide-every-s", type=float, default=1.0)
     g.add_argument("--window-s", type=float, default=60.0, help="the workload measured")
     g.add_argument("--cooldown-s", type=float, default=30.0, help="after a change lands")
     g.add_argument("--advise", action="store_true", help="decide and report, never apply")

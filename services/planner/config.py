@@ -22,7 +22,7 @@ class Autoscale:
     tp: dict[str, int]  # each role's tensor degree in the mesh (its roles)
     config: AutoscaleConfig
     attainment: float = 0.9
-    interval_s: float = 2.5  # between decisions (the mesh's clock)
+    interval_s: float = 1.0  # between decisions (the mesh's clock)
     advisory: bool = False  # decide and report, never apply
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ class ControlLoop:
         autoscaler: Autoscaler,
         actuator: Actuator,
         registry: CollectorRegistry,
-        interval_s: float = 2.5,
+        interval_s: float = 1.0,
         pool: str = "default",
         advisory: bool = False,
     ) -> None:
