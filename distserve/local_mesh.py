@@ -283,28 +283,20 @@ class Mesh:
         return ["--actuator", address, "--budget", str(spec.budget), "--tp", tp]
 
     def stop(self, grace_s: float | None = None) -> None:
-        """SIGTERM Envoy, the workers, then the gateway; SIGKILL what outlives the grace
-        period (default: the workers' drain timeout and 10 s)."""
+        """SIGTERM the planner that resizes the mesh (so it asks nothing more), Envoy, the
+        workers, then the gateway; SIGKILL what outlives the grace period (default: the
+        workers' drain timeout and 10 s)."""
         grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
         if self._actuator_server is not None:
+            _terminate([p for p in self.processes if p.name == "planner"], grace_s)
             self._actuator_server.stop(0)
             self._actuator_server = None
             self.actuator.close(timeout_s=grace_s + self.spec.ready_timeout_s)
         if self.envoy is not None:
             self.envoy.stop(grace_s)
             self.envoy = None
-        last = [p for p in self.processes if p.name in ("gateway", "planner")]
-        for group in (self.workers, last):
-            for p in group:
-                if p.popen.poll() is None:
-                    p.popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for p in group:
-                try:
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.popen.kill()
-                    p.popen.wait()
+        _terminate(self.workers, grace_s)
+        _terminate([p for p in self.processes if p.name in ("gateway", "planner")], grace_s)
         self.processes = []
 
     def restart(self, name: str) -> Process:
@@ -370,6 +362,20 @@ class Mesh:
                     names = sorted(w.worker_id for w in workers)
                     raise TimeoutError(f"the gateway's registry did not settle: it lists {names}")
                 time.sleep(0.1)
+
+
+def _terminate(group: list[Process], grace_s: float) -> None:
+    """SIGTERM every process of `group` still running; SIGKILL those alive after `grace_s`."""
+    for p in group:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in group:
+        try:
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
 
 
 def _watch_stdout(proc: Process) -> None:

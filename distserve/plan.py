@@ -162,10 +162,21 @@ def describe_decision(d) -> str:
     predicted = ", ".join(f"{k} {v:.1%}" for k, v in sorted(d.predicted_attainment.items()))
     stamp = time.strftime("%H:%M:%S", time.localtime(d.decided_unix_s))
     mode = " (advisory)" if d.advisory else ""
+    loads = "".join(f"; {role}: {describe_load(d.load[role])}" for role in sorted(d.load))
     return (
         f"{stamp} {d.action}{mode}: {counts(d.current)} -> {counts(d.target)} "
         f"(budget {d.budget}); {d.samples} requests at {d.rate_rps:.3g} req/s, attainment "
-        f"observed {observed}, predicted {predicted or '-'}; {d.reason}"
+        f"observed {observed}, predicted {predicted or '-'}; {d.reason}{loads}"
+    )
+
+
+def describe_load(load) -> str:
+    """A role's `WorkerLoad` as a person reads it."""
+    used = 1 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
+    step = f", step {load.decode_step_ms:.3g} ms" if load.decode_step_ms else ""
+    return (
+        f"{load.waiting_seqs} waiting ({load.queued_prompt_tokens:,} prompt tokens), "
+        f"{load.running_seqs} running, KV {used:.0%} used{step}"
     )
 
 

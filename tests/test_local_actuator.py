@@ -110,7 +110,7 @@ def test_a_mesh_goes_from_1p1d_to_2p1d_and_back_while_it_serves(opt13b, expected
                 server.stop(0)
             assert all(i.load.total_kv_blocks > 0 for i in remote.instances), remote
             assert set(remote.loads()) == {"prefill", "decode"}
-            assert remote.loads()["decode"]["decode_step_ms"] > 0, remote.loads()
+            assert remote.loads()["decode"].decode_step_ms > 0, remote.loads()
             served = len(traffic.results)
             actuator.scale("default", "prefill", 1)
             assert actuator.status().count("prefill") == 1
@@ -270,6 +270,7 @@ def test_the_planner_resizes_a_running_mesh_to_its_load_and_back_when_idle(opt13
         assert main(["plan", "--watch", planner.ready["address"], "--every-s", "0"]) == 0
         (line,) = capsys.readouterr().out.splitlines()
         assert "prefill=1" in line and "(budget 4)" in line, line
+        assert "; decode: " in line and "running, KV" in line, line  # the loads it saw
     finally:
         stop_now(mesh)
 

@@ -41,9 +41,9 @@ class ActuatorStatus:
         """Instances of `role` serving or starting (those draining are on their way out)."""
         return sum(1 for i in self.instances if i.role == role and i.state != "draining")
 
-    def loads(self) -> dict[str, dict[str, float]]:
-        """Each role's load over its serving instances that report one: requests waiting and
-        running, prompt tokens queued (sums), KV in use and decode step time (means)."""
+    def loads(self) -> dict[str, common_pb2.WorkerLoad]:
+        """Each role's load over its serving instances that report one, as one `WorkerLoad`:
+        queues, running sequences and KV blocks summed; the decode step time their mean."""
         out = {}
         for role in sorted({i.role for i in self.instances}):
             loads = [
@@ -51,16 +51,24 @@ class ActuatorStatus:
             ]
             if not loads:
                 continue
+            total = common_pb2.WorkerLoad(kv_block_size=loads[0].kv_block_size)
+            for name in _SUMMED:
+                setattr(total, name, sum(getattr(x, name) for x in loads))
             steps = [x.decode_step_ms for x in loads if x.decode_step_ms > 0]
-            used = [1 - x.free_kv_blocks / x.total_kv_blocks for x in loads if x.total_kv_blocks]
-            out[role] = {
-                "waiting": sum(x.waiting_seqs for x in loads),
-                "running": sum(x.running_seqs for x in loads),
-                "queued_prompt_tokens": sum(x.queued_prompt_tokens for x in loads),
-                "kv_used": sum(used) / len(used) if used else 0.0,
-                "decode_step_ms": sum(steps) / len(steps) if steps else 0.0,
-            }
+            total.decode_step_ms = sum(steps) / len(steps) if steps else 0.0
+            out[role] = total
         return out
+
+
+_SUMMED = (
+    "queued_prompt_tokens",
+    "running_seqs",
+    "waiting_seqs",
+    "free_kv_blocks",
+    "total_kv_blocks",
+    "pending_pulls",
+    "held_kv_handles",
+)
 
 
 class Actuator(Protocol):

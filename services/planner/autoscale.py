@@ -99,7 +99,6 @@ class View:
     # `arrivals_since_s`; none reported: the rate is measured from the finished requests
     arrivals: tuple[float, ...] = ()
     arrivals_since_s: float = -math.inf
-    loads: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # per role (shown)
 
 
 @dataclass(frozen=True)

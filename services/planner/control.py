@@ -16,6 +16,7 @@ import collections
 import logging
 import math
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import clock, telemetry
@@ -44,6 +45,7 @@ class ControlLoop:
         self.latest: Decision | None = None
         self.latest_at_s = math.nan
         self._latest_view: View | None = None
+        self._loads: dict = {}  # each role's WorkerLoad, summed (the actuator's status)
         self._changes_seen: int | None = None  # the actuator's count of changes, last tick
         self._was_changing = False
         self._last_change_s = clock.time_s()  # the start counts as a change: none is judged
@@ -85,7 +87,9 @@ class ControlLoop:
             await asyncio.sleep(clock.wall_seconds(self.interval_s))
             try:
                 await self.tick()
-            except Exception:  # a tick that failed (the actuator away): the next one retries
+            except grpc.RpcError as e:  # the actuator away (restarting, or the mesh stopping)
+                log.warning("planner tick: the actuator answered %s; next tick retries", e.code())
+            except Exception:  # a tick that failed otherwise: the next one retries
                 log.exception("planner tick failed")
 
     async def tick(self) -> Decision:
@@ -104,8 +108,8 @@ class ControlLoop:
             last_change_s=self._last_change_s,
             arrivals=tuple(self.arrivals),
             arrivals_since_s=self._since_s,
-            loads=status.loads(),
         )
+        self._loads = status.loads()
         span = telemetry.start("planner.decide", None, {"planner.advisory": self.advisory})
         try:
             decision = await asyncio.to_thread(self.autoscaler.decide, view)
@@ -139,9 +143,9 @@ class ControlLoop:
             **{f"planner.predicted.{k}": v for k, v in decision.predicted.items()},
             **{f"planner.correction.{k}": v for k, v in decision.correction.items()},
             **{
-                f"planner.load.{role}.{k}": v
-                for role, load in (self._latest_view.loads if self._latest_view else {}).items()
-                for k, v in load.items()
+                f"planner.load.{role}.{field.name}": value
+                for role, load in self._loads.items()
+                for field, value in load.ListFields()
             },
         }
         if not math.isnan(decision.observed):
@@ -182,4 +186,5 @@ class ControlLoop:
             advisory=self.advisory,
             budget=self.autoscaler.config.budget,
             samples=sum(1 for s in view.samples if s.arrival_s >= view.now_s - window),
+            load=self._loads,
         )
