@@ -39,10 +39,11 @@ from services.engine.emulated import PAYLOAD, EmulatedRunner
 from services.engine.kv_cache import KvCache, KvGeometry
 from services.engine.kv_events import KvEvents
 from services.engine.model_runner import ModelRunner
-from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
+from services.engine.parallel import TensorParallel
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
+from services.engine.shards import check_tp, kv_heads_of
 from services.engine.weights import fingerprint, load_model
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -15,7 +15,7 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
-from services.engine.parallel import kv_heads_of
+from services.engine.shards import kv_heads_of
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
