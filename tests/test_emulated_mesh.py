@@ -81,8 +81,10 @@ def all_ids(mesh) -> list[list[int]]:
         {"prefill": 1, "decode": 1},
         {"prefill": 2, "decode": 1},
         {"prefill": 0, "decode": 0, "colocated": 1},
+        # the KV arrives in 8-token blocks and is converted into the decode cache's 16
+        {"prefill": 1, "decode": 1, "prefill_args": ("--block-size", "8")},
     ],
-    ids=["1P1D", "2P1D", "colocated"],
+    ids=["1P1D", "2P1D", "colocated", "1P1D-other-block-size"],
 )
 def test_emulated_tokens_are_the_engines_on_every_mesh_shape(opt13b, engine_tokens, shape):
     mesh = emulated_mesh(opt13b, **shape)
