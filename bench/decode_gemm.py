@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     cpu = sorted(os.sched_getaffinity(0))[-1]
-    configure_process(argparse.Namespace(cpu=cpu, threads=1))
+    configure_process(argparse.Namespace(cpu=cpu, threads=1, engine="torch"))
 
     from services.engine.engine import LLMEngine
     from services.engine.gemm import plan_text

@@ -1,14 +1,17 @@
 """The emulated mesh end to end: real processes, sockets and UCX; each worker's forward pass
 replaced by its modelled time (docs/engine.md). Tokens are the emulated engine's on every mesh
-shape, the KV handoff moves real bytes and recovers from faults, everything says `emulated`,
-the simulator predicts what the mesh measures, and a 16-worker mesh serves and stops clean."""
+shape, no worker loads torch, the KV handoff moves real bytes and recovers from faults,
+everything says `emulated`, the simulator predicts what the mesh measures, and a 16-worker mesh
+serves and stops clean."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -81,14 +84,36 @@ def all_ids(mesh) -> list[list[int]]:
         {"prefill": 1, "decode": 1},
         {"prefill": 2, "decode": 1},
         {"prefill": 0, "decode": 0, "colocated": 1},
+        # the KV arrives in 8-token blocks and is converted into the decode cache's 16
+        {"prefill": 1, "decode": 1, "prefill_args": ("--block-size", "8")},
     ],
-    ids=["1P1D", "2P1D", "colocated"],
+    ids=["1P1D", "2P1D", "colocated", "1P1D-other-block-size"],
 )
 def test_emulated_tokens_are_the_engines_on_every_mesh_shape(opt13b, engine_tokens, shape):
     mesh = emulated_mesh(opt13b, **shape)
     try:
         assert all_ids(mesh) == engine_tokens
         wait_until(lambda: kv_all_free(mesh), what="KV to be freed on every worker")
+    finally:
+        stop_now(mesh)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"prefill": 1, "decode": 1}, {"prefill": 0, "decode": 0, "colocated": 1}],
+    ids=["1P1D", "colocated"],
+)
+def test_an_emulated_worker_never_loads_torch(opt13b, engine_tokens, shape):
+    """An emulated worker's KV payload is a numpy array and its steps are modelled: torch
+    (~200 MB resident, ~1.3 s to import) would be dead weight in every worker of a large mesh.
+    Checked from outside, after each role served: no file of the torch package is mapped."""
+    torch_dir = os.path.realpath(importlib.util.find_spec("torch").submodule_search_locations[0])
+    mesh = emulated_mesh(opt13b, **shape)
+    try:
+        assert all_ids(mesh) == engine_tokens  # prefilled, pulled (1P1D) and decoded
+        for worker in mesh.workers:
+            maps = Path(f"/proc/{worker.popen.pid}/maps").read_text()
+            assert torch_dir not in maps, f"{worker.name} loaded torch"
     finally:
         stop_now(mesh)
 

@@ -121,7 +121,7 @@ def profile_pinned(model_dir: Path, grid: str = "quick", cpu: int | None = None)
         "import json, sys, argparse\n"
         "from pathlib import Path\n"
         "from services.engine.config import configure_process\n"
-        f"configure_process(argparse.Namespace(cpu={cpu}, threads=1))\n"
+        f"configure_process(argparse.Namespace(cpu={cpu}, threads=1, engine='torch'))\n"
         "from services.planner.profiler import profile\n"
         "from distserve.loadgen.fidelity import GRIDS\n"
         f"grid = GRIDS[{grid!r}]\n"

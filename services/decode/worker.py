@@ -22,9 +22,10 @@ from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
-from services.engine.parallel import kv_heads_of
 from services.engine.sequence import Sequence
-from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport, dtype_name
+from services.engine.shards import kv_heads_of
+from services.kvtransfer.memory import dtype_name
+from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop, StepInfo
 from services.worker.tp_group import start_engine

@@ -133,7 +133,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "that share the prefix (and reporting them to the gateway for routing)",
     )
     p.add_argument("--cpu", type=int, help="pin this process to one CPU core")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's choice; real engine only)"
+    )
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -175,17 +177,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def configure_process(args: argparse.Namespace) -> None:
-    """Pin the process to its core and set torch's thread count, as the options ask.
+    """Pin the process to its core and set torch's thread count, as the options ask (an
+    emulated engine runs no torch, and its process never imports it).
 
     Also shortens the interpreter's GIL switch interval (5 ms by default): the engine thread
     holds the GIL between torch kernels, and the event loop serving gRPC must get it promptly.
     """
     import sys
 
-    import torch
-
     sys.setswitchinterval(0.0005)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    if args.threads:
+    if args.threads and args.engine == "torch":
+        import torch
+
         torch.set_num_threads(args.threads)

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from services.common import clock
 from services.common.errors import UnsupportedModel
@@ -52,6 +51,8 @@ from services.engine.sequence import Sequence
 # An emulated engine's KV payload per token: (token id, position) in one head of two float32
 # values, in two layers (so that the layer-wise handoff publishes and pulls layer by layer).
 PAYLOAD = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=2)
+# A numpy array in host memory: an emulated engine's process never imports torch.
+PAYLOAD_DTYPE = np.dtype(np.float32)
 _MASK = 2**64 - 1
 
 
@@ -108,8 +109,7 @@ def build(
         block_size=config.block_size,
         num_kv_heads=PAYLOAD.num_kv_heads,
         head_dim=PAYLOAD.head_dim,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
+        dtype=PAYLOAD_DTYPE,
     )
     runner = EmulatedRunner(spec, StepTimes(latency, em.tp), cache, vocab, config.seed)
     return runner, num_blocks
@@ -236,23 +236,23 @@ class EmulatedRunner:
     def _write(self, slots: list[int], ids: list[int], positions: list[int]) -> None:
         if not slots:
             return
-        index = torch.tensor(slots, dtype=torch.int64)
+        index = np.array(slots, dtype=np.int64)
         # (T, heads=1, 2): K holds (id, position), V (position, id)
-        k = torch.tensor([ids, positions], dtype=torch.float32).T.reshape(-1, 1, 2)
-        v = k.flip(-1)
+        k = np.array([ids, positions], dtype=PAYLOAD_DTYPE).T.reshape(-1, 1, 2)
+        v = k[..., ::-1]
         for layer in range(self.cache.num_layers):
             keys, values = self.cache.layer(layer)
-            keys.index_copy_(0, index, k)
-            values.index_copy_(0, index, v)
+            keys[index] = k
+            values[index] = v
 
     def _read(self, slots: list[int]) -> np.ndarray:
         """The payload of cache slots, every layer, K and V: (T, layers * 2, heads, head_dim)."""
-        index = torch.tensor(slots, dtype=torch.int64)
+        index = np.array(slots, dtype=np.int64)
         parts = []
         for layer in range(self.cache.num_layers):
             keys, values = self.cache.layer(layer)
-            parts += [keys.index_select(0, index), values.index_select(0, index)]
-        return torch.stack(parts, dim=1).numpy()
+            parts += [keys[index], values[index]]
+        return np.stack(parts, axis=1)
 
 
 def _slots(seq: Sequence, first: int, end: int, bs: int) -> list[int]:

@@ -9,7 +9,7 @@ starts from the longest cached prefix of its full blocks and computes only the r
 one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
 `kv_events` reports what was cached and evicted.
 
-Why one file (~490 lines): `LLMEngine` is the one object every worker drives (requests, the step,
+Why one file (~510 lines): `LLMEngine` is the one object every worker drives (requests, the step,
 a prefill instance's held KV, a decode instance's pulled KV, the prefix cache's reports), and
 each of those sections is a few short methods over the same queues and pool.
 """
@@ -22,30 +22,30 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.engine import emulated, gemm
-from services.engine.attention import make_backend
+from services.engine import emulated
 from services.engine.block_pool import BlockPool, BlockTable
 from services.engine.config import EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.emulated import PAYLOAD, EmulatedRunner
 from services.engine.kv_cache import KvCache, KvGeometry
 from services.engine.kv_events import KvEvents
-from services.engine.model_runner import ModelRunner
-from services.engine.parallel import TensorParallel, check_tp, kv_heads_of
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
-from services.engine.weights import fingerprint, load_model
+from services.engine.shards import check_tp, kv_heads_of
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.model_runner import ModelRunner
+    from services.engine.parallel import TensorParallel
 
 
 @dataclass
@@ -75,9 +75,12 @@ class LLMEngine:
 
         tp: this process's rank in a tensor-parallel group (None: tp == 1). Every rank of the
         group must then make the same calls (add_request, abort, step...) in the same order.
+
+        The real engine's modules (torch, the model, attention, weights) are imported when the
+        first one is built: an emulated engine's process never loads torch.
         """
         config = config or EngineConfig()
-        self.tp = tp or TensorParallel()
+        self.tp = tp
         self.detokenize = detokenize
         self.config = config
         self.model_dir = Path(model_dir)
@@ -89,13 +92,9 @@ class LLMEngine:
                 f"tokenizer.json has {self.tokenizer.vocab_size} ids but config.json's vocab_size "
                 f"is {mc.vocab_size}: they do not belong to the same model"
             )
-        check_tp(mc, self.tp.world_size)
-        if config.emulation is not None:
-            self.runner, num_blocks = self._emulated(mc, config)
-            weights = emulated.fingerprint(self.model_dir, mc)
-        else:
-            self.runner, num_blocks = self._loaded(mc, config)
-            weights = fingerprint(self.model_dir)
+        check_tp(mc, tp.world_size if tp else 1)
+        build = self._loaded if config.emulation is None else self._emulated
+        self.runner, num_blocks, weights = build(mc, config)
         self.pool = BlockPool(num_blocks)
         self.block_size = config.block_size
         # What a cached block's KV depends on besides its tokens (the same on every rank).
@@ -112,13 +111,21 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
-    def _loaded(self, mc: ModelConfig, config: EngineConfig) -> tuple[ModelRunner, int]:
-        """The real runner: the model's weights (this rank's share), its KV cache, attention."""
+    def _loaded(self, mc: ModelConfig, config: EngineConfig) -> tuple[ModelRunner, int, str]:
+        """The real runner: the model's weights (this rank's share), its KV cache, attention;
+        the number of blocks of its pool, and what its KV depends on (the weights' name)."""
         if mc.emulated:
             raise UnsupportedModel(
                 f"{self.model_dir} is an emulated model ({mc.emulated}: a shape, no weights); "
                 "serve it with --engine emulated"
             )
+        from services.engine import gemm
+        from services.engine.attention import make_backend
+        from services.engine.model_runner import ModelRunner
+        from services.engine.parallel import TensorParallel
+        from services.engine.weights import fingerprint, load_model
+
+        self.tp = self.tp or TensorParallel()
         # The KV heads this rank computes and caches (all of them with tp == 1).
         self.kv_heads = kv_heads_of(self.tp.rank, self.tp.world_size, mc.num_kv_heads)
         num_heads, num_kv_heads = mc.num_heads // self.tp.world_size, len(self.kv_heads)
@@ -154,10 +161,12 @@ class LLMEngine:
             device=self.device,
             dtype=self.dtype,
         )
-        return ModelRunner(model, cache, backend, config.max_num_seqs), num_blocks
+        runner = ModelRunner(model, cache, backend, config.max_num_seqs)
+        return runner, num_blocks, fingerprint(self.model_dir)
 
-    def _emulated(self, mc: ModelConfig, config: EngineConfig) -> tuple[EmulatedRunner, int]:
-        """The emulated runner (no weights, modelled steps; services/engine/emulated.py)."""
+    def _emulated(self, mc: ModelConfig, config: EngineConfig) -> tuple[EmulatedRunner, int, str]:
+        """The emulated runner (no weights, modelled steps; services/engine/emulated.py), its
+        pool's blocks and what its KV depends on."""
         if not mc.emulated:
             raise UnsupportedModel(
                 f"--engine emulated serves an emulated model's folder, and {self.model_dir} holds "
@@ -167,9 +176,10 @@ class LLMEngine:
             )
         self.kv_heads = range(PAYLOAD.num_kv_heads)
         self.kv_geometry = PAYLOAD
-        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.device, self.dtype = "cpu", emulated.PAYLOAD_DTYPE
         self.gemm_forms = {}
-        return emulated.build(self.model_dir, mc, config, self.tokenizer.vocab_size)
+        runner, num_blocks = emulated.build(self.model_dir, mc, config, self.tokenizer.vocab_size)
+        return runner, num_blocks, emulated.fingerprint(self.model_dir, mc)
 
     @property
     def emulated(self) -> bool:
@@ -479,17 +489,23 @@ class LLMEngine:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
 def _dtype(choice: str, stored: str, device: torch.device) -> torch.dtype:
+    """The torch dtype named `choice` (one of model_config.DTYPES), or for "auto" float32 on
+    CPU and the checkpoint's `stored` dtype on a device."""
+    import torch
+
     if choice != "auto":
-        return _TORCH_DTYPES[choice]
+        return getattr(torch, choice)
     if device.type == "cpu":
         return torch.float32
-    return _TORCH_DTYPES[stored]
+    return getattr(torch, stored)
 
 
 def _stable_seed(seed: int, request_id: str) -> int:

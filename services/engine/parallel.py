@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.engine.gemm import Linear, rows_linear
+from services.engine.shards import check_rank, check_tp, vocab_rows_of
 
 TIMEOUT = timedelta(minutes=10)  # longest a rank waits for the others (start-up, collectives)
 
@@ -80,11 +80,7 @@ class TensorParallel:
     comm_timer: CommTimer | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise InvalidRequest(
-                f"tensor parallel rank {self.rank} of {self.world_size}: need tp >= 1 and "
-                "0 <= rank < tp"
-            )
+        check_rank(self.rank, self.world_size)
 
     @classmethod
     def init(
@@ -142,51 +138,6 @@ class TensorParallel:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _part(rank: int, tp: int, n: int, what: str) -> range:
-    if n % tp:
-        raise UnsupportedModel(
-            f"tensor parallelism tp={tp} does not divide {what} ({n}); choose a tp that divides "
-            "num_attention_heads, num_key_value_heads and intermediate_size (replicating KV "
-            "heads for tp > num_key_value_heads is not implemented)"
-        )
-    per = n // tp
-    return range(rank * per, (rank + 1) * per)
-
-
-def kv_heads_of(rank: int, tp: int, num_kv_heads: int) -> range:
-    """The KV heads rank `rank` of `tp` holds (computes and caches): a contiguous range."""
-    TensorParallel(rank, tp)  # validates rank and tp
-    return _part(rank, tp, num_kv_heads, "num_key_value_heads")
-
-
-def heads_of(rank: int, tp: int, num_heads: int) -> range:
-    """The query heads rank `rank` of `tp` holds."""
-    TensorParallel(rank, tp)
-    return _part(rank, tp, num_heads, "num_attention_heads")
-
-
-def columns_of(rank: int, tp: int, intermediate_size: int) -> range:
-    """The MLP columns (of gate and of up; rows of down's input) rank `rank` of `tp` holds."""
-    TensorParallel(rank, tp)
-    return _part(rank, tp, intermediate_size, "intermediate_size")
-
-
-def vocab_rows_of(rank: int, tp: int, vocab_size: int) -> range:
-    """The vocabulary rows rank `rank` holds: ceil(vocab / tp) a rank, the last ones fewer."""
-    per = -(-vocab_size // tp)
-    return range(min(rank * per, vocab_size), min((rank + 1) * per, vocab_size))
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise UnsupportedModel unless `tp` divides the heads, the KV heads and the MLP width."""
-    for n, what in (
-        (cfg.num_heads, "num_attention_heads"),
-        (cfg.num_kv_heads, "num_key_value_heads"),
-        (cfg.intermediate_size, "intermediate_size"),
-    ):
-        _part(0, tp, n, what)
 
 
 class RowParallelLinear(nn.Module):

@@ -14,13 +14,14 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest
 from services.common.model_config import EMULATED
 from services.common.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 1
@@ -51,7 +52,6 @@ _ARCH_MODEL_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_tokenizer():
@@ -110,7 +110,11 @@ def model_config(
 
 
 def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread."""
+    """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread.
+    (torch is imported here: making an emulated model's folder, or reading a preset, needs
+    none.)"""
+    import torch
+
     from services.common.model_config import ModelConfig
     from services.engine.weights import checkpoint_names
 
@@ -139,7 +143,7 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         else:
             shape = shapes[parts[-2]]
             t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
-        out[name] = t.to(_DTYPES[mc.dtype]).contiguous()
+        out[name] = t.to(getattr(torch, mc.dtype)).contiguous()
     return out
 
 
@@ -177,6 +181,8 @@ def create_model(
         )
         + "\n"
     )
+    from safetensors.torch import save_file
+
     tensors = random_weights(cfg, seed)
     if shards <= 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -186,6 +192,8 @@ def create_model(
 
 
 def _save_sharded(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    from safetensors.torch import save_file
+
     names = list(tensors)
     per = -(-len(names) // shards)
     weight_map = {}

@@ -23,15 +23,9 @@ import torch
 from services.common.errors import ModelLoadError
 from services.common.model_config import ModelConfig
 from services.engine.model import CausalLM
-from services.engine.parallel import (
-    TensorParallel,
-    columns_of,
-    heads_of,
-    kv_heads_of,
-    shard_model,
-    vocab_rows_of,
-)
+from services.engine.parallel import TensorParallel, shard_model
 from services.engine.rope import inverse_frequencies
+from services.engine.shards import columns_of, heads_of, kv_heads_of, vocab_rows_of
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _MAX_HEADER = 100 * 2**20

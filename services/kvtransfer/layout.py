@@ -5,25 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from functools import partial
+from typing import Any
 
 from services.common.kv_handle import RankSource
-
-
-def raw(t: torch.Tensor):
-    """A contiguous tensor's bytes for a transport: a numpy uint8 view on CPU (buffer
-    protocol), a uint8 tensor on CUDA (CUDA array interface). No copy either way."""
-    b = t.reshape(-1).view(torch.uint8)
-    return b.numpy() if b.device.type == "cpu" else b
+from services.kvtransfer.memory import copy_into, empty_like, raw
 
 
 @dataclass(frozen=True)
 class KvDestination:
     """Where pulled KV lands: `data` is (layers, 2, blocks, block_size, heads, head_dim), an
-    engine's KV cache or a staging tensor, and holds the global KV heads `heads`."""
+    engine's KV cache or a staging buffer (a numpy array or a torch tensor: kvtransfer.memory),
+    and holds the global KV heads `heads`."""
 
-    data: torch.Tensor
+    data: Any
     heads: range
 
     def region(
@@ -36,8 +31,8 @@ class KvDestination:
             return raw(view), None
         lo = heads.start - self.heads.start
         part = view[:, :, lo : lo + len(heads)]
-        landing = torch.empty(part.shape, dtype=part.dtype, device=part.device)
-        return raw(landing), lambda: part.copy_(landing)
+        landing = empty_like(part)
+        return raw(landing), partial(copy_into, part, landing)
 
 
 def segments(src: list[int], dst: list[int], max_blocks: int) -> list[tuple[int, int, int]]:

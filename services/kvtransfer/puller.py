@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import torch
 
 from services.common import clock, mesh_tls, telemetry
 from services.common.errors import (
@@ -52,6 +51,7 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.server import CHANNEL_OPTIONS
 from services.kvtransfer import wire
 from services.kvtransfer.layout import KvDestination, PullChunk, requests_for, segments
+from services.kvtransfer.memory import dtype_name, empty
 from services.kvtransfer.refusals import error_of
 from services.kvtransfer.transports import (
     Fetched,
@@ -63,12 +63,8 @@ from services.kvtransfer.ucx_setup import ucx_available
 
 log = logging.getLogger("distserve.kvtransfer")
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = ("float32", "bfloat16", "float16")  # what a handle's KV may come in
 REQUESTS_AHEAD = 4  # requests in flight per source rank, at least
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -452,10 +448,10 @@ class KvPuller:
         if skip:
             raise InvalidRequest("KV in another block size or dtype is pulled whole (skip 0)")
         n, h = handle.num_blocks, len(heads)
-        staging = torch.empty(
+        staging = empty(
             (handle.num_layers, 2, n, handle.block_size, h, handle.head_dim),
-            dtype=KV_DTYPES[handle.dtype],
-            device=cache.data.device,
+            handle.dtype,
+            like=cache.data,
         )
         report = await self.pull(handle, list(range(n)), KvDestination(staging, heads), trace)
         for layer in range(handle.num_layers):

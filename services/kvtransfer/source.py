@@ -23,22 +23,23 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.kvtransfer import checksums, crc_combine, wire
 from services.kvtransfer.faults import Fault, FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
+from services.kvtransfer.memory import contiguous, on_host, raw
 
 log = logging.getLogger("distserve.kvtransfer")
 
 SEND_TIMEOUT_S = 30.0  # longest one chunk send may wait for its receiver
 
 # region(layer, kv, first_block_id, num_blocks) -> those blocks of one layer's K or V in place,
-# (num_blocks, block_size, heads held here, head_dim)
-RegionFn = Callable[[int, int, int, int], torch.Tensor]
+# (num_blocks, block_size, heads held here, head_dim): a numpy array or a torch tensor
+RegionFn = Callable[[int, int, int, int], Any]
 ADOPT_WAIT_S = 5.0  # how long a follower rank's source waits for a handle rank 0 has announced
 
 
@@ -51,7 +52,7 @@ class Chunk:
     layer: int
     kv: int
     index: int  # of its first block in the handle's block list
-    region: torch.Tensor  # (blocks, block_size, heads, head_dim) in place
+    region: Any  # (blocks, block_size, heads, head_dim) in place
     heads: range  # the heads asked for
     fault: Fault | None
     data: object = None  # numpy uint8 view (host memory) or uint8 tensor (device memory)
@@ -90,7 +91,7 @@ class ChunkSource:
         self.bytes_served = 0
         leases.on_publish = self._published
         block = region(0, 0, 0, 1)
-        if block.device.type == "cpu":  # what `seal` combines blocks' CRCs with (~50 ms, once)
+        if on_host(block):  # what `seal` combines blocks' CRCs with (~50 ms, once)
             crc_combine.prepare(block.nbytes)
 
     async def open_when_ready(self, req) -> list[Chunk]:
@@ -118,7 +119,7 @@ class ChunkSource:
     def _published(self, lease: Lease, before: int, after: int) -> None:
         """Layers before..after-1 of a lease are computed: take their blocks' checksums, on a
         checksum thread, unless the KV is in device memory."""
-        if not lease.blocks or self.region(0, 0, lease.blocks[0], 1).device.type != "cpu":
+        if not lease.blocks or not on_host(self.region(0, 0, lease.blocks[0], 1)):
             return
         for layer in range(before, after):
             lease.digests[layer] = checksums.on_checksum_thread(self._block_digests, lease, layer)
@@ -129,7 +130,7 @@ class ChunkSource:
         for kv in (0, 1):
             digests = []
             for first, n in lease.handle.runs:
-                rows = self.region(layer, kv, first, n).reshape(n, -1).view(torch.uint8).numpy()
+                rows = raw(self.region(layer, kv, first, n)).reshape(n, -1)
                 digests += [checksums.checksum_of(row) for row in rows]
             out.append(np.array(digests, dtype=np.uint32))
         return out[0], out[1]
@@ -149,9 +150,8 @@ class ChunkSource:
         region = chunk.region
         if chunk.heads != self.heads:  # a sub-range: strided in the cache, sent as a copy
             lo = chunk.heads.start - self.heads.start
-            region = region[:, :, lo : lo + len(chunk.heads)].contiguous()
-        data = region.reshape(-1).view(torch.uint8)
-        chunk.data = data.numpy() if data.device.type == "cpu" else data
+            region = contiguous(region[:, :, lo : lo + len(chunk.heads)])
+        chunk.data = raw(region)
 
     def _heads(self, req) -> range:
         if req.num_heads == 0:

@@ -339,7 +339,7 @@ class GrpcTransport:
                 received = await checksum(host)
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, host)
-            else:  # a uint8 tensor in device memory (layout.raw)
+            else:  # a uint8 tensor in device memory (memory.raw)
                 import torch
 
                 dst.copy_(torch.from_numpy(host.copy()))

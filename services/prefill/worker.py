@@ -15,10 +15,11 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
-from services.engine.parallel import kv_heads_of
+from services.engine.shards import kv_heads_of
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
+from services.kvtransfer.memory import dtype_name
 from services.kvtransfer.source import ChunkSource
 from services.kvtransfer.ucx_setup import ucx_available
 from services.prefill.config import PrefillConfig
@@ -319,7 +320,7 @@ class PrefillWorker:
             num_layers=kv.num_layers,
             num_kv_heads=kv.num_kv_heads,
             head_dim=kv.head_dim,
-            dtype=str(cache.data.dtype).removeprefix("torch."),
+            dtype=dtype_name(cache.data.dtype),
             runs=tuple(runs),
             block_bytes=cache.block_bytes * tp,  # every head (a rank holds 1 / tp of them)
             lease_expiry_unix_ms=0,

@@ -34,8 +34,9 @@ from typing import BinaryIO
 from services.common.errors import DistServeError
 from services.common.kv_handle import KvHandle
 from services.engine.engine import LLMEngine
-from services.engine.parallel import TensorParallel, kv_heads_of
+from services.engine.parallel import TensorParallel
 from services.engine.sequence import Sequence, StepOutput
+from services.engine.shards import kv_heads_of
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy

@@ -33,16 +33,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from services.common import orphan_guard
 from services.common.errors import RemoteError
 from services.engine import commands
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.parallel import TensorParallel, local_store
 
 if TYPE_CHECKING:
+    from services.engine.parallel import TensorParallel
     from services.worker.rank_kv import RankKv
 
 log = logging.getLogger("distserve.engine")
@@ -172,9 +170,15 @@ def start_engine(
     """This process's engine, as rank 0 of a group of `tp` ranks (the group is None for
     tp == 1: a plain engine, nothing started). `kv`: what the followers' KV data planes do,
     "serve" (prefill) or "pull" (decode); `kv_options`: {"policy": PullPolicy fields,
-    "transport": "auto" | "ucx" | "grpc"} for pulling followers."""
+    "transport": "auto" | "ucx" | "grpc"} for pulling followers. torch (its distributed
+    group) is imported only for tp > 1: an emulated instance is one process (tp 1), and never
+    imports it."""
     if tp == 1:
         return LLMEngine(model, config, detokenize=detokenize), None
+    import torch.distributed as dist
+
+    from services.engine.parallel import TensorParallel, local_store
+
     store = local_store(tp, 0)
     followers = []
     for rank in range(1, tp):
@@ -232,6 +236,8 @@ def start_engine(
 def follow(tp: TensorParallel, engine: LLMEngine, kv: RankKv) -> None:
     """A follower's life: apply rank 0's commands in order until its pipe closes. A command
     that raises here raised on rank 0 too (the same state, the same call): rank 0 reports it."""
+    import torch.distributed as dist
+
     stdin = sys.stdin.buffer
     dist.barrier(group=tp.group)
     for line in stdin:
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    from services.engine.parallel import TensorParallel, local_store
     from services.kvtransfer.puller import PullPolicy  # the data plane: a follower's alone
     from services.worker.rank_kv import RankKv
 

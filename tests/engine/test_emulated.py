@@ -71,7 +71,7 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, prompts, corrupt: bool = Fal
     for seq in decode.admit_pulls():
         src = prefill.sequence(seq.request_id).block_table.blocks
         for s, d in zip(src, seq.block_table.blocks, strict=True):
-            decode.runner.cache.data[:, :, d].copy_(prefill.runner.cache.data[:, :, s])
+            decode.runner.cache.data[:, :, d] = prefill.runner.cache.data[:, :, s]
         if corrupt:
             decode.runner.cache.data[1, 1, seq.block_table.blocks[0], 3] += 1.0
         prefill.release(seq.request_id)

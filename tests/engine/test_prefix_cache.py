@@ -261,7 +261,7 @@ def test_the_salt_changes_with_the_dtype_and_the_weights(tiny_model, tmp_path):
 def copy_kv(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int]) -> None:
     """What the KV transfer does, as a local copy."""
     for s, d in zip(src_blocks, dst_blocks, strict=True):
-        dst.runner.cache.data[:, :, d].copy_(src.runner.cache.data[:, :, s])
+        dst.runner.cache.data[:, :, d] = src.runner.cache.data[:, :, s]  # torch or numpy
 
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], rid: str) -> tuple:

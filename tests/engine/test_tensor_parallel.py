@@ -20,7 +20,8 @@ from services.common.sampling import SamplingParams
 from services.engine import gemm
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.parallel import TensorParallel, kv_heads_of, spawn_ranks
+from services.engine.parallel import TensorParallel, spawn_ranks
+from services.engine.shards import kv_heads_of
 
 TP = 2
 CONFIG = EngineConfig(num_blocks=64, block_size=8, max_batch_tokens=64)

@@ -1,5 +1,5 @@
 """The gRPC fallback transport fills any destination a pull may have: a numpy view of host
-memory, or a uint8 tensor (what `layout.raw` gives for device memory; a CPU tensor stands in for
+memory, or a uint8 tensor (what `memory.raw` gives for device memory; a CPU tensor stands in for
 it here), and checksums the chunk as it came, so a device destination is verified too."""
 
 from __future__ import annotations
