@@ -108,6 +108,7 @@ class Mesh:
         self._clock_args: tuple[str, ...] = ()  # every process's --time-scale and --time-epoch
         self.actuator = None  # a LocalActuator when the planner resizes the mesh (spec.budget)
         self._actuator_server = None
+        self._registry = None  # a channel to the gateway's registry, kept (the planner polls)
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -249,9 +250,10 @@ class Mesh:
 
     def worker_loads(self) -> dict:
         """Each registered worker's last reported load (`WorkerLoad`), by name."""
-        with mesh_tls.channel(self.gateway_address) as channel:
-            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
-            workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+        if self._registry is None:
+            self._registry = mesh_tls.channel(self.gateway_address)
+        stub = gateway_pb2_grpc.WorkerRegistryStub(self._registry)
+        workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
         return {w.worker_id: w.load for w in workers}
 
     def _start_planner(self) -> str:
@@ -298,6 +300,9 @@ class Mesh:
         _terminate(self.workers, grace_s)
         _terminate([p for p in self.processes if p.name in ("gateway", "planner")], grace_s)
         self.processes = []
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
 
     def restart(self, name: str) -> Process:
         """Start the worker `name`, which stopped or died, again under its name and with the
