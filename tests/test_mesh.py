@@ -282,8 +282,7 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
         edge = next(ln.split("http://")[1].split()[0] for ln in lines if "edge (Envoy" in ln)
         ids, _, _ = asyncio.run(generate(edge, "Hello", 5))
         assert len(ids) == 5
-        children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-        children = [int(p) for p in children_file.read_text().split()]
+        children = children_of(proc.pid)
         assert len(children) == 4  # gateway, prefill, decode, envoy
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -295,6 +294,16 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes `pid` forked, from any of its threads (the launcher forks from one of its
+    own: services/common/orphan_guard.py)."""
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
 
 
 def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
@@ -314,8 +323,7 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
         for line in proc.stdout:
             if "serving" in line:
                 break
-        children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-        children = [int(p) for p in children_file.read_text().split()]
+        children = children_of(proc.pid)
         assert len(children) == 4  # gateway, prefill, decode, envoy
         proc.kill()  # no chance to stop them: the kernel tells them (PR_SET_PDEATHSIG)
         proc.wait()

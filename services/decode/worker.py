@@ -151,7 +151,7 @@ class DecodeWorker:
             )
         self.requests_total += 1
         queue = self.loop.subscribe(request_id)
-        finished = False
+        finished = failed = False
         pending_handle = handle  # released once pulled; released on any exit before that
         decoded, decode_start = 0, None  # decode_start: when decoding began
         try:
@@ -178,6 +178,9 @@ class DecodeWorker:
                 decoded += len(ids)
                 finished = reason is not None
                 yield DecodeEvent(ids, reason)
+        except DistServeError:
+            failed = True  # a failure (counted where it happened), not an abort
+            raise
         finally:
             if decode_start is not None:
                 # Here, not after the loop: the caller cancels the call once the last token
@@ -193,7 +196,7 @@ class DecodeWorker:
             self.loop.unsubscribe(request_id)
             self._admissions.pop(request_id, None)
             if not finished:
-                self.requests_aborted += 1
+                self.requests_aborted += not failed
                 await asyncio.shield(self._forget(request_id, pending_handle))
 
     async def _next_tokens(

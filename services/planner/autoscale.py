@@ -19,7 +19,10 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
 * **Down only when it stays safe.** A smaller placement is taken only if it is predicted to
   meet the target at `down_headroom` x the rate (above `up_headroom`: a band in which neither
   rule fires, so noise in the measured rate cannot scale 2 -> 1 -> 2 under a constant load,
-  Dynamo #9294), and only when the current one meets the SLO as observed.
+  Dynamo #9294), only when the current one meets the SLO as observed, and only once the
+  current placement has been measured for a whole window since it landed (up is fast, down is
+  slow, as Kubernetes' HPA stabilises scale-down: a window that still holds the requests of
+  the last, harder, load is not yet the load now).
 * **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
 * **Rates are arrivals, seen as they come.** The gateway reports each request when it is
   accepted (and again when it finishes, with its latencies): the rate is arrivals over the
@@ -252,6 +255,9 @@ class Autoscaler:
                     predicted,
                 )
             return Decision("scale", why, target, rate, observed, predicted)
+        if view.now_s - view.last_change_s < self.config.window_s:
+            why = "the SLO is met; fewer devices wait until this placement filled a window"
+            return Decision("hold", why, current, rate, observed, base)
         for c in self.candidates():
             if self.devices(c) >= self.devices(current):
                 break

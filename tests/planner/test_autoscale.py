@@ -96,6 +96,14 @@ def test_a_load_that_falls_scales_down_only_to_what_stays_safe(autoscaler):
     )
     headroom = autoscaler.config.down_headroom
     assert autoscaler.predict(d.counts, requests.at_rate(rate * headroom)) >= 0.9
+    # not before the placement has been measured for a whole window since it landed (past the
+    # cool-down): up is fast, down is slow
+    window = autoscaler.config.window_s
+    samples = served(autoscaler, counts, "chat", 1.5, 0)
+    early = autoscaler.decide(View(NOW, samples, counts, last_change_s=NOW - window / 2))
+    assert early.action == "hold" and "window" in early.reason, early
+    late = autoscaler.decide(View(NOW, samples, counts, last_change_s=NOW - window))
+    assert late.action == "scale" and late.counts == d.counts, late
 
 
 def test_nothing_is_decided_while_a_change_is_in_flight_or_cooling_down(autoscaler):
