@@ -19,10 +19,10 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
 * **Down only when it stays safe.** A smaller placement is taken only if it is predicted to
   meet the target at `down_headroom` x the rate (above `up_headroom`: a band in which neither
   rule fires, so noise in the measured rate cannot scale 2 -> 1 -> 2 under a constant load,
-  Dynamo #9294), only when the current one meets the SLO as observed, and only once the
-  current placement has been measured for a whole window since it landed (up is fast, down is
-  slow, as Kubernetes' HPA stabilises scale-down: a window that still holds the requests of
-  the last, harder, load is not yet the load now).
+  Dynamo #9294), only when the current one meets the SLO as observed, and only after it was
+  found safe at every decision for `down_stabilization_s` on the current placement (up is
+  fast, down is slow, as Kubernetes' HPA stabilises scale-down): to the largest placement
+  found safe over that period. One noisy window cannot take the mesh down to send it back up.
 * **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
 * **Rates are arrivals, seen as they come.** The gateway reports each request when it is
   accepted (and again when it finishes, with its latencies): the rate is arrivals over the
@@ -30,12 +30,13 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
   decided on at its own rate at once, not a request's latency and a window later.
 * **Idle shrinks**: fewer than MIN_SAMPLES requests over a whole window since the last change
   (or the start) scale the pool down to its smallest placement.
+* **State**: the correction below, and the down-scaling records above; `decide` does no I/O.
 * **The latency model is corrected by what the mesh measures.** Each window judged on a
   settled placement compares its observed median TTFT and TPOT with the simulator's on the
   same requests and placement (the uncorrected model); the ratios, clamped to
   `correction_bounds` and smoothed (`correction_weight` of each new one), scale the model's
-  prefill and decode step times for every prediction after. `decide` does no I/O; the
-  correction is its one state (`Autoscaler.correction`, and each decision's `correction`).
+  prefill and decode step times for every prediction after (`Autoscaler.correction`, and
+  each decision's `correction`).
 
 The tensor degree of each role is the mesh's (instances are resized, not re-sharded).
 """
@@ -68,6 +69,9 @@ class AutoscaleConfig:
     down_headroom: float = 1.5
     margin: float = 0.05  # attainment a change must add (a scale-up or a reshape)
     cooldown_s: float = 30.0
+    # a smaller placement must have been predicted safe at every decision this long (since the
+    # last change) before it is taken, and the largest of those predictions is what is taken
+    down_stabilization_s: float = 120.0
     replay: int = 600  # requests the simulator replays per prediction (the window repeated)
     correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
@@ -141,6 +145,10 @@ class Autoscaler:
         self._instances = {r: sim_instance(spec, r, self.tp[r]) for r in roles}
         self._profiled = spec  # the latency models as profiled; self.spec's are corrected
         self.correction = {"prefill": 1.0, "decode": 1.0}
+        # (when, the smallest placement safe then) for each decision on `_safe_on` since the
+        # last change: what a scale-down is stabilised over
+        self._safe: list[tuple[float, dict[str, int]]] = []
+        self._safe_on: dict[str, int] = {}
 
     def devices(self, counts: Mapping[str, int]) -> int:
         return sum(counts.get(r, 0) * self.tp[r] for r in self.roles)
@@ -246,6 +254,7 @@ class Autoscaler:
                 f"{observed:.1%}, target {alpha:.0%})"
             )
             if target == current or then < now + self.config.margin:
+                self._stabilised(view, current, current)  # nothing smaller is safe now
                 return Decision(
                     "hold",
                     why + ": no placement in the budget does better",
@@ -255,22 +264,52 @@ class Autoscaler:
                     predicted,
                 )
             return Decision("scale", why, target, rate, observed, predicted)
-        if view.now_s - view.last_change_s < self.config.window_s:
-            why = "the SLO is met; fewer devices wait until this placement filled a window"
-            return Decision("hold", why, current, rate, observed, base)
-        for c in self.candidates():
-            if self.devices(c) >= self.devices(current):
-                break
-            if self.predict(c, at(self.config.down_headroom)) >= alpha:
-                predicted = {**base, "target": self.predict(c, at(1.0))}
-                why = (
-                    f"{self.devices(c)} devices meet the SLO at {self.config.down_headroom:g}x "
-                    f"the measured {rate:.3g} req/s"
-                )
-                return Decision("scale", why, c, rate, observed, predicted)
-        return Decision(
-            "hold", "the SLO is met and no smaller placement is safe", current, rate, observed, base
+        smallest = next(
+            (
+                c
+                for c in self.candidates()
+                if self.devices(c) < self.devices(current)
+                and self.predict(c, at(self.config.down_headroom)) >= alpha
+            ),
+            current,
         )
+        target = self._stabilised(view, current, smallest)
+        if target is None:
+            why = "the SLO is met and no smaller placement is safe"
+            if smallest != current:
+                why = (
+                    f"the SLO is met; {self.devices(smallest)} devices would be, once safe at "
+                    f"every decision for {self.config.down_stabilization_s:g} s"
+                )
+            return Decision("hold", why, current, rate, observed, base)
+        predicted = {**base, "target": self.predict(target, at(1.0))}
+        why = (
+            f"{self.devices(target)} devices have met the SLO at "
+            f"{self.config.down_headroom:g}x the measured rate for "
+            f"{self.config.down_stabilization_s:g} s (now {rate:.3g} req/s)"
+        )
+        return Decision("scale", why, target, rate, observed, predicted)
+
+    def _stabilised(self, view: View, current: dict, smallest: dict) -> dict | None:
+        """Record that `smallest` is the smallest placement safe now; return the placement to
+        scale down to, or None. Down is slow (as Kubernetes' HPA stabilises scale-down): to the
+        largest of the placements found safe at every decision of the last
+        `down_stabilization_s`, and only once the records since the last change (on this
+        placement) span that long. One noisy window (a run of short outputs, a lull) then
+        cannot take the mesh down just to send it back up."""
+        stab = self.config.down_stabilization_s
+        kept = [
+            (t, c)
+            for t, c in self._safe
+            if self._safe_on == current and view.last_change_s <= t <= view.now_s
+        ]
+        self._safe_on = dict(current)
+        self._safe = [*kept[-1000:], (view.now_s, dict(smallest))]
+        if self._safe[0][0] > view.now_s - stab:
+            return None  # not yet measured for long enough on this placement
+        period = [c for t, c in self._safe if t >= view.now_s - stab]
+        largest = max(reversed(period), key=self.devices)
+        return largest if self.devices(largest) < self.devices(current) else None
 
     def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
         """The arrival rate to decide on, and "" or what makes it a surge. Measured over the
