@@ -57,6 +57,12 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     g.add_argument("--decide-every-s", type=float, default=1.0)
     g.add_argument("--window-s", type=float, default=60.0, help="the workload measured")
     g.add_argument("--cooldown-s", type=float, default=30.0, help="after a change lands")
+    g.add_argument(
+        "--down-stabilization-s",
+        type=float,
+        default=120.0,
+        help="a smaller placement must be safe at every decision this long before it is taken",
+    )
     g.add_argument("--advise", action="store_true", help="decide and report, never apply")
     add_metrics_args(p)
     clock.add_args(p)
@@ -73,7 +79,12 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
             ttft_slo_ms=ttft,
             tpot_slo_ms=tpot,
             tp={r: int(n) for r, n in (kv.split("=") for kv in a.tp.split(","))},
-            config=AutoscaleConfig(budget=a.budget, window_s=a.window_s, cooldown_s=a.cooldown_s),
+            config=AutoscaleConfig(
+                budget=a.budget,
+                window_s=a.window_s,
+                cooldown_s=a.cooldown_s,
+                down_stabilization_s=a.down_stabilization_s,
+            ),
             attainment=a.attainment,
             interval_s=a.decide_every_s,
             advisory=a.advise,

@@ -85,6 +85,10 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         if self.budget < 1:
             raise InvalidRequest(f"a budget is >= 1 device, got {self.budget}", "budget")
+        if self.down_stabilization_s < 0:
+            raise InvalidRequest(
+                f"--down-stabilization-s is >= 0 s, got {self.down_stabilization_s:g}"
+            )
         if not 1.0 <= self.up_headroom < self.down_headroom:
             raise InvalidRequest(
                 "headrooms: 1 <= up < down (the band between them is what keeps a constant "

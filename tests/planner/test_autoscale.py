@@ -166,6 +166,8 @@ def test_few_requests_decide_nothing_and_bad_configs_are_refused(autoscaler):
         AutoscaleConfig(budget=8, up_headroom=1.5, down_headroom=1.2)
     with pytest.raises(InvalidRequest, match="budget"):
         AutoscaleConfig(budget=0)
+    with pytest.raises(InvalidRequest, match="down-stabilization"):
+        AutoscaleConfig(budget=8, down_stabilization_s=-1)
 
 
 def test_samples_in_the_order_requests_finished_measure_the_same_rate(autoscaler):
