@@ -1,4 +1,8 @@
-"""The mesh end to end: real processes, real sockets, real UCX, the tiny model."""
+"""The mesh end to end: real processes, real sockets, real UCX, the tiny model.
+
+Why one file (~490 lines): most tests share one started 1P1D mesh (a module fixture: starting it
+is the expensive part), and the rest are `distserve up` itself started and stopped as a user
+would; splitting them would start the mesh once per file."""
 
 from __future__ import annotations
 
