@@ -39,13 +39,21 @@ def autoscaler() -> Autoscaler:
 
 
 def served(
-    a: Autoscaler, counts, workload: str, rate: float, seed: int, n: int = 240, end: float = NOW
+    a: Autoscaler,
+    counts,
+    workload: str,
+    rate: float,
+    seed: int,
+    n: int = 240,
+    end: float = NOW,
+    mesh: PlanSpec | None = None,
 ):
     """`n` requests of a workload at `rate`, as the mesh of `counts` would report them (the
-    simulator's TTFT and TPOT), the last arriving just before `end`."""
+    simulator's TTFT and TPOT; `mesh`: the step times it runs at, default the planner's), the
+    last arriving just before `end`."""
     requests = PRESETS[workload].sample(n, seed).at_rate(rate)
     instances = [a._instances[r] for r in a.roles for _ in range(counts[r])]
-    result = simulate(sim_cluster(a.spec, instances), requests)
+    result = simulate(sim_cluster(mesh or a.spec, instances), requests)
     start = end - requests.arrival_s[-1] - 0.01
     return tuple(
         Sample(start + t, int(p), int(o), ttft * 1000, tpot * 1000)
@@ -208,22 +216,9 @@ def test_the_latency_model_is_corrected_toward_what_the_mesh_measures_clamped_an
     a = Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
     counts = {"prefill": 2, "decode": 2}
     requests = PRESETS["chat"].sample(240, 0).at_rate(2.0)
-    instances = [a._instances[r] for r in a.roles for _ in range(counts[r])]
 
     def window(mesh: PlanSpec) -> tuple[Sample, ...]:
-        result = simulate(sim_cluster(mesh, instances), requests)
-        start = NOW - requests.arrival_s[-1] - 0.01
-        return tuple(
-            Sample(start + t, int(p), int(o), ttft * 1000, tpot * 1000)
-            for t, p, o, ttft, tpot in zip(
-                requests.arrival_s,
-                requests.prompt,
-                requests.output,
-                result.ttft,
-                result.tpot,
-                strict=True,
-            )
-        )
+        return served(a, counts, "chat", 2.0, 0, mesh=mesh)
 
     slow = window(slower_mesh(a, 1.5, 1.5))
     before = a.predict(counts, requests)
