@@ -60,8 +60,6 @@ from bench.emulated import EmulatedMesh, rate_for
 from distserve.loadgen.emulated import EmulatedCluster, Shape
 from services.common.slo import Slo
 from services.planner.autoscale import AutoscaleConfig, Autoscaler
-from services.planner.cluster import ClusterSpec
-from services.planner.placement import PlanSpec
 from services.planner.workload import PRESETS
 
 MODEL = "opt-13b"
@@ -89,15 +87,7 @@ PLANNER_ARGS = (
 
 def planner_model(cluster: EmulatedCluster) -> Autoscaler:
     """The planner's own model of the mesh (what its service builds from PLANNER_ARGS)."""
-    spec = PlanSpec(
-        model=cluster.model,
-        cluster=ClusterSpec(1, BUDGET),
-        workload=PRESETS["chat"],
-        slo=SLO,
-        latency=cluster.latency,
-        colocated_latency=cluster.colocated_latency,
-        alpha=ALPHA,
-    )
+    spec = cluster.plan_spec(BUDGET, PRESETS["chat"], SLO, alpha=ALPHA)
     return Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
 
 

@@ -46,9 +46,8 @@ from distserve.loadgen.goodput import GoodputSearch, Probe
 from distserve.local_mesh import Mesh
 from services.common.slo import Slo
 from services.engine.presets import emulated_model
-from services.planner.cluster import ClusterSpec
 from services.planner.goodput import max_rate
-from services.planner.placement import PlanSpec, plan
+from services.planner.placement import plan
 from services.planner.simulator import simulate
 from services.planner.workload import LengthDist, Requests, Workload
 
@@ -68,17 +67,7 @@ def log(*args) -> None:
 
 def planned(cluster: EmulatedCluster, gpus: int, workload, slo: Slo):
     """The planner's plan on one node of `gpus` A100s (pp = 1: what the workers implement)."""
-    spec = PlanSpec(
-        model=cluster.model,
-        cluster=ClusterSpec(1, gpus),
-        workload=workload,
-        slo=slo,
-        latency=cluster.latency,
-        colocated_latency=cluster.colocated_latency,
-        alpha=ALPHA,
-        max_pp=1,
-    )
-    return plan(spec)
+    return plan(cluster.plan_spec(gpus, workload, slo, alpha=ALPHA, max_pp=1))
 
 
 def rate_for(

@@ -33,6 +33,8 @@ from services.common.latency import LatencyModel, for_model
 from services.common.model_spec import GIB, PUBLISHED_GPU_MEMORY, ModelSpec, kv_capacity
 from services.common.model_spec import model_spec as spec_named
 from services.common.slo import Slo
+from services.planner.cluster import ClusterSpec
+from services.planner.placement import PlanSpec
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Requests
 
@@ -100,6 +102,19 @@ class EmulatedCluster:
             for_model(spec, profile),
             for_model(spec, profile, "vllm"),
             profile=profile,
+            **kwargs,
+        )
+
+    def plan_spec(self, gpus: int, workload, slo: Slo, **kwargs) -> PlanSpec:
+        """What the planner is given for this cluster: one node of `gpus` devices, the model
+        and its latency fits (`kwargs`: PlanSpec's other fields, e.g. alpha, max_pp)."""
+        return PlanSpec(
+            model=self.model,
+            cluster=ClusterSpec(1, gpus),
+            workload=workload,
+            slo=slo,
+            latency=self.latency,
+            colocated_latency=self.colocated_latency,
             **kwargs,
         )
 

@@ -13,7 +13,6 @@ from distserve.loadgen.emulated import EmulatedCluster
 from services.common.errors import InvalidRequest
 from services.common.slo import Slo
 from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay, _scaled
-from services.planner.cluster import ClusterSpec
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster
 from services.planner.simulator import simulate
@@ -27,14 +26,7 @@ NOW = 1000.0
 @pytest.fixture(scope="module")
 def autoscaler() -> Autoscaler:
     cluster = EmulatedCluster.of("opt-13b")
-    spec = PlanSpec(
-        model=cluster.model,
-        cluster=ClusterSpec(1, BUDGET),
-        workload=PRESETS["chat"],
-        slo=SLO,
-        latency=cluster.latency,
-        colocated_latency=cluster.colocated_latency,
-    )
+    spec = cluster.plan_spec(BUDGET, PRESETS["chat"], SLO)
     return Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
 
 
@@ -205,14 +197,7 @@ def slower_mesh(a: Autoscaler, prefill: float, decode: float) -> PlanSpec:
 
 def test_the_latency_model_is_corrected_toward_what_the_mesh_measures_clamped_and_smoothed():
     cluster = EmulatedCluster.of("opt-13b")
-    spec = PlanSpec(
-        model=cluster.model,
-        cluster=ClusterSpec(1, BUDGET),
-        workload=PRESETS["chat"],
-        slo=SLO,
-        latency=cluster.latency,
-        colocated_latency=cluster.colocated_latency,
-    )
+    spec = cluster.plan_spec(BUDGET, PRESETS["chat"], SLO)
     a = Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=BUDGET))
     counts = {"prefill": 2, "decode": 2}
     requests = PRESETS["chat"].sample(240, 0).at_rate(2.0)

@@ -17,10 +17,9 @@ from services.common import clock
 from services.common.slo import Slo
 from services.planner.actuator import ActuatorStatus, Instance
 from services.planner.autoscale import AutoscaleConfig, Autoscaler
-from services.planner.cluster import ClusterSpec
 from services.planner.control import ControlLoop
 from services.planner.drift import Sample
-from services.planner.placement import PlanSpec, sim_cluster
+from services.planner.placement import sim_cluster
 from services.planner.simulator import simulate
 from services.planner.workload import PRESETS, Requests
 
@@ -63,14 +62,7 @@ class FakeActuator:
 @pytest.fixture(scope="module")
 def autoscaler() -> Autoscaler:
     cluster = EmulatedCluster.of("opt-13b")
-    spec = PlanSpec(
-        model=cluster.model,
-        cluster=ClusterSpec(1, 8),
-        workload=PRESETS["chat"],
-        slo=SLO,
-        latency=cluster.latency,
-        colocated_latency=cluster.colocated_latency,
-    )
+    spec = cluster.plan_spec(8, PRESETS["chat"], SLO)
     return Autoscaler(spec, {"prefill": 1, "decode": 1}, AutoscaleConfig(budget=8))
 
 
