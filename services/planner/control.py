@@ -83,8 +83,13 @@ class ControlLoop:
             self.arrivals.popleft()
 
     async def run(self) -> None:
+        """A tick every `interval_s` on a fixed cadence: a slow tick (the actuator's status
+        on a loaded host) delays the next by what is left of the interval, not by a whole one."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(clock.wall_seconds(self.interval_s))
+            due = max(due + clock.wall_seconds(self.interval_s), loop.time())
+            await asyncio.sleep(due - loop.time())
             try:
                 await self.tick()
             except grpc.RpcError as e:  # the actuator away (restarting, or the mesh stopping)
