@@ -76,9 +76,8 @@ class AutoscaleConfig:
     correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
     # A surge: a Poisson CUSUM over the window's arrivals for a rise to `surge_factor` x the
-    # window's rate passes `surge_threshold` (nats of evidence). 10, judged every 1 s: no false
-    # surge in 10 hours of constant Poisson load at 1, 3.8, 6 or 20 req/s; a tripled rate seen
-    # 2.4 s after it started (median; p90 3.5 s) at 3.8 req/s, 0.8 s at 20 req/s
+    # window's rate passes `surge_threshold` (nats of evidence). What 2 and 10 give, judged
+    # every second (false surges per 10 h, delay to see a tripled rate): bench/surge.py
     surge_factor: float = 2.0
     surge_threshold: float = 10.0
 
