@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,10 +76,12 @@ class AutoscaleConfig:
     correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
     # A surge: a Poisson CUSUM over the window's arrivals for a rise to `surge_factor` x the
-    # window's rate passes `surge_threshold` (nats of evidence). What 2 and 10 give, judged
-    # every second (false surges per 10 h, delay to see a tripled rate): bench/surge.py
+    # window's rate passes `surge_threshold` (nats of evidence). Tested as arrivals come
+    # (services/planner/control.py), 2 and 11 give 0 / 0 / 1 false surges per 10 h at 1 / 3.8 /
+    # 20 req/s and see a tripled rate after 2.9 s (median) at 3.8 req/s, 0.6 s at 20 (10: 3
+    # false surges per 10 h at 20 req/s, 2.7 s): bench/surge.py
     surge_factor: float = 2.0
-    surge_threshold: float = 10.0
+    surge_threshold: float = 11.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -315,42 +317,68 @@ class Autoscaler:
         return largest if self.devices(largest) < self.devices(current) else None
 
     def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
-        """The arrival rate to decide on, and "" or what makes it a surge. Measured over the
-        window from the arrivals the gateway reported (over the part of the window since they
-        are counted), or, with none reported, `finished_rate` (the finished requests': a
-        request's latency late). In a surge (`_surge`) the rate is the surge's own: a burst
-        is decided on at the first tick that has evidence of it, not a window later."""
-        start = max(view.now_s - self.config.window_s, view.arrivals_since_s)
-        span = view.now_s - start
-        counted = sorted(t for t in view.arrivals if start <= t <= view.now_s)
-        if not counted or span <= 0:
+        """The arrival rate to decide on, and "" or what makes it a surge: `arrival_rate` of
+        the arrivals the gateway reported, or, with none reported, `finished_rate` (the
+        finished requests': a request's latency late). In a surge the rate is the surge's
+        own: a burst is decided on as soon as there is evidence of it, not a window later."""
+        measured = arrival_rate(view.arrivals, view.now_s, view.arrivals_since_s, self.config)
+        if measured is None:
             return finished_rate, ""
-        rate = len(counted) / span
-        surge = self._surge(counted, view.now_s, rate)
+        rate, surge = measured
         if surge is None:
             return rate, ""
-        n, seconds = surge
-        why = f"a surge ({n} arrivals in the last {seconds:.3g} s, {rate:.3g} req/s before): "
-        return n / seconds, why
+        why = (
+            f"a surge ({surge.arrivals} arrivals in the last {surge.seconds:.3g} s, "
+            f"{rate:.3g} req/s before): "
+        )
+        return surge.rate, why
 
-    def _surge(self, arrivals: list[float], now: float, rate: float) -> tuple[int, float] | None:
-        """A Poisson CUSUM: the log-likelihood ratio of the arrivals at `surge_factor` x `rate`
-        against `rate`, restarted at 0 whenever it falls there. Past `surge_threshold` it is a
-        surge: (arrivals since it started rising, seconds since). Else None."""
-        gain = math.log(self.config.surge_factor)  # each arrival's evidence
-        drain = (self.config.surge_factor - 1) * rate  # evidence lost per second without one
-        score, prev, start, n = 0.0, arrivals[0], arrivals[0], 0
-        for t in arrivals:
-            score -= drain * (t - prev)
-            prev = t
-            if score <= 0:
-                score, start, n = 0.0, t, 0
-            score += gain
-            n += 1
-        score -= drain * (now - prev)
-        if score <= self.config.surge_threshold or now <= start:
-            return None
-        return n, now - start
+
+@dataclass(frozen=True)
+class Surge:
+    """Evidence of a rise in the arrival rate: `arrivals` since it began, `seconds` ago."""
+
+    arrivals: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.arrivals / self.seconds
+
+
+def arrival_rate(
+    arrivals: Iterable[float], now_s: float, since_s: float, config: AutoscaleConfig
+) -> tuple[float, Surge | None] | None:
+    """The arrival rate over the window (over the part of it since arrivals are counted,
+    `since_s`) and the surge in it, if any (`detect_surge`); None when no arrival is counted."""
+    start = max(now_s - config.window_s, since_s)
+    counted = sorted(t for t in arrivals if start <= t <= now_s)
+    if not counted or now_s <= start:
+        return None
+    rate = len(counted) / (now_s - start)
+    return rate, detect_surge(counted, now_s, rate, config)
+
+
+def detect_surge(
+    arrivals: list[float], now_s: float, rate: float, config: AutoscaleConfig
+) -> Surge | None:
+    """A Poisson CUSUM: the log-likelihood ratio of the (sorted) arrivals at `surge_factor` x
+    `rate` against `rate`, restarted at 0 whenever it falls there. Past `surge_threshold` it is
+    a surge, counted from when it started rising. Else None."""
+    gain = math.log(config.surge_factor)  # each arrival's evidence
+    drain = (config.surge_factor - 1) * rate  # evidence lost per second without one
+    score, prev, start, n = 0.0, arrivals[0], arrivals[0], 0
+    for t in arrivals:
+        score -= drain * (t - prev)
+        prev = t
+        if score <= 0:
+            score, start, n = 0.0, t, 0
+        score += gain
+        n += 1
+    score -= drain * (now_s - prev)
+    if score <= config.surge_threshold or now_s <= start:
+        return None
+    return Surge(n, now_s - start)
 
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
