@@ -94,7 +94,8 @@ class DecodeCall:
             timeout=req.timeout(),
             metadata=telemetry.outgoing(trace),
         )
-        return cls(call, worker, worker.send(prompt_tokens))
+        kv_tokens = len(req.prompt_ids) + req.params.max_tokens
+        return cls(call, worker, worker.send(prompt_tokens, kv_tokens))
 
     async def tokens(self, registry: Registry) -> AsyncIterator[Tokens]:
         """The call's tokens. From its first reply the worker has answered (its prompt is in

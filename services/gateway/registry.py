@@ -51,6 +51,7 @@ class _Call:
 
     tokens: int
     waiting: bool = True
+    kv_tokens: int = 0  # KV it may hold there once it decodes: its prompt and max_tokens
 
 
 @dataclass
@@ -71,11 +72,12 @@ class Worker:
     # (queued tokens, waiting, open) of this gateway's own calls when the last heartbeat came
     _own_at_heartbeat: tuple[int, int, int] = (0, 0, 0)
 
-    def send(self, prompt_tokens: int = 0) -> int:
+    def send(self, prompt_tokens: int = 0, kv_tokens: int = 0) -> int:
         """A call is going to this worker with a prompt of this many tokens to prefill (0: the
-        prompt is prefilled elsewhere); the ticket follows it (`answered`, `settle`)."""
+        prompt is prefilled elsewhere), to hold up to `kv_tokens` of KV there once it decodes;
+        the ticket follows it (`answered`, `settle`)."""
         ticket = next(self._tickets)
-        self._calls[ticket] = _Call(prompt_tokens)
+        self._calls[ticket] = _Call(prompt_tokens, kv_tokens=kv_tokens)
         return ticket
 
     def answered(self, ticket: int) -> None:
@@ -126,6 +128,16 @@ class Worker:
     def open_requests(self) -> int:
         """Requests there: running, waiting or pulling."""
         return self._now(2)
+
+    @property
+    def kv_headroom_tokens(self) -> int:
+        """KV tokens there that this gateway's requests decoding there cannot grow into: the
+        capacity the worker reports, less their prompts and max_tokens. Current at every
+        moment, where a heartbeat's free blocks are a snapshot of a moment ago: routing on
+        the snapshot made two runs of one workload route differently wherever instances tie
+        on open requests (other gateways' requests count in `open_requests`)."""
+        held = sum(c.kv_tokens for c in self._calls.values() if not c.waiting)
+        return self.load.total_kv_blocks * self.load.kv_block_size - held
 
 
 ROUTING = ("prefix", "load", "round-robin")  # see Registry
@@ -223,10 +235,10 @@ class Registry:
         prompt: PromptBlocks | None = None,
     ) -> Worker:
         """The least-loaded decode (or colocated) instance: fewest sequences running, waiting
-        or being pulled; then the most free KV blocks. With a `prompt`, of the instances within
-        `DECODE_AFFINITY_SLACK` requests of the least loaded, the one holding the longest
-        prefix of it. Instances in `exclude` (those a request already failed on) only when
-        there is no other."""
+        or being pulled; then the most KV headroom (`Worker.kv_headroom_tokens`). With a
+        `prompt`, of the instances within `DECODE_AFFINITY_SLACK` requests of the least
+        loaded, the one holding the longest prefix of it. Instances in `exclude` (those a
+        request already failed on) only when there is no other."""
         workers = self.live(role)
         if not workers:
             raise Unavailable(f"no {role} instance is registered with the gateway")
@@ -235,7 +247,7 @@ class Registry:
             return self._turn(role, workers)
 
         def load(w: Worker) -> tuple:
-            return (w.open_requests, -w.load.free_kv_blocks, w.worker_id)
+            return (w.open_requests, -w.kv_headroom_tokens, w.worker_id)
 
         if prompt is None or self.routing == "load":
             return min(workers, key=load)

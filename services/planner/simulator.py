@@ -10,18 +10,18 @@ doing both) of any size. What it models, and what it leaves out:
   stages of `prefill / pp + hop`; a new batch enters stage 0 as soon as stage 0 is free. The
   first token comes out of the last stage.
 * Decode instances: continuous batching, one token per running request per iteration. The router
-  sends a prefilled request (colocated: a new one) to the instance with the fewest requests
-  routed there and not finished, then the most free KV, as the gateway does. A request
-  is admitted FCFS when its whole context (prompt + output) fits the free KV capacity and a seat
-  is free (no preemption: the engine also reserves a request's growth when admitting it); then its
-  KV is transferred (bytes / link bandwidth, transfers into an instance one after another) and it
-  joins at the next iteration boundary, `handoff_s` after its KV is in place. With the mesh's
-  layer-wise handoff (`early_handoff_min_tokens`), a prompt that long waits for its seat and
-  memory from the moment its prefill batch starts, and its transfer runs beside the prefill (it
-  ends no earlier than the prefill), and serving it adds `early_handoff_prefill_s` to the
-  prefill batch. An instance of pipeline degree pp runs pp micro-batches
-  ("lanes", each with 1/pp of the capacity and seats), each iterating at the whole-model latency:
-  the stages are then all busy, as in a balanced pipeline.
+  sends a prefilled request (colocated: a new one) to the instance with the fewest requests routed
+  there and not finished, then the most KV not reserved by those it runs, as the gateway does. A
+  request is admitted FCFS when its whole context (prompt + output) fits the free KV capacity and
+  a seat is free (no preemption: the engine also reserves a request's growth when admitting it);
+  then its KV is transferred (bytes / link bandwidth, transfers into an instance one after
+  another) and it joins at the next iteration boundary, `handoff_s` after its KV is in place. With
+  the mesh's layer-wise handoff (`early_handoff_min_tokens`), a prompt that long waits for its
+  seat and memory from the moment its prefill batch starts, and its transfer runs beside the
+  prefill (it ends no earlier than the prefill), and serving it adds `early_handoff_prefill_s` to
+  the prefill batch. An instance of pipeline degree pp runs pp micro-batches ("lanes", each with
+  1/pp of the capacity and seats), each iterating at the whole-model latency: the stages are then
+  all busy, as in a balanced pipeline.
 * Colocated instances (the baseline): vLLM's policy per lane: at each iteration boundary, if the
   waiting head fits in memory, run a prefill batch (up to L_m tokens) and stall decoding,
   else one decode iteration for every running request.
@@ -599,7 +599,8 @@ class _Sim:
 
 def _least_loaded(lane: _Lane) -> tuple[int, int, int]:
     """The gateway's rule (`Registry.pick_decode`): the fewest requests routed there and not
-    finished, then the most free KV, then the first."""
+    finished, then the most KV not reserved by those it runs (prompt + output), then the
+    first."""
     return lane.open, -lane.free, lane.index
 
 

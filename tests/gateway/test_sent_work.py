@@ -78,3 +78,24 @@ def test_finished_requests_between_heartbeats_never_saturate_decode_or_queue_pre
 
     asyncio.run(sequential())
     assert admission.predicted_ttft_ms(16)[1] == 0  # nothing queued ahead
+
+
+def test_instances_tied_on_open_requests_are_told_apart_by_kv_their_requests_may_grow_to():
+    """Two instances with one request each: the one whose request may hold less KV (a shorter
+    prompt + max_tokens) is chosen, whatever a heartbeat's snapshot of free blocks says (a
+    snapshot of a moment ago made two runs of one workload route differently). A request not
+    yet answered holds nothing yet; capacity is the worker's own."""
+    r = Registry(lease_s=60)
+    for name in ("a", "b"):
+        r.register(name, "colocated", f"{name}:1", Load(total_kv_blocks=100, free_kv_blocks=100))
+    a, b = r.live("colocated")
+    a.answered(a.send(512, kv_tokens=512 + 64))
+    b.answered(b.send(128, kv_tokens=128 + 64))
+    assert (a.kv_headroom_tokens, b.kv_headroom_tokens) == (1600 - 576, 1600 - 192)
+    r.heartbeat("b", Load(total_kv_blocks=100, free_kv_blocks=10))  # stale: b looked fuller
+    assert r.pick_decode("colocated") is b
+    waiting = a.send(16, kv_tokens=4096)  # not answered: its prompt is not in place yet
+    assert a.kv_headroom_tokens == 1600 - 576 and a.open_requests == 2
+    a.settle(waiting)
+    r.heartbeat("a", Load(total_kv_blocks=1000, free_kv_blocks=1000))  # a larger instance
+    assert r.pick_decode("colocated") is a
