@@ -109,11 +109,11 @@ def predictions(a: Autoscaler, phases: list[Segment], seed: int) -> dict:
         choice = next(
             (
                 c
-                for c in a.candidates()
-                if a.predict(c, base.at_rate(seg.rate * a.config.up_headroom)) >= ALPHA
+                for c, tp in a.candidates()
+                if a.predict(c, base.at_rate(seg.rate * a.config.up_headroom), tp) >= ALPHA
             ),
             None,
-        )
+        )  # (the bench's planner keeps each role's degree: tp is the mesh's)
         out[seg.name] = {
             "static_1P1D": round(a.predict({"prefill": 1, "decode": 1}, at), 3),
             "up_rule_choice": shape_name(choice) if choice else "none within the budget",

@@ -93,9 +93,9 @@ class ActuatorLog:
         self._stop = threading.Event()
         inner = actuator.apply_in_background
 
-        def apply_in_background(pool, counts, reason=""):
+        def apply_in_background(pool, counts, reason="", tp=None):
             try:
-                inner(pool, counts, reason)
+                inner(pool, counts, reason, tp)
             except FailedPrecondition:  # a change is being applied: refused
                 self.events.append(Event(self.now(), "refused", dict(counts)))
                 raise

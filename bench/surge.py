@@ -1,5 +1,5 @@
 """How fast the planner sees a burst and how often it sees one that is not there: the surge
-test of services/planner/autoscale.py (`arrival_rate`, a Poisson CUSUM over the window's
+test of services/planner/surge.py (`arrival_rate`, a Poisson CUSUM over the window's
 arrivals) on simulated Poisson arrivals, judged when the control loop judges it
 (services/planner/control.py): at each reported arrival (at most every `SURGE_CHECK_S`) and at
 each tick of 1 s.
@@ -27,8 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
-from services.planner.autoscale import AutoscaleConfig, arrival_rate
+from services.planner.autoscale import AutoscaleConfig
 from services.planner.control import SURGE_CHECK_S
+from services.planner.surge import arrival_rate
 
 TICK_S = 1.0  # the control loop's default --decide-every-s
 

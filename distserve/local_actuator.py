@@ -4,8 +4,12 @@
 
 `LocalActuator` starts workers and stops them by drain (SIGTERM: deregistered at once, then
 in-flight work finishes or moves, services/worker/announcer.py). A worker changes role by drain
-and restart: `apply` drains first, so a budget of devices is never exceeded while a placement
-changes. It runs in the launcher's process, never in the planner's.
+and restart: `apply` drains the surplus first, so a budget of devices is never exceeded while a
+placement changes. A role given another tensor degree is re-sharded one instance at a time:
+an instance of the new degree starts while the budget has room for it beside the old ones,
+else an old one drains first to make the room (the role is then one instance short until the
+new one is ready, never without one while it had two). It runs in the launcher's process,
+never in the planner's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from services.common import mesh_tls
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
-from services.planner.actuator import ActuatorStatus, Instance
+from services.planner.actuator import ActuatorStatus, Instance, transition
 
 log = logging.getLogger("distserve.actuator")
 
@@ -38,7 +42,7 @@ class LocalActuator:
         self.mesh = mesh
         self._change = threading.Lock()  # held while a change is applied
         self._lock = threading.Lock()  # guards the fields below
-        self._starting: dict[str, str] = {}  # name -> role of the workers starting
+        self._starting: dict[str, tuple[str, int]] = {}  # name -> (role, tp) of those starting
         self._draining: set[str] = set()
         self._last_error = ""
         self._changes = 0
@@ -53,47 +57,78 @@ class LocalActuator:
         if self._change.acquire(timeout=timeout_s):
             self._change.release()
 
-    def apply(self, pool: str, counts: Mapping[str, int], reason: str = "") -> None:
-        """Make the pool's instance counts `counts` (roles not named keep theirs): drain the
-        surplus first, then start what is missing. Waits for a change being applied first."""
-        self._check(pool, counts)
+    def apply(
+        self,
+        pool: str,
+        counts: Mapping[str, int],
+        reason: str = "",
+        tp: Mapping[str, int] | None = None,
+    ) -> None:
+        """Make the pool's instance counts `counts` (roles not named keep theirs), each role's
+        instances of tensor degree `tp[role]` (not named: the degree it has): drain the
+        surplus first, then start what is missing, replacing instances of another degree
+        (module docstring). Waits for a change being applied first."""
+        self._check(pool, counts, tp)
         self._change.acquire()
-        self._changes += 1
-        self._apply_locked(dict(counts), reason)
+        self._apply_locked(self._plan(counts, tp, reason), reason)
 
-    def apply_in_background(self, pool: str, counts: Mapping[str, int], reason: str = "") -> None:
+    def apply_in_background(
+        self,
+        pool: str,
+        counts: Mapping[str, int],
+        reason: str = "",
+        tp: Mapping[str, int] | None = None,
+    ) -> None:
         """`apply` on a thread of its own; refused while a change is being applied. Once this
         returns, `status()` shows the change (changing, and counted in `changes`)."""
-        self._check(pool, counts)
+        self._check(pool, counts, tp)
         if not self._change.acquire(blocking=False):
             raise FailedPrecondition("a change is being applied: wait until status says done")
-        self._changes += 1
-        thread = threading.Thread(target=self._apply_locked, args=(dict(counts), reason))
+        plan = self._plan(counts, tp, reason)
+        thread = threading.Thread(target=self._apply_locked, args=(plan, reason))
         thread.daemon = True
         thread.start()
 
-    def _apply_locked(self, counts: dict[str, int], reason: str) -> None:
-        """The change, with `_change` held by the caller; releases it."""
+    def _plan(self, counts: Mapping[str, int], tp: Mapping[str, int] | None, reason: str):
+        """The steps of the change (`transition`), with `_change` held by the caller; on a
+        change that cannot be made, releases it and raises. The change is counted."""
+        self._changes += 1
         try:
-            log.info("applying %s: %s", counts, reason or "asked")
-            surplus = []
-            for role, count in counts.items():
-                have = self._serving(role)
-                surplus += self._least_busy(have)[: max(0, len(have) - count)]
-            self._drain_all(surplus)
-            for role, count in counts.items():
-                for _ in range(count - len(self._serving(role))):
-                    self._start(role)
-            self._last_error = ""
-            log.info("applied %s", counts)
+            want = {role: (tp or {}).get(role) or self._degree(role) for role in counts}
+            live = [(n, _role(n), self._tp(n)) for n in self._least_busy(self._serving_all())]
+            steps = transition(live, counts, want, self.mesh.spec.budget)
         except Exception as e:
             self._last_error = f"{type(e).__name__}: {e}"
-            log.exception("applying %s failed", counts)
+            self._change.release()
+            raise
+        log.info("applying %s (tp %s): %s", dict(counts), want, reason or "asked")
+        return steps
+
+    def _apply_locked(self, steps: list, reason: str) -> None:
+        """The steps, with `_change` held by the caller; releases it. Drains in a row run at
+        once."""
+        try:
+            draining: list[str] = []
+            for step in steps:
+                if step.action == "drain":
+                    draining.append(step.name)
+                    continue
+                self._drain_all(draining)
+                draining = []
+                self._start(step.role, step.tp)
+            self._drain_all(draining)
+            self._last_error = ""
+            log.info("applied: %s", self.status().describe())
+        except Exception as e:
+            self._last_error = f"{type(e).__name__}: {e}"
+            log.exception("applying the change failed (%s)", reason or "asked")
             raise
         finally:
             self._change.release()
 
-    def _check(self, pool: str, counts: Mapping[str, int]) -> None:
+    def _check(
+        self, pool: str, counts: Mapping[str, int], tp: Mapping[str, int] | None = None
+    ) -> None:
         if self._closed:
             raise FailedPrecondition("the mesh is stopping")
         if pool != self.POOL:
@@ -103,6 +138,11 @@ class LocalActuator:
                 raise InvalidRequest(f"no role {role!r}: one of {', '.join(ROLES)}")
             if count < 0:
                 raise InvalidRequest(f"{role}: a count of instances is >= 0, got {count}")
+        for role, degree in (tp or {}).items():
+            if role not in counts:
+                raise InvalidRequest(f"a tensor degree for {role}, whose count is not given")
+            if degree < 0:
+                raise InvalidRequest(f"{role}: a tensor degree is >= 1 (0: keep), got {degree}")
 
     def drain(self, worker: str) -> None:
         with self._change:
@@ -124,11 +164,14 @@ class LocalActuator:
                 _role(p.name),
                 "draining" if p.name in draining else "serving",
                 loads.get(p.name),
+                p.tp,
             )
             for p in self._live()
             if p.name not in starting
         ]
-        instances += [Instance(name, role, "starting") for name, role in starting.items()]
+        instances += [
+            Instance(name, role, "starting", tp=tp) for name, (role, tp) in starting.items()
+        ]
         return ActuatorStatus(
             tuple(sorted(instances, key=lambda i: i.name)),
             changing=self._change.locked(),
@@ -140,8 +183,19 @@ class LocalActuator:
         """The mesh's workers whose process runs (one that exited unasked serves nothing)."""
         return [p for p in list(self.mesh.workers) if p.popen.poll() is None]
 
-    def _serving(self, role: str) -> list[str]:
-        return [p.name for p in self._live() if _role(p.name) == role]
+    def _serving_all(self) -> list[str]:
+        """The live workers' names."""
+        return [p.name for p in self._live()]
+
+    def _tp(self, name: str) -> int:
+        return next(p.tp for p in self.mesh.workers if p.name == name)
+
+    def _degree(self, role: str) -> int:
+        """The tensor degree `role`'s instances have (the most common; none: the spec's)."""
+        degrees = [p.tp for p in self._live() if _role(p.name) == role]
+        if not degrees:
+            return self.mesh.spec.tp.get(role, 1)
+        return max(set(degrees), key=lambda d: (degrees.count(d), d))
 
     def _least_busy(self, names: list[str]) -> list[str]:
         """`names` by the work they hold now (the gateway's view), least first; ties: the
@@ -165,12 +219,12 @@ class LocalActuator:
         if left:
             raise FailedPrecondition(f"{', '.join(left)} did not stop")
 
-    def _start(self, role: str) -> None:
+    def _start(self, role: str, tp: int) -> None:
         name = self.mesh.free_name(role)
         with self._lock:
-            self._starting[name] = role
+            self._starting[name] = (role, tp)
         try:
-            self.mesh.add_worker(role, name)
+            self.mesh.add_worker(role, name, tp)
         finally:
             with self._lock:
                 del self._starting[name]
@@ -194,7 +248,9 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
     class Servicer(planner_pb2_grpc.ActuatorServicer):
         def Apply(self, request, context):
             try:
-                actuator.apply_in_background(request.pool, dict(request.counts), request.reason)
+                actuator.apply_in_background(
+                    request.pool, dict(request.counts), request.reason, dict(request.tp)
+                )
             except DistServeError as e:
                 context.abort(status_code(e), str(e))
             return planner_pb2.ApplyResponse()
@@ -211,7 +267,7 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
             return planner_pb2.ActuatorStatus(
                 instances=[
                     planner_pb2.ActuatorInstance(
-                        name=i.name, role=i.role, state=i.state, load=i.load
+                        name=i.name, role=i.role, state=i.state, load=i.load, tp=i.tp
                     )
                     for i in s.instances
                 ],

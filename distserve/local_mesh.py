@@ -80,6 +80,7 @@ class Process:
     name: str
     popen: subprocess.Popen
     ready: dict | None = None
+    tp: int = 1  # a worker's tensor degree
     ready_event: threading.Event = field(default_factory=threading.Event)
 
     def metrics(self, timeout_s: float = 5.0) -> list:
@@ -177,9 +178,11 @@ class Mesh:
             self.stop()
             raise
 
-    def _spawn_worker(self, role: str, i: int) -> Process:
-        """Start the worker `{role}-{i}` (not waiting for it)."""
+    def _spawn_worker(self, role: str, i: int, tp: int | None = None) -> Process:
+        """Start the worker `{role}-{i}` of tensor degree `tp` (default: the spec's for the
+        role), not waiting for it."""
         spec = self.spec
+        tp = tp or spec.tp.get(role, 1)
         args = [
             "services.prefill" if role == "prefill" else "services.decode",
             "--model",
@@ -198,30 +201,33 @@ class Mesh:
         ]
         if spec.engine != "torch":
             args += ["--engine", spec.engine, *spec.emulation_args]
-        if spec.tp.get(role, 1) > 1:
-            args += ["--tensor-parallel-size", str(spec.tp[role])]
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         args += spec.per_worker_args.get(f"{role}-{i}", ())
         if role != "prefill":
             args += ["--role", role]
         if spec.pin:
             cores = sorted(os.sched_getaffinity(0))
             args += ["--cpu", str(cores[len(self.workers) % len(cores)]), "--threads", "1"]
-        return self._spawn(f"{role}-{i}", args)
+        proc = self._spawn(f"{role}-{i}", args)
+        proc.tp = tp
+        return proc
 
     def free_name(self, role: str) -> str:
         """The name a new `role` worker gets: the lowest index no running worker has."""
         taken = {p.name for p in self.processes}
         return next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
 
-    def add_worker(self, role: str, name: str | None = None) -> Process:
-        """Start one more `role` worker (named `name`, default `free_name(role)`); return once
-        it is ready and registered with the gateway."""
+    def add_worker(self, role: str, name: str | None = None, tp: int | None = None) -> Process:
+        """Start one more `role` worker (named `name`, default `free_name(role)`; of tensor
+        degree `tp`, default the spec's for the role); return once it is ready and registered
+        with the gateway."""
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"no worker role {role!r}")
         name = name or self.free_name(role)
         if not name.startswith(f"{role}-") or name in {p.name for p in self.processes}:
             raise ValueError(f"{name!r} is not a free name for a {role} worker")
-        proc = self._spawn_worker(role, int(name.rsplit("-", 1)[1]))
+        proc = self._spawn_worker(role, int(name.rsplit("-", 1)[1]), tp)
         try:
             self._wait_ready([proc])
             self._wait_listed(lambda ws: any(w.address == proc.ready["address"] for w in ws))

@@ -157,14 +157,18 @@ def describe_decision(d) -> str:
     """One decision as a person reads it."""
     import time
 
-    counts = lambda c: " ".join(f"{r}={c[r]}" for r in sorted(c)) or "-"  # noqa: E731
+    def counts(c, tp) -> str:  # "decode=2(tp2) prefill=1"
+        tp_of = lambda r: f"(tp{tp[r]})" if tp.get(r, 1) > 1 else ""  # noqa: E731
+        return " ".join(f"{r}={c[r]}{tp_of(r)}" for r in sorted(c)) or "-"
+
     observed = "-" if d.observed_attainment < 0 else f"{d.observed_attainment:.1%}"
     predicted = ", ".join(f"{k} {v:.1%}" for k, v in sorted(d.predicted_attainment.items()))
     stamp = time.strftime("%H:%M:%S", time.localtime(d.decided_unix_s))
     mode = " (advisory)" if d.advisory else ""
     loads = "".join(f"; {role}: {describe_load(d.load[role])}" for role in sorted(d.load))
+    now, then = counts(d.current, d.current_tp), counts(d.target, d.target_tp)
     return (
-        f"{stamp} {d.action}{mode}: {counts(d.current)} -> {counts(d.target)} "
+        f"{stamp} {d.action}{mode}: {now} -> {then} "
         f"(budget {d.budget}); {d.samples} requests at {d.rate_rps:.3g} req/s, attainment "
         f"observed {observed}, predicted {predicted or '-'}; {d.reason}{loads}"
     )

@@ -45,6 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--advise", action="store_true", help="with --budget: the planner decides, never applies"
     )
+    up.add_argument(
+        "--tp-choices",
+        default="",
+        help="with --budget: TP,... tensor degrees the planner may re-shard a role to (each "
+        "re-shard replaces the role's instances, new ones first); default: none",
+    )
     up.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for the attainment metric")
     up.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for the attainment metric")
     for role in ("prefill", "decode", "colocated"):
@@ -76,6 +82,8 @@ def _up(args: argparse.Namespace) -> int:
     planner_args: list[str] = []
     if args.budget:
         planner_args = _autoscale_args(args)
+    elif args.tp_choices or args.advise:
+        raise InvalidRequest("--tp-choices and --advise are the resizing planner's: give --budget")
     spec = MeshSpec(
         model=args.model,
         prefill=args.prefill,
@@ -113,4 +121,6 @@ def _autoscale_args(args: argparse.Namespace) -> list[str]:
     out = ["--model-spec", spec, "--slo", f"{args.slo_ttft_ms:g},{args.slo_tpot_ms:g}"]
     if args.profile:
         out += ["--profile", str(args.profile)]
+    if args.tp_choices:
+        out += ["--tp-choices", args.tp_choices]
     return out + (["--advise"] if args.advise else [])

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 
+import grpc
 import pytest
 
 from distserve.local_actuator import LocalActuator, serve
@@ -181,6 +182,60 @@ def test_a_role_change_drains_first_so_a_budget_is_never_exceeded(opt13b):
         )
         ids, _ = asyncio.run(asyncio.wait_for(generate_ids(mesh.gateway_address, PROMPTS[0]), 30))
         assert len(ids) == 12
+    finally:
+        stop_now(mesh)
+
+
+def test_a_role_is_resharded_new_instance_first_within_the_budget_while_it_serves(opt13b, expected):
+    """decode tp 1 -> tp 2 on a 1P1D with a budget of 4: the tp-2 instance starts beside the
+    old one (4 devices, never more), then the old drains; requests stream throughout with exact
+    tokens, the new instance holds a tp-2 device's KV, no KV stays held. A re-shard the budget
+    leaves no room for beside the role's only instance is refused and changes nothing."""
+    mesh = emulated_mesh(opt13b, prefill=1, decode=1, budget=4, drain_timeout_s=10)
+    try:
+        actuator = LocalActuator(mesh)
+        server, address = serve(actuator)
+        remote = RemoteActuator(address)
+        blocks_tp1 = mesh.worker_loads()["decode-0"].total_kv_blocks
+        devices: list[int] = []
+        watching = threading.Event()
+
+        def watch():
+            while not watching.wait(0.02):
+                devices.append(sum(i.tp for i in actuator.status().instances))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with Traffic(mesh.gateway_address, max_tokens=24) as traffic:
+                wait_until(lambda: len(traffic.results) >= 3, what="requests through tp 1")
+                # as the planner asks it: over gRPC, applied in the background
+                remote.apply("default", {"decode": 1}, tp={"decode": 2})
+                wait_until(lambda: not actuator.status().changing, what="the re-shard")
+                served = len(traffic.results)
+                wait_until(lambda: len(traffic.results) >= served + 6, what="requests via tp 2")
+        finally:
+            watching.set()
+            watcher.join()
+        check(traffic.results, expected, 24)
+        status = actuator.status()
+        assert [(i.name, i.state, i.tp) for i in status.instances] == [
+            ("decode-1", "serving", 2),
+            ("prefill-0", "serving", 1),
+        ]
+        assert status.describe() == "decode x1 (tp 2), prefill x1"
+        assert remote.status().tp("decode") == 2
+        assert max(devices) == 4, devices  # both decode instances at once, never more
+        assert mesh.worker_loads()["decode-1"].total_kv_blocks > 2 * blocks_tp1
+        with pytest.raises(grpc.RpcError) as refused:
+            remote.apply("default", {"prefill": 1}, tp={"prefill": 4})
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no room in a budget of 4" in refused.value.details()
+        assert actuator.status().describe() == "decode x1 (tp 2), prefill x1"
+        assert not actuator.status().changing
+        wait_until(lambda: kv_all_free(mesh), what="KV to be freed on every instance")
+        remote.close()
+        server.stop(0)
     finally:
         stop_now(mesh)
 

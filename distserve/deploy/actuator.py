@@ -89,7 +89,7 @@ class KubernetesActuator:
     def status(self) -> ActuatorStatus:
         """The instances as last written (a cluster's own state is the registry's to tell)."""
         instances = [
-            Instance(f"{p.name}/{i}", p.role, "serving")
+            Instance(f"{p.name}/{i}", p.role, "serving", tp=p.tp)
             for p in self.pools.values()
             for i in range(p.replicas)
         ]

@@ -164,8 +164,8 @@ class EmulatedCluster:
         if self.profile is not None:
             emulation += ["--profile", str(self.profile)]
         common = ("--max-num-seqs", str(self.max_num_seqs), "--block-size", str(self.block_size))
-        decode_role = "colocated" if shape.colocated[0] else "decode"
-        decode_tp = shape.colocated[1] if shape.colocated[0] else shape.decode[1]
+        # each worker's L_m is its profile's saturation point at its tp (the engine's default,
+        # as `max_batch_tokens` below gives the simulator)
         handoff = (
             ("--kv-handoff", "after-prefill")
             if self.layerwise_min_tokens is None
@@ -178,15 +178,6 @@ class EmulatedCluster:
             colocated=shape.colocated[0],
             gateway_port=0,
             worker_args=common,
-            prefill_args=(
-                ("--max-batch-tokens", str(self.max_batch_tokens("prefill", shape.prefill[1])))
-                if shape.prefill[0]
-                else ()
-            ),
-            decode_args=(
-                "--max-batch-tokens",
-                str(self.max_batch_tokens(decode_role, decode_tp)),
-            ),
             gateway_args=(*self.gateway_args, *handoff),
             tp={
                 "prefill": shape.prefill[1],

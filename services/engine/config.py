@@ -10,6 +10,7 @@ from services.common.errors import InvalidRequest
 from services.common.model_config import DTYPES
 
 ENGINES = ("torch", "emulated")
+DEFAULT_MAX_BATCH_TOKENS = 2048  # L_m of the real engine unless given
 PROFILE_FITS = ("distserve", "vllm")
 
 
@@ -47,16 +48,18 @@ class EngineConfig:
 
     block_size: tokens per KV block. num_blocks: size of the KV pool; 0 sizes it from
     kv_cache_bytes. max_batch_tokens is L_m, the prefill token budget per batch (a longer prompt
-    runs alone). max_num_seqs bounds the decode batch. dtype "auto" computes in the stored dtype on
-    CUDA and in float32 on CPU (half-precision matmuls are slow there). prefix_cache: keep the KV
-    of full blocks after their request and reuse it for prompts that share the prefix
-    (services/engine/engine.py).
+    runs alone); 0: DEFAULT_MAX_BATCH_TOKENS for the real engine, and for an emulated one its
+    profile's saturation point at its tensor degree (as the planner sets it), so an instance
+    started at another tp batches as that tp should. max_num_seqs bounds the decode batch. dtype
+    "auto" computes in the stored dtype on CUDA and in float32 on CPU (half-precision matmuls
+    are slow there). prefix_cache: keep the KV of full blocks after their request and reuse it
+    for prompts that share the prefix (services/engine/engine.py).
     """
 
     block_size: int = 16
     num_blocks: int = 0
     kv_cache_bytes: int = 512 * 2**20
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 0  # 0: auto (above)
     max_num_seqs: int = 64
     dtype: str = "auto"
     device: str = "auto"
@@ -71,8 +74,8 @@ class EngineConfig:
             raise InvalidRequest(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 0 or self.kv_cache_bytes <= 0:
             raise InvalidRequest("num_blocks must be >= 0 and kv_cache_bytes > 0")
-        if self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
-            raise InvalidRequest("max_batch_tokens and max_num_seqs must be positive")
+        if self.max_batch_tokens < 0 or self.max_num_seqs <= 0:
+            raise InvalidRequest("max_batch_tokens must be >= 0 (0: auto), max_num_seqs positive")
         if self.dtype not in ("auto", *DTYPES):
             raise InvalidRequest(f"dtype must be auto or one of {', '.join(DTYPES)}")
         if self.attention not in ("auto", "torch", "flash"):
@@ -114,7 +117,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options every worker's command line takes."""
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="memory for the KV pool")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="prefill budget L_m")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="prefill budget L_m (0: 2048; an emulated engine: its profile's saturation point at "
+        "its tensor degree)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="largest decode batch")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

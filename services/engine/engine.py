@@ -31,7 +31,7 @@ from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.engine import emulated
 from services.engine.block_pool import BlockPool, BlockTable
-from services.engine.config import EngineConfig
+from services.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from services.engine.decode_batch import DecodeBatch
 from services.engine.emulated import PAYLOAD, EmulatedRunner
 from services.engine.kv_cache import KvCache, KvGeometry
@@ -102,7 +102,12 @@ class LLMEngine:
             weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
         )
         self.prefix = PrefixCache(self.pool, self.block_size, self.cache_salt, config.prefix_cache)
-        self.batcher = PrefillBatcher(config.max_batch_tokens, config.max_num_seqs)
+        self.max_batch_tokens = config.max_batch_tokens or (
+            self.runner.times.latency.saturation_tokens(self.runner.times.tp)
+            if self.emulated
+            else DEFAULT_MAX_BATCH_TOKENS
+        )
+        self.batcher = PrefillBatcher(self.max_batch_tokens, config.max_num_seqs)
         self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.pull_waiting: deque[Sequence] = deque()

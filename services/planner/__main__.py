@@ -63,6 +63,12 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         default=120.0,
         help="a smaller placement must be safe at every decision this long before it is taken",
     )
+    g.add_argument(
+        "--tp-choices",
+        default="",
+        help="TP,...: tensor degrees a role may be re-sharded to (default: none, each role "
+        "keeps its --tp)",
+    )
     g.add_argument("--advise", action="store_true", help="decide and report, never apply")
     add_metrics_args(p)
     clock.add_args(p)
@@ -84,6 +90,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
                 window_s=a.window_s,
                 cooldown_s=a.cooldown_s,
                 down_stabilization_s=a.down_stabilization_s,
+                tp_choices=_degrees(a.tp_choices),
             ),
             attainment=a.attainment,
             interval_s=a.decide_every_s,
@@ -157,6 +164,14 @@ async def serve(config: PlannerConfig) -> None:
         loop.cancel()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    """`--tp-choices`: "1,2,4" -> (1, 2, 4)."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise InvalidRequest(f"--tp-choices: tensor degrees as 1,2,4, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,8 +26,8 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
 * **A budget it never exceeds**: candidates are the instance counts whose devices fit it.
 * **Rates are arrivals, seen as they come.** The gateway reports each request when it is
   accepted (and again when it finishes, with its latencies): the rate is arrivals over the
-  window, and a surge (a Poisson CUSUM's evidence of a rise to twice the window's rate) is
-  decided on at its own rate at once, not a request's latency and a window later.
+  window, and a surge (services/planner/surge.py) is decided on at its own rate at once, not
+  a request's latency and a window later.
 * **Idle shrinks**: fewer than MIN_SAMPLES requests over a whole window since the last change
   (or the start) scale the pool down to its smallest placement.
 * **State**: the correction below, and the down-scaling records above; `decide` does no I/O.
@@ -38,7 +38,9 @@ it on a timer with what it measured and hands a `scale` decision to an actuator
   prefill and decode step times for every prediction after (`Autoscaler.correction`, and
   each decision's `correction`).
 
-The tensor degree of each role is the mesh's (instances are resized, not re-sharded).
+* **Re-sharding only when allowed** (`tp_choices`: each role may take any of them its model
+  and profile fit); of placements of equal devices, those keeping the mesh's degrees come
+  first (a re-shard replaces each instance of the role: a weight load each on real GPUs).
 """
 
 from __future__ import annotations
@@ -46,16 +48,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.errors import InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.latency import Coefficients, LatencyModel, TpLatency
+from services.planner.actuator import transition
+from services.planner.cluster import kv_capacity
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import simulate
+from services.planner.surge import arrival_rate
 from services.planner.workload import Requests
 
 MIN_SAMPLES = 20  # a window with fewer finished requests decides nothing
@@ -82,6 +87,8 @@ class AutoscaleConfig:
     # false surges per 10 h at 20 req/s, 2.7 s): bench/surge.py
     surge_factor: float = 2.0
     surge_threshold: float = 11.0
+    # tensor degrees a role may be re-sharded to (empty: each role keeps the mesh's degree)
+    tp_choices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -90,6 +97,8 @@ class AutoscaleConfig:
             raise InvalidRequest(
                 f"--down-stabilization-s is >= 0 s, got {self.down_stabilization_s:g}"
             )
+        if any(t < 1 for t in self.tp_choices):
+            raise InvalidRequest(f"tensor degrees are >= 1, got {list(self.tp_choices)}")
         if not 1.0 <= self.up_headroom < self.down_headroom:
             raise InvalidRequest(
                 "headrooms: 1 <= up < down (the band between them is what keeps a constant "
@@ -105,6 +114,7 @@ class View:
     now_s: float
     samples: tuple[Sample, ...]  # finished requests, in the order they finished (any age)
     counts: Mapping[str, int]  # instances per role now (the registry's view)
+    tp: Mapping[str, int] = field(default_factory=dict)  # each role's degree (not named: as built)
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
     # when requests arrived (the gateway reports each as it is accepted), counted since
@@ -118,6 +128,7 @@ class Decision:
     action: str  # "scale", "hold" or "wait"
     reason: str
     counts: dict[str, int]  # the target (the current counts unless action is "scale")
+    tp: dict[str, int] = field(default_factory=dict)  # the target's tensor degree per role
     rate: float = 0.0  # measured, requests/s
     observed: float = math.nan  # attainment observed in the window
     predicted: dict[str, float] = field(default_factory=dict)  # "current"/"target" at the rate
@@ -129,6 +140,7 @@ class Decision:
             "action": self.action,
             "reason": self.reason,
             "counts": self.counts,
+            "tp": self.tp,
             "rate_rps": round(float(self.rate), 4),
             "observed_attainment": None if math.isnan(self.observed) else round(self.observed, 4),
             "predicted_attainment": {k: round(v, 4) for k, v in self.predicted.items()},
@@ -139,7 +151,7 @@ class Decision:
 class Autoscaler:
     """Decisions for one pool. `spec` gives the model, SLO, attainment target and latency
     models (its workload and rate are ignored: the measured ones are used); `tp` is each
-    role's tensor degree in the mesh."""
+    role's tensor degree in the mesh as it starts (a `View` says what it is later)."""
 
     def __init__(self, spec: PlanSpec, tp: Mapping[str, int], config: AutoscaleConfig) -> None:
         self.spec, self.tp, self.config = spec, dict(tp), config
@@ -147,38 +159,99 @@ class Autoscaler:
         if not roles or not (set(roles) <= {"prefill", "decode"} or roles == ["colocated"]):
             raise InvalidRequest(f"roles {roles}: prefill and decode, or colocated alone")
         self.roles = roles
-        self._instances = {r: sim_instance(spec, r, self.tp[r]) for r in roles}
+        self._instances = {(r, t): sim_instance(spec, r, t) for r, t in self.tp.items()}
         self._profiled = spec  # the latency models as profiled; self.spec's are corrected
         self.correction = {"prefill": 1.0, "decode": 1.0}
         # (when, the smallest placement safe then) for each decision on `_safe_on` since the
         # last change: what a scale-down is stabilised over
-        self._safe: list[tuple[float, dict[str, int]]] = []
-        self._safe_on: dict[str, int] = {}
+        self._safe: list[tuple[float, tuple]] = []
+        self._safe_on: tuple = ()
 
-    def devices(self, counts: Mapping[str, int]) -> int:
-        return sum(counts.get(r, 0) * self.tp[r] for r in self.roles)
+    def devices(self, counts: Mapping[str, int], tp: Mapping[str, int] | None = None) -> int:
+        """Devices of `counts` instances of tensor degree `tp` (default: as built)."""
+        tp = tp or self.tp
+        return sum(counts.get(r, 0) * tp.get(r, self.tp[r]) for r in self.roles)
 
-    def candidates(self) -> list[dict[str, int]]:
-        """Every instance count per role (each >= 1) within the budget, fewest devices first."""
-        ranges = [range(1, self.config.budget // self.tp[r] + 1) for r in self.roles]
-        out = [
-            dict(zip(self.roles, c, strict=True))
-            for c in itertools.product(*ranges)
-            if self.devices(dict(zip(self.roles, c, strict=True))) <= self.config.budget
+    def degrees(self, role: str, now: int) -> list[int]:
+        """`now`, and each of `tp_choices` `role`'s model fits and its latency profile has."""
+        lat = self.spec.colocated_latency if role == "colocated" else self.spec.latency
+        model = self.spec.model
+        out = {now}
+        for t in self.config.tp_choices:
+            if (
+                t <= self.config.budget
+                and t in lat.by_tp
+                and model.num_heads % t == 0
+                and kv_capacity(model, t, 1, self.spec.cluster) > 0
+            ):
+                out.add(t)
+        return sorted(out)
+
+    def candidates(
+        self, tp: Mapping[str, int] | None = None
+    ) -> list[tuple[dict[str, int], dict[str, int]]]:
+        """Every (instance count, tensor degree) per role, each count >= 1, within the budget:
+        fewest devices first, and of those the ones that re-shard fewest roles from `tp` (the
+        mesh's degrees now; default: as built)."""
+        now = {r: (tp or {}).get(r) or self.tp[r] for r in self.roles}
+        options = [
+            [(n, t) for t in self.degrees(r, now[r]) for n in range(1, self.config.budget // t + 1)]
+            for r in self.roles
         ]
-        return sorted(out, key=lambda c: (self.devices(c), tuple(c.values())))
+        out = []
+        for combo in itertools.product(*options):
+            counts = {r: n for r, (n, _) in zip(self.roles, combo, strict=True)}
+            degrees = {r: t for r, (_, t) in zip(self.roles, combo, strict=True)}
+            if self.devices(counts, degrees) <= self.config.budget:
+                out.append((counts, degrees))
 
-    def predict(self, counts: Mapping[str, int], requests: Requests) -> float:
-        """Attainment the simulator predicts for `requests` on `counts` instances (with the
-        latency model as corrected so far)."""
-        result = self._simulate(self.spec, counts, requests)
+        def key(c):
+            counts, degrees = c
+            reshards = sum(degrees[r] != now[r] for r in self.roles)
+            return (self.devices(counts, degrees), reshards, tuple(counts.values()))
+
+        return sorted(out, key=key)
+
+    def reachable(self, current: tuple, target: tuple) -> bool:
+        """Whether the actuator can go from `current` to `target` ((counts, tp) each) within
+        the budget without leaving a role with no instance (`transition`): a re-shard at a
+        full budget may not."""
+        if current[1] == target[1]:
+            return True
+        live = [(f"{r}-{i}", r, current[1][r]) for r in self.roles for i in range(current[0][r])]
+        try:
+            transition(live, target[0], target[1], self.config.budget)
+        except FailedPrecondition:
+            return False
+        return True
+
+    def predict(
+        self, counts: Mapping[str, int], requests: Requests, tp: Mapping[str, int] | None = None
+    ) -> float:
+        """Attainment the simulator predicts for `requests` on `counts` instances of tensor
+        degree `tp` (default: as built), with the latency model as corrected so far."""
+        result = self._simulate(self.spec, counts, requests, tp)
         return 0.0 if result is None else result.attainment(self.spec.slo)
 
-    def _simulate(self, spec: PlanSpec, counts: Mapping[str, int], requests: Requests):
-        """The simulator's run of `requests` on `counts` instances (None: no prefill or no
-        decode capacity)."""
+    def _instance(self, role: str, tp: int):
+        if (role, tp) not in self._instances:
+            self._instances[(role, tp)] = sim_instance(self.spec, role, tp)
+        return self._instances[(role, tp)]
+
+    def _simulate(
+        self,
+        spec: PlanSpec,
+        counts: Mapping[str, int],
+        requests: Requests,
+        tp: Mapping[str, int] | None = None,
+    ):
+        """The simulator's run of `requests` on `counts` instances of tensor degree `tp`
+        (None: no prefill or no decode capacity)."""
+        tp = tp or self.tp
         instances = tuple(
-            inst for r in self.roles for inst in [self._instances[r]] * counts.get(r, 0)
+            inst
+            for r in self.roles
+            for inst in [self._instance(r, tp.get(r, self.tp[r]))] * counts.get(r, 0)
         )
         if not any(i.role in ("decode", "colocated") for i in instances) or not any(
             i.role in ("prefill", "colocated") for i in instances
@@ -186,11 +259,17 @@ class Autoscaler:
             return None
         return simulate(sim_cluster(spec, instances), requests)
 
-    def correct(self, counts: Mapping[str, int], window: list[Sample], requests: Requests) -> None:
+    def correct(
+        self,
+        counts: Mapping[str, int],
+        window: list[Sample],
+        requests: Requests,
+        tp: Mapping[str, int] | None = None,
+    ) -> None:
         """Move the correction toward observed/predicted median TTFT (prefill) and TPOT
-        (decode) of `window` on `counts`, predicted by the profiled model on `requests` (the
-        window's replay at its rate)."""
-        result = self._simulate(self._profiled, counts, requests)
+        (decode) of `window` on `counts` instances of degree `tp`, predicted by the profiled
+        model on `requests` (the window's replay at its rate)."""
+        result = self._simulate(self._profiled, counts, requests, tp)
         if result is None:
             return
         lo, hi = self.config.correction_bounds
@@ -217,42 +296,50 @@ class Autoscaler:
         return dataclasses.replace(decision, correction=dict(self.correction))
 
     def _decide(self, view: View) -> Decision:
-        current = {r: view.counts.get(r, 0) for r in self.roles}
+        counts = {r: view.counts.get(r, 0) for r in self.roles}
+        degrees = {r: view.tp.get(r) or self.tp[r] for r in self.roles}
+        current = (counts, degrees)  # a placement: (instances, tensor degree) per role
+
+        def decision(action, why, target=current, *more) -> Decision:
+            return Decision(action, why, target[0], target[1], *more)
+
         if view.in_flight:
-            return Decision("wait", "a change is being applied", current)
+            return decision("wait", "a change is being applied")
         if view.now_s - view.last_change_s < self.config.cooldown_s:
-            return Decision("hold", "cooling down after the last change", current)
+            return decision("hold", "cooling down after the last change")
         window = [s for s in view.samples if s.arrival_s >= view.now_s - self.config.window_s]
         if len(window) < MIN_SAMPLES:
-            smallest = self.candidates()[0]
+            smallest = self.candidates(degrees)[0]
             idle = view.now_s - view.last_change_s >= self.config.window_s
-            if idle and self.devices(smallest) < self.devices(current):
+            if idle and self.devices(*smallest) < self.devices(*current):
                 why = f"{len(window)} requests in {self.config.window_s:g} s: idle"
-                return Decision("scale", why, smallest)
-            return Decision("hold", f"{len(window)} requests measured: too few to decide", current)
+                return decision("scale", why, smallest)
+            return decision("hold", f"{len(window)} requests measured: too few to decide")
         rate, requests = _replay(window, self.config.replay)
         rate, surge = self._arrival_rate(view, rate)
         settled = [s for s in window if s.arrival_s >= view.last_change_s]  # on `current`
         if len(settled) >= MIN_SAMPLES:
             settled_rate, settled_requests = _replay(settled, self.config.replay)
-            self.correct(current, settled, settled_requests.at_rate(settled_rate))
+            self.correct(counts, settled, settled_requests.at_rate(settled_rate), degrees)
         slo = self.spec.slo
         observed = float(np.mean([slo.met(s.ttft_ms / 1000, s.tpot_ms / 1000) for s in window]))
 
-        def at(factor: float):
-            return requests.at_rate(rate * factor)
+        def predict(placement, factor: float) -> float:
+            return self.predict(placement[0], requests.at_rate(rate * factor), placement[1])
 
         alpha = self.spec.alpha
-        now = self.predict(current, at(1.0))
+        now = predict(current, 1.0)
         base = {"current": now}
         if now < alpha or observed < alpha:
             ranked = []  # the smallest that meets it at the headroom, else the best at it
-            for c in self.candidates():
-                ranked.append((self.predict(c, at(self.config.up_headroom)), c))
+            for c in self.candidates(degrees):
+                if not self.reachable(current, c):
+                    continue
+                ranked.append((predict(c, self.config.up_headroom), c))
                 if ranked[-1][0] >= alpha:
                     break
             target = max(ranked, key=lambda x: x[0])[1]
-            then = self.predict(target, at(1.0))
+            then = predict(target, 1.0)
             predicted = {**base, "target": then}
             why = (
                 f"{surge}SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
@@ -260,21 +347,16 @@ class Autoscaler:
             )
             if target == current or then < now + self.config.margin:
                 self._stabilised(view, current, current)  # nothing smaller is safe now
-                return Decision(
-                    "hold",
-                    why + ": no placement in the budget does better",
-                    current,
-                    rate,
-                    observed,
-                    predicted,
-                )
-            return Decision("scale", why, target, rate, observed, predicted)
+                why += ": no placement in the budget does better"
+                return decision("hold", why, current, rate, observed, predicted)
+            return decision("scale", why, target, rate, observed, predicted)
         smallest = next(
             (
                 c
-                for c in self.candidates()
-                if self.devices(c) < self.devices(current)
-                and self.predict(c, at(self.config.down_headroom)) >= alpha
+                for c in self.candidates(degrees)
+                if self.devices(*c) < self.devices(*current)
+                and self.reachable(current, c)
+                and predict(c, self.config.down_headroom) >= alpha
             ),
             current,
         )
@@ -283,44 +365,42 @@ class Autoscaler:
             why = "the SLO is met and no smaller placement is safe"
             if smallest != current:
                 why = (
-                    f"the SLO is met; {self.devices(smallest)} devices would be, once safe at "
+                    f"the SLO is met; {self.devices(*smallest)} devices would be, once safe at "
                     f"every decision for {self.config.down_stabilization_s:g} s"
                 )
-            return Decision("hold", why, current, rate, observed, base)
-        predicted = {**base, "target": self.predict(target, at(1.0))}
+            return decision("hold", why, current, rate, observed, base)
+        predicted = {**base, "target": predict(target, 1.0)}
         why = (
-            f"{self.devices(target)} devices have met the SLO at "
+            f"{self.devices(*target)} devices have met the SLO at "
             f"{self.config.down_headroom:g}x the measured rate for "
             f"{self.config.down_stabilization_s:g} s (now {rate:.3g} req/s)"
         )
-        return Decision("scale", why, target, rate, observed, predicted)
+        return decision("scale", why, target, rate, observed, predicted)
 
-    def _stabilised(self, view: View, current: dict, smallest: dict) -> dict | None:
+    def _stabilised(self, view: View, current: tuple, smallest: tuple) -> tuple | None:
         """Record that `smallest` is the smallest placement safe now; return the placement to
         scale down to, or None. Down is slow (as Kubernetes' HPA stabilises scale-down): to the
         largest of the placements found safe at every decision of the last
         `down_stabilization_s`, and only once the records since the last change (on this
         placement) span that long. One noisy window (a run of short outputs, a lull) then
-        cannot take the mesh down just to send it back up."""
+        cannot take the mesh down just to send it back up. (A placement: (counts, tp).)"""
         stab = self.config.down_stabilization_s
         kept = [
             (t, c)
             for t, c in self._safe
             if self._safe_on == current and view.last_change_s <= t <= view.now_s
         ]
-        self._safe_on = dict(current)
-        self._safe = [*kept[-1000:], (view.now_s, dict(smallest))]
+        self._safe_on = current
+        self._safe = [*kept[-1000:], (view.now_s, smallest)]
         if self._safe[0][0] > view.now_s - stab:
             return None  # not yet measured for long enough on this placement
         period = [c for t, c in self._safe if t >= view.now_s - stab]
-        largest = max(reversed(period), key=self.devices)
-        return largest if self.devices(largest) < self.devices(current) else None
+        largest = max(reversed(period), key=lambda c: self.devices(*c))
+        return largest if self.devices(*largest) < self.devices(*current) else None
 
     def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
-        """The arrival rate to decide on, and "" or what makes it a surge: `arrival_rate` of
-        the arrivals the gateway reported, or, with none reported, `finished_rate` (the
-        finished requests': a request's latency late). In a surge the rate is the surge's
-        own: a burst is decided on as soon as there is evidence of it, not a window later."""
+        """The arrival rate to decide on (the gateway's reported arrivals', else
+        `finished_rate`; in a surge, the surge's own), and "" or what makes it a surge."""
         measured = arrival_rate(view.arrivals, view.now_s, view.arrivals_since_s, self.config)
         if measured is None:
             return finished_rate, ""
@@ -332,53 +412,6 @@ class Autoscaler:
             f"{rate:.3g} req/s before): "
         )
         return surge.rate, why
-
-
-@dataclass(frozen=True)
-class Surge:
-    """Evidence of a rise in the arrival rate: `arrivals` since it began, `seconds` ago."""
-
-    arrivals: int
-    seconds: float
-
-    @property
-    def rate(self) -> float:
-        return self.arrivals / self.seconds
-
-
-def arrival_rate(
-    arrivals: Iterable[float], now_s: float, since_s: float, config: AutoscaleConfig
-) -> tuple[float, Surge | None] | None:
-    """The arrival rate over the window (over the part of it since arrivals are counted,
-    `since_s`) and the surge in it, if any (`detect_surge`); None when no arrival is counted."""
-    start = max(now_s - config.window_s, since_s)
-    counted = sorted(t for t in arrivals if start <= t <= now_s)
-    if not counted or now_s <= start:
-        return None
-    rate = len(counted) / (now_s - start)
-    return rate, detect_surge(counted, now_s, rate, config)
-
-
-def detect_surge(
-    arrivals: list[float], now_s: float, rate: float, config: AutoscaleConfig
-) -> Surge | None:
-    """A Poisson CUSUM: the log-likelihood ratio of the (sorted) arrivals at `surge_factor` x
-    `rate` against `rate`, restarted at 0 whenever it falls there. Past `surge_threshold` it is
-    a surge, counted from when it started rising. Else None."""
-    gain = math.log(config.surge_factor)  # each arrival's evidence
-    drain = (config.surge_factor - 1) * rate  # evidence lost per second without one
-    score, prev, start, n = 0.0, arrivals[0], arrivals[0], 0
-    for t in arrivals:
-        score -= drain * (t - prev)
-        prev = t
-        if score <= 0:
-            score, start, n = 0.0, t, 0
-        score += gain
-        n += 1
-    score -= drain * (now_s - prev)
-    if score <= config.surge_threshold or now_s <= start:
-        return None
-    return Surge(n, now_s - start)
 
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:

@@ -23,8 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import clock, telemetry
 from services.planner.actuator import Actuator
-from services.planner.autoscale import Autoscaler, Decision, View, arrival_rate
+from services.planner.autoscale import Autoscaler, Decision, View
 from services.planner.drift import Sample
+from services.planner.surge import arrival_rate
 
 log = logging.getLogger("distserve.planner")
 
@@ -135,10 +136,12 @@ class ControlLoop:
             self._last_change_s = now  # a change landed since the last tick: cool down
         self._was_changing, self._changes_seen = status.changing, status.changes
         counts = {r: status.count(r) for r in self.autoscaler.roles}
+        degrees = {r: t for r in self.autoscaler.roles if (t := status.tp(r))}
         view = View(
             now_s=now,
             samples=tuple(self.samples),
             counts=counts,
+            tp=degrees,
             in_flight=status.changing,
             last_change_s=self._last_change_s,
             arrivals=tuple(self.arrivals),
@@ -161,7 +164,7 @@ class ControlLoop:
         return decision
 
     def _apply(self, decision: Decision) -> None:
-        self.actuator.apply(self.pool, decision.counts, decision.reason)
+        self.actuator.apply(self.pool, decision.counts, decision.reason, decision.tp)
 
     def _report(self, decision: Decision, span, last_error: str) -> None:
         self.latest, self.latest_at_s = decision, clock.time_s()
@@ -175,6 +178,7 @@ class ControlLoop:
             "planner.rate_rps": decision.rate,
             "planner.samples": len(self.samples),
             **{f"planner.target.{r}": n for r, n in decision.counts.items()},
+            **{f"planner.target_tp.{r}": t for r, t in decision.tp.items()},
             **{f"planner.predicted.{k}": v for k, v in decision.predicted.items()},
             **{f"planner.correction.{k}": v for k, v in decision.correction.items()},
             **{
@@ -192,10 +196,11 @@ class ControlLoop:
         verb = "advises" if self.advisory and decision.action == "scale" else "decides"
         log.log(
             level,
-            "planner %s %s %s: %s (step times x%s of the profile)",
+            "planner %s %s %s (tp %s): %s (step times x%s of the profile)",
             verb,
             decision.action,
             decision.counts,
+            decision.tp,
             decision.reason,
             ", x".join(f"{v:.2f} {k}" for k, v in decision.correction.items()),
         )
@@ -214,6 +219,8 @@ class ControlLoop:
             reason=d.reason,
             current=dict(view.counts),
             target=d.counts,
+            current_tp={r: view.tp.get(r) or self.autoscaler.tp[r] for r in view.counts},
+            target_tp=d.tp,
             rate_rps=d.rate,
             observed_attainment=-1.0 if math.isnan(d.observed) else d.observed,
             predicted_attainment=d.predicted,

@@ -1,6 +1,8 @@
 """The planner's decisions on a running mesh (services/planner/autoscale.py), on OPT-13B's
 published A100 profile: up when the SLO is at risk, down only when it stays safe, never back and
-forth under a constant load, nothing while a change is in flight, never over the budget."""
+forth under a constant load, nothing while a change is in flight, never over the budget; a role
+re-sharded only when allowed, when it does better, and when the actuator's `transition` can
+make it without leaving a role with no instance (OPT-66B)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import numpy as np
 import pytest
 
 from distserve.loadgen.emulated import EmulatedCluster
-from services.common.errors import InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.slo import Slo
+from services.planner.actuator import transition
 from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay, _scaled
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster
@@ -39,12 +42,15 @@ def served(
     n: int = 240,
     end: float = NOW,
     mesh: PlanSpec | None = None,
+    tp: dict | None = None,
 ):
-    """`n` requests of a workload at `rate`, as the mesh of `counts` would report them (the
-    simulator's TTFT and TPOT; `mesh`: the step times it runs at, default the planner's), the
-    last arriving just before `end`."""
+    """`n` requests of a workload at `rate`, as the mesh of `counts` instances (of tensor
+    degree `tp`, default the autoscaler's) would report them (the simulator's TTFT and TPOT;
+    `mesh`: the step times it runs at, default the planner's), the last arriving just before
+    `end`."""
+    tp = tp or {}
     requests = PRESETS[workload].sample(n, seed).at_rate(rate)
-    instances = [a._instances[r] for r in a.roles for _ in range(counts[r])]
+    instances = [a._instance(r, tp.get(r, a.tp[r])) for r in a.roles for _ in range(counts[r])]
     result = simulate(sim_cluster(mesh or a.spec, instances), requests)
     start = end - requests.arrival_s[-1] - 0.01
     return tuple(
@@ -248,3 +254,85 @@ def test_a_surge_of_arrivals_is_seen_at_once_and_poisson_noise_never_looks_like_
     assert surge and 2 * rate < measured < 4 * rate, (measured, surge)
     # No arrivals reported (an older gateway): the finished requests' rate stands
     assert autoscaler._arrival_rate(View(now, (), {}), 4.2) == (4.2, "")
+
+
+@pytest.fixture(scope="module")
+def code_66b() -> PlanSpec:
+    """OPT-66B on A100s, code's prompts and a TTFT SLO of 90 ms: a prompt's prefill at tp 2
+    takes about that long alone, so more tp-2 prefill instances cannot meet it; tp 4 can."""
+    return EmulatedCluster.of("opt-66b").plan_spec(BUDGET, PRESETS["code"], Slo(0.09, 0.2))
+
+
+def test_a_role_too_slow_at_its_degree_is_resharded_when_allowed(code_66b):
+    tp = {"prefill": 2, "decode": 2}
+    counts = {"prefill": 1, "decode": 1}
+    keep = Autoscaler(code_66b, tp, AutoscaleConfig(budget=BUDGET))
+    d = keep.decide(View(NOW, served(keep, counts, "code", 1.0, 0), counts))
+    assert d.action == "hold" and d.tp == tp, d  # more tp-2 instances do no better
+    reshard = Autoscaler(code_66b, tp, AutoscaleConfig(budget=BUDGET, tp_choices=(1, 2, 4, 8)))
+    assert reshard.degrees("prefill", 2) == [2, 4, 8]  # tp 1 holds no OPT-66B
+    d = reshard.decide(View(NOW, served(reshard, counts, "code", 1.0, 0), counts))
+    assert d.action == "scale" and d.tp == {"prefill": 4, "decode": 2}, d
+    assert d.counts == counts and d.predicted["target"] >= 0.9 > d.predicted["current"]
+    assert d.to_json()["tp"] == d.tp
+    # once re-sharded, the view says so: the placement holds
+    d = reshard.decide(View(NOW, served(reshard, counts, "code", 1.0, 1, tp=d.tp), counts, tp=d.tp))
+    assert d.action == "hold" and d.tp == {"prefill": 4, "decode": 2}, d
+
+
+def test_a_reshard_that_would_leave_a_role_without_an_instance_is_not_taken(code_66b):
+    """Budget 6 on 1P(tp2)1D(tp2): a tp-4 prefill instance has no room beside the tp-2 one,
+    and that is prefill's only instance: the actuator could only drain it first (no prefill
+    meanwhile), so the planner does not ask."""
+    tp = {"prefill": 2, "decode": 2}
+    counts = {"prefill": 1, "decode": 1}
+    a = Autoscaler(code_66b, tp, AutoscaleConfig(budget=6, tp_choices=(2, 4)))
+    d = a.decide(View(NOW, served(a, counts, "code", 1.0, 0), counts))
+    assert d.tp == tp, d
+
+
+def test_at_equal_devices_the_mesh_keeps_its_degrees():
+    """Chat on OPT-13B: the re-sharding planner takes what the one that keeps degrees takes
+    (a re-shard replaces every instance of a role: only worth it where it does better)."""
+    spec = EmulatedCluster.of("opt-13b").plan_spec(BUDGET, PRESETS["chat"], SLO)
+    tp = {"prefill": 1, "decode": 1}
+    keep = Autoscaler(spec, tp, AutoscaleConfig(budget=BUDGET))
+    reshard = Autoscaler(spec, tp, AutoscaleConfig(budget=BUDGET, tp_choices=(1, 2, 4)))
+    samples = served(keep, tp, "chat", 6.0, 0)
+    a, b = (x.decide(View(NOW, samples, tp)) for x in (reshard, keep))
+    assert b.action == "scale" and b.tp == tp, b
+    assert (a.action, a.counts, a.tp) == (b.action, b.counts, b.tp)
+
+
+def test_transition_starts_the_new_degree_before_the_old_drains_within_the_budget():
+    live = [("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
+    steps = transition(live, {"decode": 1}, {"decode": 2}, budget=4)
+    assert [(s.action, s.role, s.tp, s.name) for s in steps] == [
+        ("start", "decode", 2, ""),
+        ("drain", "decode", 1, "decode-0"),
+    ]
+    # no budget at all: the same order
+    assert transition(live, {"decode": 1}, {"decode": 2}, budget=0) == steps
+    # two old instances and room for one new beside them only once one has gone: one drains
+    # first (the role keeps the other), the new starts, the other drains
+    live = [("decode-0", "decode", 1), ("decode-1", "decode", 1), ("prefill-0", "prefill", 1)]
+    steps = transition(live, {"decode": 1}, {"decode": 2}, budget=4)
+    assert [(s.action, s.name or s.tp) for s in steps] == [
+        ("drain", "decode-0"),
+        ("start", 2),
+        ("drain", "decode-1"),
+    ]
+    # the surplus drains before anything starts (a role change within the budget), the first
+    # listed (the least busy) first
+    live = [("prefill-1", "prefill", 1), ("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
+    steps = transition(live, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 1}, 3)
+    assert [(s.action, s.name or s.role) for s in steps] == [
+        ("drain", "prefill-1"),
+        ("start", "decode"),
+    ]
+
+
+def test_transition_refuses_to_leave_a_role_without_an_instance():
+    live = [("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
+    with pytest.raises(FailedPrecondition, match="decode at tp 2: no room in a budget of 3"):
+        transition(live, {"decode": 1}, {"decode": 2}, budget=3)

@@ -52,7 +52,7 @@ class FakeActuator:
         )
         return ActuatorStatus(instances, changing=self._pending is not None, changes=self.changes)
 
-    def apply(self, pool: str, counts, reason: str = "") -> None:
+    def apply(self, pool: str, counts, reason: str = "", tp=None) -> None:
         self._land()
         self.asked.append((self.now(), dict(counts), self._pending is not None))
         self.changes += 1
@@ -78,7 +78,7 @@ def burst_samples(a: Autoscaler) -> list[Sample]:
     prompt = np.concatenate([steady.prompt[keep], burst.prompt[inside]])[order]
     output = np.concatenate([steady.output[keep], burst.output[inside]])[order]
     requests = Requests(t[order], prompt, output)
-    instances = [a._instances["prefill"], a._instances["decode"]]
+    instances = [a._instance("prefill", 1), a._instance("decode", 1)]
     served = simulate(sim_cluster(a.spec, instances), requests)
     return [
         Sample(float(t), int(p), int(o), ttft * 1000, tpot * 1000)
