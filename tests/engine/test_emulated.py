@@ -47,8 +47,12 @@ def fast_profile(tmp_path_factory):
     return str(path)
 
 
-def engine(model, profile=None, **emulation) -> LLMEngine:
-    config = EngineConfig(max_num_seqs=64, emulation=Emulation(profile=profile, **emulation))
+def engine(model, profile=None, max_batch_tokens=0, **emulation) -> LLMEngine:
+    config = EngineConfig(
+        max_num_seqs=64,
+        max_batch_tokens=max_batch_tokens,
+        emulation=Emulation(profile=profile, **emulation),
+    )
     return LLMEngine(model, config, detokenize=False)
 
 
@@ -157,7 +161,7 @@ def test_a_step_lasts_its_modelled_time_times_the_scale(opt13b):
     times 3, and decode steps keep the modelled cadence times 3 (the engine's own work between
     steps overlaps the modelled time; a step that woke late is followed by a shorter one), within
     10%."""
-    e = engine(opt13b)
+    e = engine(opt13b, max_batch_tokens=2048)
     times = e.runner.times
     clock.setup(3.0)
     try:
@@ -178,6 +182,18 @@ def test_a_step_lasts_its_modelled_time_times_the_scale(opt13b):
         assert e.last_step == ("decode", 4, 4)
     finally:
         clock.setup(1.0)
+
+
+def test_l_m_is_by_default_the_profiles_saturation_point_at_the_workers_tp(opt13b, tiny_model):
+    """As the planner's simulator sets each instance's L_m: an instance re-sharded to another
+    tensor degree batches prompts as that degree should."""
+    lat = for_model(PRESETS["opt-13b"], None)
+    sizes = {tp: engine(opt13b, tp=tp).max_batch_tokens for tp in (1, 2, 4)}
+    assert sizes == {tp: lat.saturation_tokens(tp) for tp in (1, 2, 4)}
+    assert len(set(sizes.values())) > 1  # the degrees differ, or this proves nothing
+    assert engine(opt13b, max_batch_tokens=700).max_batch_tokens == 700  # given: kept
+    real = LLMEngine(tiny_model, EngineConfig(num_blocks=8), detokenize=False)
+    assert real.max_batch_tokens == 2048
 
 
 def test_step_times_are_the_planners_latency_model(opt13b):
