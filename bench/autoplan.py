@@ -20,7 +20,10 @@ Parts (`--parts`, default all):
   (`autoplan_changes_constant_load`: changes the planner asked after its first), then chat at
   3R for `--burst-s` (`autoplan_burst_decision_s`: from the burst's start to the planner's
   first change; `autoplan_decisions_while_applying`: changes asked while one was being applied,
-  which the actuator refuses), then R again for `--after-s`.
+  which the actuator refuses), then R again for `--after-s`. `burst_surge_test_s`: when the
+  planner's surge test alone flags the burst's scheduled arrivals, the decision's floor on
+  this one burst; a burst is one draw (seed 0's is slow, 4.9 s, where the test's median is
+  ~2.9 s: bench/surge.py), so `--seed` gives others.
 
 R: the highest rate (0.1 req/s steps) at which the simulator predicts 1P1D meets chat's SLO
 for 95% of the requests (a margin over 0.9 for what the simulator omits): the planner keeps
@@ -54,6 +57,7 @@ from bench.autoplan_measure import (
     lost,
     schedule,
     settle_s,
+    surge_test_s,
 )
 from bench.common import host, log, report_and_exit_code
 from bench.emulated import EmulatedMesh, rate_for
@@ -67,6 +71,7 @@ SLO = Slo(0.25, 0.1)
 ALPHA = 0.9
 BUDGET = 8
 START = Shape(prefill=(1, 1), decode=(1, 1))
+WINDOW_S = 60  # the planner's window
 RATE_TARGET = 0.95  # 1P1D's predicted attainment at R: a margin for what the simulator omits
 REPLAY = 1000  # requests per prediction: ~2 phases of chat at R, past the queues' start-up
 PLANNER_ARGS = (
@@ -79,7 +84,7 @@ PLANNER_ARGS = (
     "--decide-every-s",
     "1",
     "--window-s",
-    "60",
+    str(WINDOW_S),
     "--cooldown-s",
     "30",
 )
@@ -144,6 +149,7 @@ def run_mesh(cluster, args, segments: list[Segment], planner: bool) -> dict:
                 actions.close()
         out = {
             "result": result,
+            "requests": requests,
             "spans": spans,
             "actions": actions,
             "decisions": planner_decisions(em.mesh) if planner else {},
@@ -195,12 +201,20 @@ def constant_figures(segments: list[Segment], run: dict) -> dict:
     actions: ActuatorLog = run["actions"]
     during = actions.asked(c0, c1)
     burst = actions.asked(b0, a1)
+    landed = [e.t_s for e in actions.events if e.kind == "landed" and e.t_s <= b0]
     return {
         "autoplan_changes_constant_load": max(0, len(during) - 1),
         "constant_load_changes": [
             {"t_s": round(e.t_s, 1), "to": shape_name(e.counts)} for e in during
         ],
         "autoplan_burst_decision_s": round(burst[0].t_s - b0, 1) if burst else None,
+        # the same burst's scheduled arrivals through the planner's surge test alone: the
+        # decision's floor on this burst (one draw: `--seed` draws another)
+        "burst_surge_test_s": surge_test_s(
+            run["requests"].arrival_s, b0, AutoscaleConfig(budget=BUDGET, window_s=WINDOW_S)
+        ),
+        # under the planner's cool-down (30 s) at the burst, the decision waits it out
+        "burst_after_last_change_s": round(b0 - landed[-1], 1) if landed else None,
         "burst_changes": [{"t_s": round(e.t_s, 1), "to": shape_name(e.counts)} for e in burst],
         "autoplan_decisions_while_applying_burst": actions.refused(),
         "constant_attainment_by_segment": {

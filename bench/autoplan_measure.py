@@ -18,6 +18,8 @@ import numpy as np
 from distserve.loadgen.results import LoadResult
 from services.common.errors import FailedPrecondition
 from services.common.slo import Slo
+from services.planner.autoscale import AutoscaleConfig
+from services.planner.surge import arrival_rate
 from services.planner.workload import PRESETS, Requests
 
 SETTLED = 0.9  # attainment that counts as settled (the planner's target)
@@ -49,6 +51,20 @@ def schedule(segments: list[Segment], seed: int) -> tuple[Requests, list[tuple[f
         start += seg.length_s
     requests = Requests(np.concatenate(arrivals), np.concatenate(prompts), np.concatenate(outputs))
     return requests, spans
+
+
+def surge_test_s(
+    arrivals: np.ndarray, start: float, config: AutoscaleConfig, within_s: float = 60.0
+) -> float | None:
+    """Seconds from `start` until the planner's surge test flags the scheduled `arrivals`
+    (tested every 0.05 s, no mesh: what the statistic alone needs on this burst's arrivals);
+    None: not within `within_s`."""
+    arrivals = np.sort(arrivals)
+    for t in np.arange(start, start + within_s, 0.05):
+        measured = arrival_rate(arrivals[arrivals <= t].tolist(), t, 0.0, config)
+        if measured is not None and measured[1] is not None:
+            return round(float(t - start), 2)
+    return None
 
 
 def attainment_in(result: LoadResult, slo: Slo, start: float, end: float) -> float | None:
