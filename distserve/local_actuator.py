@@ -25,7 +25,7 @@ from services.common import mesh_tls
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
-from services.planner.actuator import ActuatorStatus, Instance, transition
+from services.planner.actuator import ActuatorStatus, Instance, common_degree, transition
 
 log = logging.getLogger("distserve.actuator")
 
@@ -95,7 +95,8 @@ class LocalActuator:
         self._changes += 1
         try:
             want = {role: (tp or {}).get(role) or self._degree(role) for role in counts}
-            live = [(n, _role(n), self._tp(n)) for n in self._least_busy(self._serving_all())]
+            degree = {p.name: p.tp for p in self._live()}
+            live = [(n, _role(n), degree[n]) for n in self._least_busy(list(degree))]
             steps = transition(live, counts, want, self.mesh.spec.budget)
         except Exception as e:
             self._last_error = f"{type(e).__name__}: {e}"
@@ -183,19 +184,10 @@ class LocalActuator:
         """The mesh's workers whose process runs (one that exited unasked serves nothing)."""
         return [p for p in list(self.mesh.workers) if p.popen.poll() is None]
 
-    def _serving_all(self) -> list[str]:
-        """The live workers' names."""
-        return [p.name for p in self._live()]
-
-    def _tp(self, name: str) -> int:
-        return next(p.tp for p in self.mesh.workers if p.name == name)
-
     def _degree(self, role: str) -> int:
-        """The tensor degree `role`'s instances have (the most common; none: the spec's)."""
-        degrees = [p.tp for p in self._live() if _role(p.name) == role]
-        if not degrees:
-            return self.mesh.spec.tp.get(role, 1)
-        return max(set(degrees), key=lambda d: (degrees.count(d), d))
+        """The tensor degree `role`'s instances have (none: the spec's)."""
+        usual = common_degree([p.tp for p in self._live() if _role(p.name) == role])
+        return usual or self.mesh.spec.tp.get(role, 1)
 
     def _least_busy(self, names: list[str]) -> list[str]:
         """`names` by the work they hold now (the gateway's view), least first; ties: the

@@ -57,10 +57,9 @@ class ActuatorStatus:
     def tp(self, role: str) -> int | None:
         """The tensor degree of `role`'s instances serving or starting (the most common one
         while a re-shard is under way; None: the role has none)."""
-        degrees = [i.tp for i in self.instances if i.role == role and i.state != "draining"]
-        if not degrees:
-            return None
-        return max(set(degrees), key=lambda d: (degrees.count(d), d))
+        return common_degree(
+            [i.tp for i in self.instances if i.role == role and i.state != "draining"]
+        )
 
     def loads(self) -> dict[str, common_pb2.WorkerLoad]:
         """Each role's load over its serving instances that report one, as one `WorkerLoad`:
@@ -150,6 +149,12 @@ class RemoteActuator:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def common_degree(degrees: list[int]) -> int | None:
+    """The most common of a role's instances' tensor degrees (a tie: the larger; none: None):
+    the role's degree, also while a re-shard is under way."""
+    return max(set(degrees), key=lambda d: (degrees.count(d), d)) if degrees else None
 
 
 @dataclass(frozen=True)
