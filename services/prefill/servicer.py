@@ -16,9 +16,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker = worker
 
     async def Prefill(self, request, context):
-        early = None
+        layerwise = None  # gets the layer-wise handle once the prompt is scheduled
         if request.early_handle and not request.discard_kv:
-            early = asyncio.get_running_loop().create_future()
+            layerwise = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(
             self.worker.prefill(
                 request.request_id,
@@ -26,15 +26,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 sampling_from_pb(request.sampling),
                 request.discard_kv,
                 telemetry.incoming(context),
-                early,
+                layerwise,
             )
         )
         delivered = False
         try:
-            if early is not None:
-                await asyncio.wait({task, early}, return_when=asyncio.FIRST_COMPLETED)
-                if early.done():
-                    yield prefill_pb2.PrefillEvent(kv=early.result().to_pb())
+            if layerwise is not None:
+                await asyncio.wait({task, layerwise}, return_when=asyncio.FIRST_COMPLETED)
+                if layerwise.done():
+                    yield prefill_pb2.PrefillEvent(kv=layerwise.result().to_pb())
             result = await task
             reply = prefill_pb2.PrefillResponse(
                 request_id=request.request_id,
@@ -51,8 +51,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             delivered = True
         finally:
             task.cancel()  # the caller left: the worker frees what the request holds
-            if early is not None:
-                early.cancel()
+            if layerwise is not None:
+                layerwise.cancel()
             if not delivered:
                 # The caller left as the prompt finished: nobody will take or release its KV.
                 await asyncio.shield(self.worker.abandon(request.request_id))

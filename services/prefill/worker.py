@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
 from services.common import clock, telemetry
-from services.common.errors import FailedPrecondition, Unavailable, UnsupportedModel
+from services.common.errors import InvalidRequest, Unavailable, UnsupportedModel
 from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
@@ -23,6 +24,7 @@ from services.kvtransfer.memory import dtype_name
 from services.kvtransfer.source import ChunkSource
 from services.kvtransfer.ucx_setup import ucx_available
 from services.prefill.config import PrefillConfig
+from services.prefill.held_prompt import HeldPrompt, PromptState
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop
 from services.worker.tp_group import start_engine
@@ -67,10 +69,8 @@ class PrefillWorker:
             on_step=EngineSteps(registry).observe,
             group=self.group,
         )
-        # Layer-wise handoff: requests waiting for their early handle (request id -> (future,
-        # prompt tokens, trace)), and the streaming leases of prompts being computed.
-        self._early: dict[str, tuple[asyncio.Future, int, object]] = {}
-        self._streaming: dict[str, Lease] = {}
+        # Every prompt here from its submission until its KV is freed (held_prompt.py).
+        self._prompts: dict[str, HeldPrompt] = {}
         self.leases = LeaseTable(config.lease_s, config.max_lease_s)
         kv = self.engine.kv_geometry
         tp = config.tensor_parallel_size
@@ -136,9 +136,8 @@ class PrefillWorker:
             Unavailable(f"{self.config.worker_id} is shutting down and its drain timed out")
         )
         await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
-        for lease in self.leases.pop_all():
-            self._streaming.pop(lease.request_id, None)
-            await self.free(lease, "drained")
+        for freeing in [self._close(lease, PromptState.DRAINED) for lease in self.leases.pop_all()]:
+            await freeing
 
     async def prefill(
         self,
@@ -147,21 +146,26 @@ class PrefillWorker:
         params: SamplingParams,
         discard_kv: bool,
         trace: telemetry.Context | None = None,
-        early: asyncio.Future | None = None,
+        layerwise: asyncio.Future | None = None,
     ) -> PrefillResult:
         """Prefill a prompt; `trace` is the caller's trace context, under which the queue wait
-        and the batch are recorded as spans. `early` (layer-wise handoff) gets the KV handle
-        as soon as the prompt is scheduled, before it is computed: its layers are published
-        as they are computed, its first token when sampled."""
+        and the batch are recorded as spans. `layerwise` (layer-wise handoff) gets the KV
+        handle as soon as the prompt is scheduled, before it is computed: its layers are
+        published as they are computed, its first token when sampled."""
         if self.draining:
             raise Unavailable(
                 f"{self.config.worker_id} is shutting down: send the prompt to another instance"
             )
         self.requests_total += 1
+        if request_id in self._prompts:  # in flight, or its KV still held
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         submitted = clock.monotonic()
         queue = self.loop.subscribe(request_id)
-        if early is not None and not discard_kv:
-            self._early[request_id] = (early, len(prompt), trace)
+        held = HeldPrompt(
+            request_id, len(prompt), self, keep_kv=not discard_kv, trace=trace, layerwise=layerwise
+        )
+        self._prompts[request_id] = held
+        if held.layerwise is not None:
             self.loop.layerwise.add(request_id)
         try:
             self.loop.submit(request_id, AddRequest(prompt, params, request_id))
@@ -173,87 +177,84 @@ class PrefillWorker:
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError):
                 self.requests_aborted += 1
-            await asyncio.shield(self._forget(request_id))
+            await held.abort()
             raise
         finally:
             self.loop.unsubscribe(request_id)
-            self._early.pop(request_id, None)
             self.loop.layerwise.discard(request_id)
         self.phases.record(trace, submitted, info, out.num_cached_tokens)
-        result = dict(
-            first_token=out.new_token_ids[0],
+        first_token = out.new_token_ids[0]
+        handle = await held.computed(first_token, out.finished, out.held_runs)
+        return PrefillResult(
+            first_token=first_token,
             finish_reason=out.finish_reason,
+            handle=handle,
             queue_ms=(info.started - submitted) * 1000,
             compute_ms=info.seconds * 1000,
             batch_size=info.batch_size,
             batch_tokens=info.batch_tokens,
         )
-        streaming = self._streaming.pop(request_id, None)
-        if streaming is not None and streaming.closed:
-            # Released (or lapsed) while the prompt was computed: its decode instance gave up.
-            if not out.finished:
-                await self.loop.call(Release(request_id))
-            return PrefillResult(handle=None, **result)
-        if out.finished or discard_kv:
-            if streaming is not None:  # a decode instance may be pulling: nothing to decode
-                streaming.first_token.set_exception(
-                    FailedPrecondition(f"request {request_id} ended at its first token")
-                )
-                streaming.first_token.exception()  # retrieved: nobody may be waiting
-                self.leases.pop_request(request_id)
-                self._lease_ended(streaming, "finished", len(streaming.blocks))
-            if not out.finished:
-                await self.loop.call(Release(request_id))
-            return PrefillResult(handle=None, **result)
-        if streaming is not None:
-            streaming.publish(self.engine.kv_geometry.num_layers)
-            streaming.first_token.set_result((result["first_token"], clock.time_s()))
-            return PrefillResult(handle=streaming.handle, **result)
-        template = self._template(len(prompt), list(out.held_runs))
-        handle = self._lease(request_id, template, trace)
-        return PrefillResult(handle=handle, **result)
-
-    def _lease(self, request_id: str, template: KvHandle, trace) -> KvHandle:
-        """A handle on a request's KV; the other ranks of a tensor-parallel instance serve their
-        heads of it from now on."""
-        handle = self.leases.create(request_id, template, trace)
-        if self.group is not None:
-            self.group.adopt(request_id, handle.encode())
-        return handle
 
     def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:
-        """A batch has its blocks: early-handle requests get their streaming handle now."""
+        """A batch has its blocks: prompts awaiting a layer-wise handle get it now."""
         for request_id, runs in batch:
-            waiting = self._early.pop(request_id, None)
-            if waiting is None:
-                continue
-            future, num_tokens, trace = waiting
-            if future.done():  # the caller left
-                continue
-            template = replace(self._template(num_tokens, list(runs)), streaming=True)
-            handle = self._lease(request_id, template, trace)
-            self._streaming[request_id] = self.leases.of_request(request_id)
-            future.set_result(handle)
+            held = self._prompts.get(request_id)
+            if held is not None and held.awaits_layerwise_handle:
+                held.scheduled(list(runs))
 
     def _layer_done(self, request_ids: list[str], layer: int) -> None:
         for request_id in request_ids:
-            lease = self._streaming.get(request_id)
-            if lease is not None:
-                lease.publish(layer + 1)
+            held = self._prompts.get(request_id)
+            if held is not None:
+                held.publish(layer + 1)
 
-    async def free(self, lease: Lease, outcome: str = "released") -> int:
-        """Free a lease's blocks, once the sends still reading them are cancelled. The caller
-        has taken the lease out of the table, so nobody else would free them: this runs to the
-        end even if the caller is cancelled meanwhile (a Release whose client gave up)."""
-        return await asyncio.shield(self._free(lease, outcome))
+    async def free(self, lease: Lease) -> int:
+        """Decode released a handle (the kvtransfer Release; the lease is out of the table):
+        its blocks are freed once the sends still reading them are cancelled. Runs to the end
+        even if the caller is cancelled meanwhile (a Release whose client gave up)."""
+        return await self._close(lease, PromptState.RELEASED)
 
-    async def _free(self, lease: Lease, outcome: str) -> int:
-        await lease.stop_sends()
-        freed = await self.loop.call(Release(lease.request_id))
-        self._lease_ended(lease, outcome, freed)
-        return freed
+    async def abandon(self, request_id: str) -> bool:
+        """The caller left without the request's result: free KV still held for it (a
+        prefill that finished just as its caller was cancelled). A layer-wise lease of a
+        prompt still computing is closed, and the prompt's blocks are freed when it ends."""
+        lease = self.leases.pop_request(request_id)
+        if lease is None:
+            return False
+        await self._close(lease, PromptState.ABANDONED)
+        return True
 
-    def _lease_ended(self, lease: Lease, outcome: str, blocks: int) -> None:
+    def _close(self, lease: Lease, outcome: PromptState) -> Awaitable[int]:
+        """End a lease taken out of the table (its prompt's state changes now); the blocks
+        freed, once they are."""
+        return self._prompts[lease.request_id].close(lease, outcome)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            lapsed = [
+                (lease, self._close(lease, PromptState.EXPIRED)) for lease in self.leases.expired()
+            ]
+            for lease, freeing in lapsed:
+                freed = await freeing
+                self.blocks_reclaimed += freed
+                log.info("lease of %s lapsed; freed %d blocks", lease.request_id, freed)
+
+    # -- PromptHost: what a HeldPrompt needs of this instance ---------------------------------
+
+    async def engine_call(self, command: Release | Abort) -> int | bool:
+        return await self.loop.call(command)
+
+    def lease(self, prompt: HeldPrompt, runs: list[tuple[int, int]], layerwise: bool) -> Lease:
+        """A lease on a prompt's KV; the other ranks of a tensor-parallel instance serve their
+        heads of it from now on."""
+        template = replace(self._template(prompt.num_tokens, runs), streaming=layerwise)
+        handle = self.leases.create(prompt.request_id, template, prompt.trace)
+        if self.group is not None:
+            self.group.adopt(prompt.request_id, handle.encode())
+        return self.leases.get(handle.handle_id, handle.access_token)
+
+    def lease_ended(self, lease: Lease, outcome: PromptState, blocks: int) -> None:
         """The span and histogram of the time a prompt's KV was held, with what was sent."""
         now = clock.monotonic()
         self.lease_seconds.observe(now - lease.created)
@@ -263,40 +264,15 @@ class PrefillWorker:
             lease.created,
             now,
             {
-                "kv.outcome": outcome,
+                "kv.outcome": outcome.value,
                 "kv.blocks": blocks,
                 "kv.chunks_sent": lease.chunks_sent,
                 "kv.bytes_sent": lease.bytes_sent,
             },
         )
 
-    async def abandon(self, request_id: str) -> bool:
-        """The caller left without the request's result: free KV still held for it (a
-        prefill that finished just as its caller was cancelled). A streaming lease of a
-        prompt still computing is closed, and the prompt's blocks are freed when it ends."""
-        lease = self.leases.pop_request(request_id)
-        if lease is None:
-            return False
-        await self.free(lease, "abandoned")
-        return True
-
-    async def _forget(self, request_id: str) -> None:
-        """A cancelled or failed request: drop it from the engine wherever it is, and its
-        lease (a streaming lease's waiters are told)."""
-        self._early.pop(request_id, None)
-        self._streaming.pop(request_id, None)
-        lease = self.leases.pop_request(request_id)
-        aborted = await self.loop.call(Abort(request_id))
-        if lease is not None:
-            self._lease_ended(lease, "aborted", len(lease.blocks) if aborted else 0)
-
-    async def _reap(self) -> None:
-        while True:
-            await asyncio.sleep(0.2)
-            for lease in self.leases.expired():
-                freed = await self.free(lease, "expired")
-                self.blocks_reclaimed += freed
-                log.info("lease of %s lapsed; freed %d blocks", lease.request_id, freed)
+    def prompt_ended(self, prompt: HeldPrompt) -> None:
+        del self._prompts[prompt.request_id]
 
     def _template(self, num_tokens: int, runs: list[tuple[int, int]]) -> KvHandle:
         kv = self.engine.kv_geometry
