@@ -17,14 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.decode.worker import DecodeWorker
+from services.decode.pull import SourceReleases
 
 
 async def _in_flight(self, handle, trace=None) -> None:
     await asyncio.Event().wait()  # sent, never answered: the process dies first
 
 
-DecodeWorker._release_quietly = _in_flight
+SourceReleases._release = _in_flight
 _, dash_m, module, *args = sys.argv[1:]
 assert dash_m == "-m", sys.argv
 sys.argv = [module, *args]

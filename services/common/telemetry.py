@@ -30,9 +30,11 @@ the SDK's `start_span`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry.context import Context
@@ -183,6 +185,20 @@ def start(
     if _recorder is not None:
         return _recorder.start(name, parent, attributes, when)
     return _tracer.start_span(name, context=parent, attributes=attributes, start_time=when)
+
+
+@contextmanager
+def span(name: str, parent: Context | None, attributes: Mapping | None = None) -> Iterator[Span]:
+    """A span (`start`) open for the `with` block and ended when it exits; if the block
+    raises, the span is failed with the error ("cancelled" for a cancellation)."""
+    opened = start(name, parent, attributes)
+    try:
+        yield opened
+    except BaseException as e:
+        fail(opened, "cancelled" if isinstance(e, asyncio.CancelledError) else e)
+        raise
+    finally:
+        opened.end()
 
 
 def context_of(span: Span) -> Context:

@@ -4,6 +4,10 @@ Requests with a KV handle wait in the engine's pull queue until their prompt's K
 memory is the buffer between the pools); their KV is then pulled over UCX straight into the
 blocks allocated for them, the handle is released, and they join the batch at the next step.
 Requests without a handle are prefilled here (colocated).
+
+One file of ~330 lines: a request's path (generate, its pull, every rank's share of it) reads
+top to bottom here; what stands apart from it (the handle's checks, its release at the source,
+the handoff span's figures) is in pull.py.
 """
 
 from __future__ import annotations
@@ -16,16 +20,16 @@ from dataclasses import asdict, dataclass
 from prometheus_client import CollectorRegistry, Histogram
 
 from services.common import clock, telemetry
-from services.common.errors import DistServeError, FailedPrecondition, Unavailable
+from services.common.errors import DistServeError, Unavailable
 from services.common.kv_handle import KvHandle
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
+from services.decode.pull import SourceReleases, can_reuse, check_handle, handoff_attributes
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
 from services.engine.sequence import Sequence
 from services.engine.shards import kv_heads_of
-from services.kvtransfer.memory import dtype_name
-from services.kvtransfer.puller import KV_DTYPES, KvPuller, ModelledLink, PullReport
+from services.kvtransfer.puller import KvPuller, ModelledLink, PullReport
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop, StepInfo
 from services.worker.tp_group import start_engine
@@ -40,6 +44,17 @@ class DecodeEvent:
     queue_ms: float = 0.0  # pulled requests, first event: waiting for KV room
     pull_ms: float = 0.0  # pulled requests, first event: the pull itself
     pull_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A request's KV is here: its first event (the wait for room and the pull), the context
+    of the handoff span (the handle's release joins it) and, for a layer-wise handle, the
+    first token, which prefill sampled only after the request was queued here."""
+
+    event: DecodeEvent
+    handoff: telemetry.Context | None
+    first_token: int | None
 
 
 class DecodeWorker:
@@ -83,8 +98,8 @@ class DecodeWorker:
             spec, emulation = self.engine.runner.spec, config.engine.emulation
             link = ModelledLink(spec.kv_bytes_per_token, emulation.link_gbs * 1e9)
         self.puller = KvPuller(config.pull, config.kv_transport, link)
+        self.releases = SourceReleases(self.puller)
         self._admissions: dict[str, asyncio.Future] = {}
-        self._background: set[asyncio.Task] = set()
         self.pulling = 0
         self.requests_total = 0
         self.requests_aborted = 0
@@ -123,7 +138,7 @@ class DecodeWorker:
                     admission.set_exception(error)
             await settle(lambda: self.loop.subscribed == 0, DRAIN_SETTLE_S)
         # Releases of pulled KV still on their way to its sources.
-        await settle(lambda: not self._background, DRAIN_SETTLE_S)
+        await settle(lambda: not self.releases.pending, DRAIN_SETTLE_S)
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         """Pulled requests got their blocks: (the blocks, how many of the first ones hold a
@@ -152,52 +167,57 @@ class DecodeWorker:
         self.requests_total += 1
         queue = self.loop.subscribe(request_id)
         finished = failed = False
-        pending_handle = handle  # released once pulled; released on any exit before that
         decoded, decode_start = 0, None  # decode_start: when decoding began
-        try:
-            if handle is None:
-                submitted = clock.monotonic()
-                self.loop.submit(request_id, AddRequest(prompt, params, request_id))
-                ids, reason, info, cached = await self._next_tokens(queue)
-                self.prefill.record(trace, submitted, info, cached)
-                decode_start = clock.monotonic()
-                finished = reason is not None
-                yield DecodeEvent(ids, reason)
-            else:
-                pulled, handoff, late_first = await self._pull(
-                    request_id, prompt, params, first_token, handle, trace
-                )
-                self.loop.submit(request_id, StartDecoding(request_id, late_first))
-                # The KV is here: the source may free it; decoding does not wait for that.
-                self._release_later(handle, handoff)
-                pending_handle = None
-                decode_start = clock.monotonic()
-                yield pulled
-            while not finished:
-                ids, reason, _, _ = await self._next_tokens(queue)
-                decoded += len(ids)
-                finished = reason is not None
-                yield DecodeEvent(ids, reason)
-        except DistServeError:
-            failed = True  # a failure (counted where it happened), not an abort
-            raise
-        finally:
-            if decode_start is not None:
-                # Here, not after the loop: the caller cancels the call once the last token
-                # is in, and that may close this generator at its last `yield`.
-                end = clock.monotonic()
-                attributes = {
-                    "gen_ai.usage.output_tokens": decoded,
-                    "decode.tpot_ms": (end - decode_start) * 1000 / decoded if decoded else 0.0,
-                }
-                if not finished:  # the caller left (its client gone, a failure upstream)
-                    attributes["decode.cancelled"] = True
-                telemetry.record("decode", trace, decode_start, end, attributes)
-            self.loop.unsubscribe(request_id)
-            self._admissions.pop(request_id, None)
-            if not finished:
-                self.requests_aborted += not failed
-                await asyncio.shield(self._forget(request_id, pending_handle))
+        # The handle is released at its source once its KV is here, or on any exit before.
+        with self.releases.hold(handle) as release:
+            try:
+                if handle is None:
+                    submitted = clock.monotonic()
+                    self.loop.submit(request_id, AddRequest(prompt, params, request_id))
+                    ids, reason, info, cached = await self._next_tokens(queue)
+                    self.prefill.record(trace, submitted, info, cached)
+                    decode_start = clock.monotonic()
+                    finished = reason is not None
+                    yield DecodeEvent(ids, reason)
+                else:
+                    pulled = await self._pull(
+                        request_id, prompt, params, first_token, handle, trace
+                    )
+                    self.loop.submit(request_id, StartDecoding(request_id, pulled.first_token))
+                    release.pulled(pulled.handoff)  # decoding does not wait for the release
+                    decode_start = clock.monotonic()
+                    yield pulled.event
+                while not finished:
+                    ids, reason, _, _ = await self._next_tokens(queue)
+                    decoded += len(ids)
+                    finished = reason is not None
+                    yield DecodeEvent(ids, reason)
+            except DistServeError:
+                failed = True  # a failure (counted where it happened), not an abort
+                raise
+            finally:
+                if decode_start is not None:
+                    # Here, not after the loop: the caller cancels the call once the last
+                    # token is in, and that may close this generator at its last `yield`.
+                    self._decoded(trace, decode_start, decoded, finished)
+                self.loop.unsubscribe(request_id)
+                self._admissions.pop(request_id, None)
+                if not finished:
+                    self.requests_aborted += not failed
+                    await asyncio.shield(self.loop.call(Abort(request_id)))
+
+    def _decoded(
+        self, trace: telemetry.Context | None, start: float, decoded: int, finished: bool
+    ) -> None:
+        """The span of a request's decoding: its tokens and time per token."""
+        end = clock.monotonic()
+        attributes = {
+            "gen_ai.usage.output_tokens": decoded,
+            "decode.tpot_ms": (end - start) * 1000 / decoded if decoded else 0.0,
+        }
+        if not finished:  # the caller left (its client gone, a failure upstream)
+            attributes["decode.cancelled"] = True
+        telemetry.record("decode", trace, start, end, attributes)
 
     async def _next_tokens(
         self, queue: asyncio.Queue
@@ -221,19 +241,6 @@ class DecodeWorker:
             if out.finished or queue.empty():
                 return ids, out.finish_reason, first, cached
 
-    def _release_later(self, handle: KvHandle, trace=None) -> None:
-        task = asyncio.create_task(self._release_quietly(handle, trace))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release_quietly(self, handle: KvHandle, trace=None) -> None:
-        try:
-            await self.puller.release(handle, trace)
-        except Exception as e:  # the lease lapses at the source anyway
-            log.warning(
-                "release of %s at %s failed: %s", handle.handle_id, handle.source_instance, e
-            )
-
     async def _pull(
         self,
         request_id: str,
@@ -242,65 +249,52 @@ class DecodeWorker:
         first_token: int | None,
         handle: KvHandle,
         trace: telemetry.Context | None,
-    ) -> tuple[DecodeEvent, telemetry.Context | None, int | None]:
-        """Wait for room, then pull the handle's KV into it; returns the first event, the
-        context of the handoff span (the release of the handle joins it) and, for a streaming
-        handle, the first token (which the queued request did not have yet).
+    ) -> Pulled:
+        """Wait for room, then pull the handle's KV into it.
 
-        A streaming handle (layer-wise handoff) is pulled while its prompt is computed: each
-        chunk waits at the source for its layer; the first token is asked of the source once
-        the KV is here (first_token is None then)."""
-        self._check(handle)
+        A layer-wise handle is pulled while its prompt is computed: each chunk waits at the
+        source for its layer; the first token is asked of the source once the KV is here
+        (first_token is None then)."""
+        check_handle(self.engine, handle)
         admission = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admission
         queued = clock.monotonic()
         self.pulling += 1
-        span = None
         try:
-            reuse = self._can_reuse(handle)
+            reuse = can_reuse(self.engine, handle)
             await self.loop.call(AddPrefilled(prompt, first_token, params, request_id, reuse))
             async with self.puller.holding(handle, trace):  # its KV stays while it waits
                 blocks, reused = await admission
             started = clock.monotonic()
             self.queue_seconds.observe(started - queued)
             telemetry.record("decode.queue", trace, queued, started)
-            span = telemetry.start(
-                "kv.handoff",
-                trace,
-                {"kv.source": handle.source_instance, "kv.blocks_reused": reused},
-            )
-            handoff = telemetry.context_of(span)
-            try:
-                report = await self._pull_heads(request_id, handle, blocks, reused, handoff)
-                done = clock.monotonic()
-                prefill_done = started  # the prompt was computed before the pull began
-                late_first = None
-                if handle.streaming:
-                    late_first, done_unix_s = await self.puller.first_token(handle, handoff)
-                    prefill_done = clock.monotonic() - (clock.time_s() - done_unix_s)
-            except BaseException as e:  # failed, or cancelled with its request
-                if isinstance(e, DistServeError):
+            attributes = {"kv.source": handle.source_instance, "kv.blocks_reused": reused}
+            with telemetry.span("kv.handoff", trace, attributes) as span:
+                handoff = telemetry.context_of(span)
+                try:
+                    report = await self._pull_heads(request_id, handle, blocks, reused, handoff)
+                    done = clock.monotonic()
+                    prefill_done = started  # the prompt was computed before the pull began
+                    late_first = None
+                    if handle.streaming:
+                        late_first, done_unix_s = await self.puller.first_token(handle, handoff)
+                        prefill_done = clock.monotonic() - (clock.time_s() - done_unix_s)
+                except DistServeError:
                     self.pulls_failed += 1
-                telemetry.fail(span, e if isinstance(e, DistServeError) else "cancelled")
-                span.end()
-                raise
+                    raise
+                # The part of the pull that ran while prefill was still computing: hidden.
+                hidden = max(0.0, min(done, prefill_done) - started)
+                self._pulled(span, report, done - started, hidden)
         finally:
             self.pulling -= 1
-        # The part of the pull that ran while prefill was still computing: hidden behind it.
-        hidden = max(0.0, min(done, prefill_done) - started)
-        self._pulled(span, report, done - started, hidden)
         self.prompt_tokens_reused += min(reused * handle.block_size, handle.num_tokens)
-        span.end()
-        return (
-            DecodeEvent(
-                [],
-                queue_ms=(started - queued) * 1000,
-                pull_ms=(done - started) * 1000,
-                pull_bytes=report.nbytes,
-            ),
-            handoff,
-            late_first,
+        event = DecodeEvent(
+            [],
+            queue_ms=(started - queued) * 1000,
+            pull_ms=(done - started) * 1000,
+            pull_bytes=report.nbytes,
         )
+        return Pulled(event, handoff, late_first)
 
     def _pulled(self, span, report: PullReport, seconds: float, hidden: float) -> None:
         self.pulls_total += 1
@@ -308,44 +302,7 @@ class DecodeWorker:
         self.chunks_unverified += report.unverified
         self.transfer_seconds.observe(seconds)
         self.hidden_fraction.observe(hidden / seconds if seconds > 0 else 0.0)
-        span.set_attributes(
-            {
-                "kv.bytes": report.nbytes,
-                "kv.chunks": report.chunks,
-                "kv.chunks_retried": report.retries,
-                "kv.chunks_unverified": report.unverified,  # device memory: no checksum
-                "kv.transport": report.transport,
-                "kv.bandwidth_bytes_per_s": report.nbytes / seconds if seconds > 0 else 0.0,
-                "kv.overlap_fraction": hidden / seconds if seconds > 0 else 0.0,
-                "kv.streaming": report.streaming,
-            }
-        )
-        if report.modelled_bytes:  # an emulated engine: the payload stood for this much KV
-            span.set_attribute("kv.emulated_bytes", report.modelled_bytes)
-
-    def _can_reuse(self, handle: KvHandle) -> bool:
-        """Whether a pull of `handle` may skip the prompt's prefix cached here: the cache is
-        on and the KV comes in this cache's block size and dtype (else it is converted whole)."""
-        cache = self.engine.runner.cache
-        return (
-            self.engine.prefix.enabled
-            and handle.block_size == cache.block_size
-            and handle.dtype == dtype_name(cache.data.dtype)
-        )
-
-    def _check(self, handle: KvHandle) -> None:
-        """FailedPrecondition if the handle's KV cannot be used here (another model shape, an
-        unknown dtype); another block size or dtype is converted as it is pulled."""
-        kv = self.engine.kv_geometry
-        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-        theirs = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
-        if shape != theirs:
-            raise FailedPrecondition(
-                f"KV of {handle.source_instance} has (layers, kv_heads, head_dim) {theirs}, this "
-                f"instance {shape}: prefill and decode must serve the same model"
-            )
-        if handle.dtype not in KV_DTYPES:
-            raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")
+        span.set_attributes(handoff_attributes(report, seconds, hidden))
 
     async def _pull_heads(
         self, request_id: str, handle: KvHandle, blocks: list[int], reused: int, trace
@@ -379,11 +336,3 @@ class DecodeWorker:
             report.retries += other["retries"]
             report.unverified += other["unverified"]
         return report
-
-    async def _forget(self, request_id: str, handle: KvHandle | None) -> None:
-        """Free everything a request that did not finish holds, here and at its KV source (in
-        the background: an unreachable source must not hold up the request's answer, and its
-        lease frees the KV anyway)."""
-        await self.loop.call(Abort(request_id))
-        if handle is not None:
-            self._release_later(handle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -63,6 +64,23 @@ def test_spans_go_to_the_file_with_their_times_and_parents(clean_env, tmp_path):
     assert child["attributes"] == {"b": [1, 2]} and parent["attributes"] == {"a": 1}
     assert (parent["status"], parent["status_message"]) == ("ERROR", "it broke")
     assert {s["service"] for s in spans.values()} == {"distserve-prefill"}
+
+
+def test_a_span_block_ends_its_span_and_fails_it_when_the_block_raises(clean_env, tmp_path):
+    path = tmp_path / "spans.jsonl"
+    clean_env.setenv("DISTSERVE_TRACE_FILE", str(path))
+    assert telemetry.setup("decode")
+    with telemetry.span("ok", None, {"a": 1}) as span:
+        span.set_attribute("b", 2)
+    with pytest.raises(ValueError), telemetry.span("broke", None):
+        raise ValueError("no room")
+    with pytest.raises(asyncio.CancelledError), telemetry.span("left", None):
+        raise asyncio.CancelledError
+    telemetry.shutdown()  # flushes
+    spans = {s["name"]: s for s in read(path)}
+    assert spans["ok"]["attributes"] == {"a": 1, "b": 2} and spans["ok"]["status"] != "ERROR"
+    assert (spans["broke"]["status"], spans["broke"]["status_message"]) == ("ERROR", "no room")
+    assert (spans["left"]["status"], spans["left"]["status_message"]) == ("ERROR", "cancelled")
 
 
 def test_context_crosses_processes_as_a_w3c_traceparent(clean_env, tmp_path):
