@@ -598,7 +598,7 @@ class _Sim:
 
 
 def _least_loaded(lane: _Lane) -> tuple[int, int, int]:
-    """The gateway's rule (`Registry.pick_decode`): the fewest requests routed there and not
+    """The gateway's rule (`Routing.pick_decode`): the fewest requests routed there and not
     finished, then the most KV not reserved by those it runs (prompt + output), then the
     first."""
     return lane.open, -lane.free, lane.index
