@@ -25,7 +25,8 @@ from services.common import mesh_tls
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
-from services.planner.actuator import ActuatorStatus, Instance, common_degree, transition
+from services.planner.actuator import ActuatorStatus, Instance, common_degree
+from services.planner.transition import transition
 
 log = logging.getLogger("distserve.actuator")
 
@@ -281,18 +282,7 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
             return planner_pb2.DrainResponse()
 
         def Status(self, request, context):
-            s = actuator.status()
-            return planner_pb2.ActuatorStatus(
-                instances=[
-                    planner_pb2.ActuatorInstance(
-                        name=i.name, role=i.role, state=i.state, load=i.load, tp=i.tp
-                    )
-                    for i in s.instances
-                ],
-                changing=s.changing,
-                last_error=s.last_error,
-                changes=s.changes,
-            )
+            return actuator.status().to_pb()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     planner_pb2_grpc.add_ActuatorServicer_to_server(Servicer(), server)
