@@ -61,7 +61,9 @@ def surge_test_s(
     None: not within `within_s`."""
     arrivals = np.sort(arrivals)
     for t in np.arange(start, start + within_s, 0.05):
-        measured = arrival_rate(arrivals[arrivals <= t].tolist(), t, 0.0, config)
+        measured = arrival_rate(
+            arrivals[arrivals <= t].tolist(), t, 0.0, config.window_s, config.surge
+        )
         if measured is not None and measured[1] is not None:
             return round(float(t - start), 2)
     return None

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import host
 from services.planner.autoscale import AutoscaleConfig
 from services.planner.control import SURGE_CHECK_S
-from services.planner.surge import arrival_rate
+from services.planner.surge import SurgeConfig, arrival_rate
 
 TICK_S = 1.0  # the control loop's default --decide-every-s
 
@@ -37,7 +37,7 @@ TICK_S = 1.0  # the control loop's default --decide-every-s
 def flagged(config: AutoscaleConfig, arrivals: np.ndarray, now: float) -> bool:
     """What a check at `now` finds: the window's arrivals, its rate, a surge or not."""
     lo, hi = np.searchsorted(arrivals, [now - config.window_s, now], "right")
-    measured = arrival_rate(arrivals[lo:hi].tolist(), now, 0.0, config)
+    measured = arrival_rate(arrivals[lo:hi].tolist(), now, 0.0, config.window_s, config.surge)
     return measured is not None and measured[1] is not None
 
 
@@ -58,13 +58,11 @@ def main() -> int:
     p.add_argument("--hours", type=float, default=10.0, help="of constant load per rate")
     p.add_argument("--trials", type=int, default=50, help="bursts per rate")
     p.add_argument("--seed", type=int, default=1)
-    defaults = AutoscaleConfig(budget=1)
-    p.add_argument("--surge-factor", type=float, default=defaults.surge_factor)
-    p.add_argument("--surge-threshold", type=float, default=defaults.surge_threshold)
+    defaults = SurgeConfig()
+    p.add_argument("--surge-factor", type=float, default=defaults.factor)
+    p.add_argument("--surge-threshold", type=float, default=defaults.threshold)
     args = p.parse_args()
-    config = AutoscaleConfig(
-        budget=1, surge_factor=args.surge_factor, surge_threshold=args.surge_threshold
-    )
+    config = AutoscaleConfig(budget=1, surge=SurgeConfig(args.surge_factor, args.surge_threshold))
     rng = np.random.default_rng(args.seed)
     started = time.time()
     rows = {}
@@ -97,8 +95,8 @@ def main() -> int:
         json.dumps(
             {
                 "engine": "none (simulated Poisson arrivals; the planner's own surge test)",
-                "surge_factor": config.surge_factor,
-                "surge_threshold": config.surge_threshold,
+                "surge_factor": config.surge.factor,
+                "surge_threshold": config.surge.threshold,
                 "tick_s": TICK_S,
                 "surge_check_s": SURGE_CHECK_S,
                 "hours": args.hours,

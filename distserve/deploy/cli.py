@@ -120,8 +120,8 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 def scale_command(args: argparse.Namespace) -> int:
-    from distserve.deploy.actuator import KubernetesActuator
     from distserve.deploy.render import RenderOptions
+    from distserve.deploy.scale import ReplicaPatches
 
     plans = []
     for path in (args.placement, args.to):
@@ -130,7 +130,7 @@ def scale_command(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise InvalidRequest(f"cannot read the placement {path}: {e}") from e
     options = RenderOptions(namespace=args.namespace, baseline=args.baseline)
-    commands = KubernetesActuator(plans[0], args.out, options).apply(plans[1])
+    commands = ReplicaPatches(plans[0], args.out, options).apply(plans[1])
     if not commands:
         print("the replica counts already match: nothing to change")
     for command in commands:

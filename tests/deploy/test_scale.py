@@ -1,6 +1,6 @@
-"""The planner's Kubernetes actuator: a new placement becomes merge patches of the rendered
-worker Deployments that change only their replicas, validate against the upstream schema, and
-come with the exact kubectl commands."""
+"""`distserve deploy scale` (distserve/deploy/scale.py): a new placement becomes merge patches
+of the rendered worker Deployments that change only their replicas, validate against the
+upstream schema, and come with the exact kubectl commands."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import shlex
 import kubernetes_validate
 import pytest
 
-from distserve.deploy.actuator import DELETION_COST, KubernetesActuator
 from distserve.deploy.render import RenderOptions, render
+from distserve.deploy.scale import DELETION_COST, ReplicaPatches
 from services.common.errors import InvalidRequest
 from tests.deploy.test_render import K8S_VERSIONS, find, load
 
@@ -57,8 +57,8 @@ def patched(manifests, command: str) -> tuple[str, dict]:
 def test_a_new_placement_patches_only_the_replicas_and_validates(tmp_path):
     plan = load("plan_high_affinity.json")  # prefill tp=4 x2, decode tp=4 x2
     manifests = render(plan)
-    actuator = KubernetesActuator(plan, tmp_path)
-    commands = actuator.apply(resized(plan, prefill=3, decode=1))
+    patches = ReplicaPatches(plan, tmp_path)
+    commands = patches.apply(resized(plan, prefill=3, decode=1))
     # Down first (the GPUs it frees are the ones the new pod needs), then up.
     assert [shlex.split(c)[5] for c in commands] == ["distserve-decode", "distserve-prefill"]
     for command, replicas in zip(commands, (1, 3), strict=True):
@@ -70,18 +70,18 @@ def test_a_new_placement_patches_only_the_replicas_and_validates(tmp_path):
         deployment["spec"]["replicas"] = replicas
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(deployment, version, strict=True)
-    assert actuator.status().count("prefill") == 3 and actuator.status().count("decode") == 1
-    assert actuator.apply(resized(plan, prefill=3, decode=1)) == []  # already so: nothing
+    assert patches.counts() == {"prefill": 3, "decode": 1}
+    assert patches.apply(resized(plan, prefill=3, decode=1)) == []  # already so: nothing
 
 
 def test_draining_a_pod_marks_it_to_go_first_and_scales_its_pool_down(tmp_path):
     plan = load("plan_low_affinity.json")
     manifests = render(plan)
-    actuator = KubernetesActuator(plan, tmp_path)
-    (pool,) = [n for n in actuator.pools if n.startswith("distserve-decode")][:1]
-    replicas = actuator.pools[pool].replicas
-    actuator.drain(f"{pool}-6d4cf56db6-x2x7q")
-    annotate, patch = actuator.commands
+    patches = ReplicaPatches(plan, tmp_path)
+    (pool,) = [n for n in patches.pools if n.startswith("distserve-decode")][:1]
+    replicas = patches.pools[pool].replicas
+    patches.drain(f"{pool}-6d4cf56db6-x2x7q")
+    annotate, patch = patches.commands
     assert shlex.split(annotate) == [
         "kubectl",
         "-n",
@@ -98,20 +98,20 @@ def test_draining_a_pod_marks_it_to_go_first_and_scales_its_pool_down(tmp_path):
 
 def test_what_a_replica_patch_cannot_do_is_refused(tmp_path):
     plan = load("plan_high_affinity.json")
-    actuator = KubernetesActuator(plan, tmp_path, RenderOptions(namespace="llm"))
+    patches = ReplicaPatches(plan, tmp_path, RenderOptions(namespace="llm"))
     other = copy.deepcopy(plan)
     for inst in other["placement"]["instances"]:  # tp 4 -> 2
         inst["tp"] = 2
         inst["stages"][0]["gpus"] = inst["stages"][0]["gpus"][:2]
     with pytest.raises(InvalidRequest, match="distserve deploy render"):
-        actuator.apply(other)
+        patches.apply(other)
     with pytest.raises(InvalidRequest, match="no pool 'distserve-encode'"):
-        actuator.scale("distserve-encode", "prefill", 1)
+        patches.scale("distserve-encode", "prefill", 1)
     with pytest.raises(InvalidRequest, match="runs prefill instances, not decode"):
-        actuator.scale("distserve-prefill", "decode", 1)
+        patches.scale("distserve-prefill", "decode", 1)
     with pytest.raises(InvalidRequest, match="belongs to none"):
-        actuator.drain("gateway-0")
-    assert actuator.commands == []
+        patches.drain("gateway-0")
+    assert patches.commands == []
 
 
 def test_deploy_scale_prints_the_commands_and_writes_the_patches(tmp_path, capsys):

@@ -1,7 +1,10 @@
-"""The planner's actuator for a mesh on Kubernetes (services/planner/actuator.py): what the
-running Deployments need to become a new placement, as patch files and the exact `kubectl`
-commands that apply them. It talks to no cluster itself: apply the commands (or let a
-controller with the rights do it), and the gateway's registry shows the change land.
+"""`distserve deploy scale`: what the running Deployments need to become a new placement, as
+patch files and the exact `kubectl` commands that apply them (`ReplicaPatches`). It talks to
+no cluster itself: apply the commands (or let a controller with the rights do it), and the
+gateway's registry shows the change land. It is not an `Actuator`
+(services/planner/actuator.py): it takes whole placements, its pools are Deployments of one
+role each, it cannot re-shard, and it cannot tell whether a change has landed; the planner's
+control loop drives only the local mesh's actuator.
 
 Only replica counts change this way: a placement whose pools differ in shape (another tensor
 degree, another node layout) needs `distserve deploy render` and `kubectl apply -k` again.
@@ -23,12 +26,11 @@ from pathlib import Path
 from distserve.deploy.pools import WorkerPool, select_placement, worker_pools
 from distserve.deploy.render import RenderOptions, gpus_per_node
 from services.common.errors import InvalidRequest
-from services.planner.actuator import ActuatorStatus, Instance
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
-class KubernetesActuator:
+class ReplicaPatches:
     """Scales the worker Deployments `distserve deploy render` made for `plan`; every change is
     a merge patch under `out_dir` and a command in `commands`."""
 
@@ -86,14 +88,13 @@ class KubernetesActuator:
                 self.scale(pool.name, pool.role, pool.replicas)
         return self.commands[before:]
 
-    def status(self) -> ActuatorStatus:
-        """The instances as last written (a cluster's own state is the registry's to tell)."""
-        instances = [
-            Instance(f"{p.name}/{i}", p.role, "serving", tp=p.tp)
-            for p in self.pools.values()
-            for i in range(p.replicas)
-        ]
-        return ActuatorStatus(tuple(instances))
+    def counts(self) -> dict[str, int]:
+        """Instances per role as last written (a cluster's own state is the registry's to
+        tell)."""
+        out: dict[str, int] = {}
+        for p in self.pools.values():
+            out[p.role] = out.get(p.role, 0) + p.replicas
+        return out
 
     def _pool(self, name: str) -> WorkerPool:
         if name not in self.pools:
