@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host
-from distserve.loadgen.cli import ADMISSION_OFF, WORKER_ARGS
+from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS
 from distserve.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cpu_model
-from distserve.loadgen.cli import BenchSpec, describe, run_bench
+from distserve.loadgen.comparison import BenchSpec, describe, run_bench
 from services.engine.presets import default_model
 
 WORKLOADS = ("summarization", "chat", "code")

@@ -56,7 +56,7 @@ from services.planner.goodput import goodput
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Workload
 
-# The engine options of bench/goodput.py's workers (distserve.loadgen.cli.WORKER_ARGS).
+# The engine options of bench/goodput.py's workers (distserve.loadgen.comparison.WORKER_ARGS).
 KV_MB = 384
 MAX_NUM_SEQS = 16
 MAX_BATCH_TOKENS = 2048

@@ -5,9 +5,9 @@ Target: "under 5x the goodput rate, accepted requests still meet the SLO at >= 9
 each process's resident memory stays within a documented bound."
 
 What runs, in one invocation (every mesh: 1 prefill + 1 decode, `distserve.local_mesh.Mesh`,
-built by `distserve.loadgen.cli.mesh_spec` exactly as `distserve bench goodput` builds its
+built by `distserve.loadgen.comparison.mesh_spec` exactly as `distserve bench goodput` builds its
 disaggregated mode: each worker pinned to its own core with one torch thread, engine options
-`distserve.loadgen.cli.WORKER_ARGS` = `--kv-cache-mb 384 --max-num-seqs 16 --max-batch-tokens
+`distserve.loadgen.comparison.WORKER_ARGS` = `--kv-cache-mb 384 --max-num-seqs 16 --max-batch-tokens
 2048`; no Envoy; the load goes over gRPC straight to the gateway):
 
 1. **Goodput.** A first mesh, admission off (so that a refusal never counts as a miss and the
@@ -88,7 +88,7 @@ from bench.common import host
 from bench.overload_memory import MiB, allowance, engine_options, memory_table
 from bench.overload_run import fmt, log, overload_run, run_table
 from distserve.loadgen import goodput as g
-from distserve.loadgen.cli import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
+from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
 from distserve.loadgen.targets import GrpcTarget
 from distserve.local_mesh import Mesh
 from services.common.model_config import ModelConfig

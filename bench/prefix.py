@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import host, log
-from distserve.loadgen.cli import ADMISSION_OFF, WORKER_ARGS
+from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS
 from distserve.loadgen.emulated import EmulatedCluster, Shape
 from distserve.loadgen.requests import FIRST_ORDINARY_ID
 from distserve.local_mesh import Mesh, MeshSpec

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.comparison import ADMISSION_OFF
 from distserve.loadgen.requests import load_requests
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load

@@ -10,7 +10,8 @@ import pytest
 
 from distserve.loadgen import GrpcTarget
 from distserve.loadgen import goodput as g
-from distserve.loadgen.cli import BenchSpec, main, mesh_spec
+from distserve.loadgen.cli import main
+from distserve.loadgen.comparison import BenchSpec, mesh_spec
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.planner.workload import LengthDist, Workload
