@@ -49,7 +49,7 @@ the gateway's defaults 1000 / 100 ms), cancelled requests left out, with faults 
 
 Prints a table, the hardware and the model, and last one JSON line.
 
-    .venv/bin/python bench/chaos.py [--duration-s 300] [--rate 6] [--seed 0]
+    .venv/bin/python bench/chaos/chaos.py [--duration-s 300] [--rate 6] [--seed 0]
         [--cancellations 1000] [--out chaos.json]
 """
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import grpc
 
 from bench.chaos.load import ChaosSpec
+from distserve.loadgen.scrape import by_label, gateway
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import (
@@ -241,15 +240,7 @@ async def fuzz_burst(http_address: str, bodies: list[bytes]) -> dict:
 
 def migrations(mesh: Mesh) -> dict[str, float]:
     """The gateway's `distserve_migrations_total`, by reason."""
-    host = next(p for p in mesh.processes if p.name == "gateway").ready["metrics_address"]
-    with urllib.request.urlopen(f"http://{host}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("distserve_migrations_total{"):
-            reason = re.search(r'reason="([^"]*)"', line)
-            out[reason.group(1) if reason else ""] = float(line.split()[-1])
-    return out
+    return by_label(gateway(mesh).metrics(), "distserve_migrations_total", "reason")
 
 
 async def settle(mesh: Mesh, spec: ChaosSpec, ledger: Ledger) -> dict:

@@ -1,6 +1,7 @@
 """The chaos bench's load: the seeded plan of requests (Poisson arrivals, prompts, lengths,
 client cancellations), each prompt's reference tokens from the in-process engine, and the client
-that sends, cancels and classifies each request (`bench/chaos.py` says what the classes mean)."""
+that sends, cancels and classifies each request (`bench/chaos/chaos.py` says what the classes
+mean)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ LOST_STATUSES = ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED")
 
 @dataclass(frozen=True)
 class ChaosSpec:
-    """The chaos bench's settings: one field a flag of `bench/chaos.py`."""
+    """The chaos bench's settings: one field a flag of `bench/chaos/chaos.py`."""
 
     duration_s: float = 300.0
     rate: float = 6.0

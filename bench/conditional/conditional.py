@@ -23,7 +23,7 @@ Reported per mode, pooled over rounds: short and long prompts' TTFT p50 / p90, T
 attainment, and how the gateway routed (`distserve_routes_total`). Prints a table and one JSON
 line. Sized for about 10 minutes on 2 cores.
 
-    .venv/bin/python bench/conditional.py [--requests 48] [--rounds 2]
+    .venv/bin/python bench/conditional/conditional.py [--requests 48] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host
 from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS
-from distserve.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest
+from distserve.loadgen.report import host
+from distserve.loadgen.requests import FIRST_ORDINARY_ID, LoadRequest, poisson_arrivals
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load
+from distserve.loadgen.scrape import by_label, gateway
 from distserve.loadgen.targets import GrpcTarget
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.model_config import ModelConfig
@@ -59,6 +60,7 @@ LONG = 512  # tokens of a long prompt
 OUTPUT = 32  # tokens asked for, every request
 LOAD = 0.6  # share of the prefill instance the long prompts alone keep busy
 MODES = ("off", "on")
+ROUTES = ("distserve_routes_total", "route")  # how the gateway routed, by route
 
 
 def profile(model: Path, out: Path) -> None:
@@ -95,19 +97,12 @@ def unloaded(address: str, vocab: int) -> tuple[float, float]:
 
 def workload(n: int, rate: float, threshold: int, vocab: int, seed: int) -> list[LoadRequest]:
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1 / rate, n))
+    arrivals = poisson_arrivals(rng, rate, n)
     out = []
     for i, t in enumerate(arrivals):
         length = int(rng.integers(max(1, threshold // 2), threshold + 1)) if i % 2 else LONG
         out.append(LoadRequest(float(t), prompt(rng, length, vocab), OUTPUT))
     return out
-
-
-def routes(mesh: Mesh) -> dict[str, float]:
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    return {
-        s.labels["route"]: s.value for s in gateway.metrics() if s.name == "distserve_routes_total"
-    }
 
 
 def start(model: Path, gateway_args: tuple[str, ...]) -> Mesh:
@@ -168,9 +163,9 @@ def main() -> int:
         for r in range(args.rounds):
             reqs = workload(args.requests, rate, threshold, vocab, seed=100 + r)
             for mode in MODES:
-                before = routes(meshes[mode])
+                before = by_label(gateway(meshes[mode]).metrics(), *ROUTES)
                 result = asyncio.run(run_load(GrpcTarget(meshes[mode].gateway_address), reqs))
-                after = routes(meshes[mode])
+                after = by_label(gateway(meshes[mode]).metrics(), *ROUTES)
                 results[mode].append(result)
                 for route, n in after.items():
                     routed[mode][route] = routed[mode].get(route, 0) + n - before.get(route, 0)

@@ -5,7 +5,7 @@ Engine: **emulated** (docs/engine.md): every process of the mesh is real (gatewa
 handoff, leases, batching), each worker's forward pass is its modelled time on an A100 from
 DistServe's published profiles, and the mesh runs `--time-scale K` times slower than the wall.
 Every latency and rate here is in emulated time. Nothing here is a claim about a model's output
-or a kernel's speed (those come from the real engine: bench/engine.py).
+or a kernel's speed (those come from the real engine: bench/engine/engine.py).
 
 Parts (`--parts`, default all):
 
@@ -18,20 +18,19 @@ Parts (`--parts`, default all):
   requests meeting both SLOs, as the planner judges it, searched in steps from the simulator's
   goodput on the same requests) per GPU: `emulated_goodput_ratio_opt13b`, the planner's
   predicted ratio beside it.
-* The planner's workloads on 8 A100s: bench/emulated_workloads.py (its own 25 minutes).
+* The planner's workloads on 8 A100s: bench/emulated/workloads.py (its own 25 minutes).
 * `gateway`: 16P16D emulated A100s at their own speed behind one gateway
-  (bench/emulated_gateway.py): the most tokens/s it delivers here
+  (bench/emulated/gateway.py): the most tokens/s it delivers here
   (`gateway_max_tokens_per_s_32_workers`), its CPU per token (`tokens_per_s_per_gateway_core`),
   which saturates first (the gateway or this host), and where its CPU goes (py-spy, top 5).
 
-    .venv/bin/python bench/emulated.py [--parts fidelity,opt13b,gateway] [--time-scale K]
+    .venv/bin/python bench/emulated/emulated.py [--parts fidelity,opt13b,gateway] [--time-scale K]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,12 +39,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host, percentiles, report_and_exit_code
-from distserve.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, judged, rss_bytes, run
-from distserve.loadgen.goodput import GoodputSearch, Probe
-from distserve.local_mesh import Mesh
+from distserve.loadgen.emulated import EmulatedCluster, Shape, judged
+from distserve.loadgen.emulated_mesh import EmulatedMesh, rate_for
+from distserve.loadgen.goodput import Probe, step_search
+from distserve.loadgen.procfs import rss_bytes
+from distserve.loadgen.report import host, log, percentiles, report_and_exit_code
 from services.common.slo import Slo
-from services.engine.presets import emulated_model
 from services.planner.goodput import max_rate
 from services.planner.placement import plan
 from services.planner.simulator import simulate
@@ -61,81 +60,9 @@ ALPHA = 0.9
 TARGETS = (0.95, 0.8, 0.65, 0.5)
 
 
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
 def planned(cluster: EmulatedCluster, gpus: int, workload, slo: Slo):
     """The planner's plan on one node of `gpus` A100s (pp = 1: what the workers implement)."""
     return plan(cluster.plan_spec(gpus, workload, slo, alpha=ALPHA, max_pp=1))
-
-
-def rate_for(
-    cluster: EmulatedCluster, shape: Shape, base: Requests, slo: Slo, target: float
-) -> float:
-    """The rate at which the simulator predicts `target` attainment over all of `base`."""
-    sim = cluster.sim_cluster(shape)
-    lo, hi = 0.05, 1000.0
-    for _ in range(40):
-        mid = math.sqrt(lo * hi)
-        if simulate(sim, base.at_rate(mid)).attainment(slo) >= target:
-            lo = mid
-        else:
-            hi = mid
-    return round(lo, 3)
-
-
-class EmulatedMesh:
-    """One shape's running emulated mesh, and its CPU bookkeeping."""
-
-    def __init__(
-        self, cluster: EmulatedCluster, shape: Shape, time_scale: float, **mesh_spec
-    ) -> None:
-        """`mesh_spec`: more `MeshSpec` fields (a planner, a budget, ...)."""
-        self.cluster, self.shape, self.time_scale = cluster, shape, time_scale
-        spec = cluster.mesh_spec(
-            shape, emulated_model(cluster.model), time_scale, ready_timeout_s=600, **mesh_spec
-        )
-        self.mesh = Mesh(spec)
-        self.vocab = cluster.model.vocab_size
-        self.requests = 0
-        self.cpu_s = 0.0
-        self.emulated_s = 0.0
-        self.runs = 0
-
-    def __enter__(self) -> EmulatedMesh:
-        self.mesh.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.mesh.stop()
-
-    def run(self, requests: Requests, seed: int = 0, until: int | None = None):
-        """`requests` through the mesh, with prompts of this run's own (a prompt sent again
-        would find its KV in the prefix caches, which the simulator does not model)."""
-        cpu = cpu_seconds(self.mesh)
-        self.runs += 1
-        result = run(self.mesh, self.time_scale, requests, self.vocab, (seed, self.runs), until)
-        self.cpu_s += cpu_seconds(self.mesh) - cpu
-        self.requests += int(np.isfinite(result.sent_s).sum())  # those sent
-        return result
-
-    def cpu_per_request_ms(self) -> float:
-        """The mesh's CPU (all its processes) per request, in emulated ms."""
-        return self.cpu_s / max(1, self.requests) / self.time_scale * 1000
-
-    def mean_step_ms(self) -> float:
-        """The mean emulated step (decode, or a colocated instance's any) over the workers."""
-        total = count = 0.0
-        for p in self.mesh.workers:
-            if p.name.startswith("prefill"):
-                continue
-            for sample in p.metrics():
-                if sample.name == "distserve_engine_step_seconds_sum":
-                    total += sample.value
-                elif sample.name == "distserve_engine_step_seconds_count":
-                    count += sample.value
-        return total / count * 1000 if count else float("nan")
 
 
 def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[dict]:
@@ -171,27 +98,6 @@ def fidelity(em: EmulatedMesh, base: Requests, slo: Slo, repeats: int) -> list[d
     return rows
 
 
-def step_search(measure, start: float, probes: int, step: float = 0.04) -> GoodputSearch:
-    """The highest passing rate near `start` (the simulator's goodput): from 0.97 x start, up
-    or down by `step` until a pass and a fail are adjacent, then halfway between them with
-    what probes are left. (The goodput bisection of `distserve.loadgen.goodput` halves a
-    failing range, too coarse where the answer is known to within ~10%.)"""
-    done: list[Probe] = []
-    rate = 0.97 * start
-    while len(done) < probes:
-        done.append(measure(rate))
-        passed = [p.rate for p in done if p.attainment >= ALPHA]
-        top = max(passed, default=0.0)
-        above = [p.rate for p in done if p.attainment < ALPHA and p.rate > top]
-        if passed and above:  # bracketed: halfway
-            rate = (top + min(above)) / 2
-        elif passed:  # every probe passed: up
-            rate = top * (1 + step)
-        else:  # every probe failed: down
-            rate = min(p.rate for p in done) * (1 - step)
-    return GoodputSearch(ALPHA, tuple(done))
-
-
 def goodput_on(em: EmulatedMesh, base: Requests, slo: Slo, hint: float, probes: int) -> dict:
     """The mesh's goodput (judged as the planner judges it), searched in steps from the
     simulator's goodput on the same requests and instances (`hint`: the planner's, where the
@@ -216,7 +122,7 @@ def goodput_on(em: EmulatedMesh, base: Requests, slo: Slo, hint: float, probes: 
         )
         return probe
 
-    search = step_search(measure, predicted, probes)
+    search = step_search(measure, predicted, probes, ALPHA)
     out = search.to_json()
     out["simulator_goodput_rps"] = round(predicted, 3)
     for p, probe in zip(out["probes"], sorted(search.probes, key=lambda p: p.rate), strict=True):
@@ -265,11 +171,11 @@ def compare(
         log(f"{workload.name} on {cluster.model.name}, {mode} {shape}:")
         started = time.time()
         with EmulatedMesh(cluster, shape, time_scale) as em:
-            rss = rss_bytes(em.mesh)
+            rss = [rss_bytes(p.popen.pid) or 0 for p in em.mesh.workers]
             entry = {
                 "shape": str(shape),
                 "devices": shape.devices,
-                "worker_rss_mb_max": round(max(rss.values()) / 2**20, 1),
+                "worker_rss_mb_max": round(max(rss) / 2**20, 1),
             }
             if "fidelity" in parts:
                 entry["fidelity"] = fidelity(em, base, slo, args.repeats)

@@ -1,18 +1,18 @@
-"""How reproducible `bench/emulated.py --parts fidelity` can be: the planner's simulator (no
-mesh) run on the fidelity workload at the same rates with each arrival moved later by a random
+"""How reproducible `bench/emulated/emulated.py --parts fidelity` can be: the planner's simulator
+(no mesh) run on the fidelity workload at the same rates with each arrival moved later by a random
 fraction of `--jitter-ms` emulated ms, the jitter a real-time mesh cannot avoid (its processes'
 scheduling, GC pauses, gRPC; ~1-2 ms of wall time on a loaded 2-core host, divided by the time
-scale). A placement whose attainment moves by points under sub-millisecond jitter is chaotic at
-that load: one request on the other side of a step boundary changes the batches after it. That
-is the floor under `emulated_repeat_spread_pp` on the same number of requests, whatever the mesh
-does.
+scale). A placement whose attainment moves by points under sub-millisecond jitter is chaotic at that
+load: one request on the other side of a step boundary changes the batches after it. That is the
+floor under `emulated_repeat_spread_pp` on the same number of requests, whatever the mesh does.
 
 Per placement and rate: the unjittered prediction, the jittered runs' mean and standard
 deviation, and what two of them differ by (mean and largest over every pair of `--replicas`
 runs). One JSON line: `simulator_jitter_spread_pp_<placement>`, the largest mean pair difference
 over the rates. No engine; seconds.
 
-    .venv/bin/python bench/fidelity_floor.py [--jitter-ms 0.5] [--replicas 10] [--requests 200]
+    .venv/bin/python bench/emulated/fidelity_floor.py [--jitter-ms 0.5] [--replicas 10]
+        [--requests 200]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host, log
-from bench.emulated import SEED_SLO, SEED_WORKLOAD, TARGETS, planned, rate_for
+from bench.emulated.emulated import SEED_SLO, SEED_WORKLOAD, TARGETS, planned
 from distserve.loadgen.emulated import EmulatedCluster, Shape
+from distserve.loadgen.emulated_mesh import rate_for
+from distserve.loadgen.report import host, log
 from services.planner.simulator import simulate
 from services.planner.workload import Requests
 

@@ -11,7 +11,7 @@ beside it (on a 2-core host the 32 workers and the load generator share the core
 saturates first is named), and where the gateway's CPU goes at the last probe (py-spy: the top 5
 functions by own time, and the top 5 of the mesh's own code by inclusive time).
 
-Used by bench/emulated.py (`--parts gateway`); alone: `python bench/emulated_gateway.py`.
+Used by bench/emulated/emulated.py (`--parts gateway`); alone: `python bench/emulated/gateway.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.emulated import EmulatedCluster, Shape, cpu_seconds, run
+from distserve.loadgen.emulated import EmulatedCluster, Shape, run
+from distserve.loadgen.emulated_mesh import mesh_cpu_seconds
+from distserve.loadgen.procfs import cpu_seconds, host_cpu_seconds
 from distserve.local_mesh import Mesh
 from services.engine.presets import emulated_model
 from services.planner.workload import LengthDist, Workload
@@ -40,18 +42,6 @@ PROBE_S = 8.0
 FIRST_RATE = 10.0
 MAX_PROBES = 7
 IDLE_S = 5.0
-
-
-def process_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def host_cpu() -> float:
-    """Busy CPU seconds of the whole host so far."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def top_functions(raw: str, n: int = 5) -> dict[str, list[dict]]:
@@ -121,15 +111,20 @@ def measure(log=print) -> dict:
         with Mesh(spec) as mesh:
             log(f"  16P16D up in {time.time() - started:.0f} s")
             gateway = next(p for p in mesh.processes if p.name == "gateway").popen.pid
-            g0 = process_cpu(gateway)
+            g0 = cpu_seconds(gateway)
             time.sleep(IDLE_S)
-            idle = (process_cpu(gateway) - g0) / IDLE_S  # cores: heartbeats, metrics
+            idle = (cpu_seconds(gateway) - g0) / IDLE_S  # cores: heartbeats, metrics
             rate, top = FIRST_RATE, {}
             for i in range(MAX_PROBES):
                 n = max(20, int(rate * PROBE_S))
                 requests = workload.sample(n, seed=i).at_rate(rate)
                 last = i == MAX_PROBES - 1
-                g0, h0, m0, t0 = process_cpu(gateway), host_cpu(), cpu_seconds(mesh), time.time()
+                g0, h0, m0, t0 = (
+                    cpu_seconds(gateway),
+                    host_cpu_seconds(),
+                    mesh_cpu_seconds(mesh),
+                    time.time(),
+                )
                 if last or (probes and probes[-1]["gateway_cpu_cores"] > 0.6):
                     # profile this probe's middle (it may be the last)
                     spy = SpyInBackground(gateway, PROBE_S / 2, folder)
@@ -141,7 +136,7 @@ def measure(log=print) -> dict:
                     spy.join()
                     top = spy.result
                 tokens = int(result.output_tokens.sum())
-                process_cpu(gateway) - g0
+                cpu_seconds(gateway) - g0
                 offered = rate * OUTPUT_TOKENS
                 probe = {
                     "rate_rps": rate,
@@ -149,12 +144,12 @@ def measure(log=print) -> dict:
                     "delivered_tokens_per_s": round(tokens / result.duration_s),
                     "errors": int((~result.ok).sum()),
                     "tpot_p50_ms": round(float(np.nanmedian(result.tpot_s)) * 1000, 2),
-                    "gateway_cpu_cores": round((process_cpu(gateway) - g0) / wall, 3),
+                    "gateway_cpu_cores": round((cpu_seconds(gateway) - g0) / wall, 3),
                     "gateway_cpu_us_per_token": round(
-                        (process_cpu(gateway) - g0) / tokens * 1e6, 1
+                        (cpu_seconds(gateway) - g0) / tokens * 1e6, 1
                     ),
-                    "mesh_cpu_cores": round((cpu_seconds(mesh) - m0) / wall, 3),
-                    "host_cpu_cores": round((host_cpu() - h0) / wall, 3),
+                    "mesh_cpu_cores": round((mesh_cpu_seconds(mesh) - m0) / wall, 3),
+                    "host_cpu_cores": round((host_cpu_seconds() - h0) / wall, 3),
                 }
                 log(f"  {probe}")
                 probes.append(probe)

@@ -26,7 +26,7 @@ are 300 requests (`--requests` sets every workload's) to keep the default run un
 minutes. One JSON line at the end with `emulated_goodput_ratio_<workload>` and
 `..._predicted`.
 
-    .venv/bin/python bench/emulated_workloads.py [--workloads chat,code,summarization]
+    .venv/bin/python bench/emulated/workloads.py [--workloads chat,code,summarization]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host, report_and_exit_code
-from bench.emulated import compare, log
+from bench.emulated.emulated import compare
 from distserve.loadgen.emulated import EmulatedCluster
+from distserve.loadgen.report import host, log, report_and_exit_code
 from services.common.slo import Slo
 from services.planner.workload import parse_workload
 

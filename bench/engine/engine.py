@@ -11,7 +11,8 @@ On the `small` preset (~100M parameters, float32, CPU) in one run:
     bound by the same GEMMs in both engines);
   * the decode step at batch 1 beside the memory-bandwidth floor: bytes of weights and KV read per
     step divided by memcpy bandwidth measured in the same run.
-Prints a table, then one JSON line. Run: `make bench-engine` (or .venv/bin/python bench/engine.py).
+Prints a table, then one JSON line. Run: `make bench-engine` (or .venv/bin/python
+bench/engine/engine.py).
 
 `--tp-compare` measures instead tensor parallelism's prefill speed-up on CPU: the latency of one
 prefill of a 2048-token prompt (`--tp-tokens`) at TP=1 (one process pinned to one core, one
@@ -40,7 +41,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import cpu_model, log
 from bench.engine.timing import (
     admitted_prompt,
     hf_decode,
@@ -51,6 +51,7 @@ from bench.engine.timing import (
     random_prompt,
     weight_bytes_read_per_token,
 )
+from distserve.loadgen.report import cpu_model, log
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel import CommTimer, TensorParallel

@@ -1,4 +1,4 @@
-"""Decode and prefill speed of the engine on a CUDA device (run by bench/gpu_check.sh).
+"""Decode and prefill speed of the engine on a CUDA device (run by bench/engine/gpu_check.sh).
 
 Small preset; prefill of one 2048-token prompt; decode step at batch 1, 8, 32 and 128 with
 prompts uniform in [64, 1024]; float32 and bfloat16. Prints a table and one JSON line.
@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig

@@ -1,5 +1,5 @@
-"""How the engine bench (`bench/engine.py`) times the engine and its baseline: a prefill and a
-decode step, ours and Hugging Face transformers' on the same weights, and the floor memory
+"""How the engine bench (`bench/engine/engine.py`) times the engine and its baseline: a prefill and
+a decode step, ours and Hugging Face transformers' on the same weights, and the floor memory
 bandwidth puts under a decode step."""
 
 from __future__ import annotations

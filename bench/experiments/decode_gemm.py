@@ -8,7 +8,7 @@ round is `--steps` decode steps of each at context `--context`, and the median s
 `--rounds` rounds is kept, so that both see the same machine. Prints a table and one JSON line
 (`decode_step_ms`, `speedup_by_batch`, `tune_seconds`).
 
-    .venv/bin/python bench/decode_gemm.py [--model small] [--batches 1,2,3,4,6,8,16]
+    .venv/bin/python bench/experiments/decode_gemm.py [--model small] [--batches 1,2,3,4,6,8,16]
 """
 
 from __future__ import annotations

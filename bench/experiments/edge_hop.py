@@ -1,10 +1,10 @@
 """Envoy's own hop: a tiny gRPC call (grpc.health.v1.Health/Check) straight to the gateway and
 through Envoy, alternating, on a gateway without workers (so nothing else loads the machine).
 
-Separates what the edge's hop costs from what the mesh's load adds to it (bench/mesh.py).
+Separates what the edge's hop costs from what the mesh's load adds to it (bench/mesh/mesh.py).
 `--bare` strips Envoy's filters (keys, rate limit, body limit) and the access log, to see
 whether the configuration costs anything; `--concurrency` sets Envoy's worker threads.
-Run: `.venv/bin/python bench/edge_hop.py [--bare] [--concurrency N]`.
+Run: `.venv/bin/python bench/experiments/edge_hop.py [--bare] [--concurrency N]`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import services.edge.envoy as envoy_process
 from distserve.local_mesh import Mesh, MeshSpec

@@ -10,7 +10,8 @@ when prefill has returned), alternating between the meshes, so both see the same
 shared host: sequential runs of one setting, then the other, swing by more than the settings
 differ. Reported: each pull's time (admission to KV resident, from the
 decode instance) after a warm-up, and the medians. Prints a table and one JSON line.
-Run: `python bench/handoff_env.py --b-env UCX_CMA_MEMORY_INVALIDATE=n` (about 2 minutes here).
+Run: `python bench/experiments/handoff_env.py --b-env UCX_CMA_MEMORY_INVALIDATE=n` (about 2
+minutes here).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host
 from distserve.loadgen.probes import prefill_and_pull
+from distserve.loadgen.report import host
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.presets import default_model

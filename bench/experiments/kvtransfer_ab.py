@@ -1,28 +1,29 @@
 """Paired A/B of KV pulls between two checkouts (or two settings of one), in one run.
 
-On a shared, noisy host two runs of `bench/kvtransfer.py` minutes apart differ by more than
-most changes to the transfer path do. Here each side is a source process and a puller process
-of its own checkout (`PYTHONPATH`), started side by side and pulled alternately (A, B, B, A,
-...): every pair of pulls sees the same machine, and the ratio B/A of each pair is what is
-reported (median), beside each side's median pull time. Half the pairs run with A's processes
-started first, half with B's (a fresh start each): with the same code on both sides, the side
-started second read 5-10% faster, run after run. An idle side costs nothing (UCX runs on the
-event loop, which sleeps). Each pull is the bench's: a real ChunkSource serving one layer's K
-and V from a KV cache allocated as the checkout's engine does, into another, and a real
-KvPuller, CRC-32C checked on both ends, over UCX shared memory with the workers' settings; a side
-waits idle between its pulls, so a pull here includes waking two processes (small pulls read
-slower than in bench/kvtransfer.py).
+On a shared, noisy host two runs of `bench/kvtransfer/kvtransfer.py` minutes apart differ by more
+than most changes to the transfer path do. Here each side is a source process and a puller process
+of its own checkout (`PYTHONPATH`), started side by side and pulled alternately (A, B, B, A, ...):
+every pair of pulls sees the same machine, and the ratio B/A of each pair is what is reported
+(median), beside each side's median pull time. Half the pairs run with A's processes started first,
+half with B's (a fresh start each): with the same code on both sides, the side started second read
+5-10% faster, run after run. An idle side costs nothing (UCX runs on the event loop, which sleeps).
+Each pull is the bench's: a real ChunkSource serving one layer's K and V from a KV cache allocated
+as the checkout's engine does, into another, and a real KvPuller, CRC-32C checked on both ends, over
+UCX shared memory with the workers' settings; a side waits idle between its pulls, so a pull here
+includes waking two processes (small pulls read slower than in bench/kvtransfer/kvtransfer.py).
 
-    python bench/kvtransfer_ab.py --a /path/to/old/checkout --b . --size-mib 64 --chunk-kb 8192
+    python bench/experiments/kvtransfer_ab.py --a /path/to/old/checkout --b . --size-mib 64 \
+        --chunk-kb 8192
 
 `--a-env`/`--b-env NAME=VALUE` set a variable for one side only; `--block-kb 16` serves blocks of
-the `small` preset's size (default 512 KiB, bench/kvtransfer.py's). Prints one JSON line.
+the `small` preset's size (default 512 KiB, bench/kvtransfer/kvtransfer.py's). Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+KVTRANSFER = HERE.parents[1] / "kvtransfer" / "kvtransfer.py"  # the KV transfer bench
 
 
 async def puller_side(size: int, chunk_bytes: int) -> None:
@@ -39,9 +41,12 @@ async def puller_side(size: int, chunk_bytes: int) -> None:
     milliseconds printed."""
     from google.protobuf.json_format import ParseDict
 
-    # bench/kvtransfer.py beside this file (the script's directory leads sys.path): its `cache`
-    # allocates a KV cache with the checkout's engine (PYTHONPATH), as the source does
-    from kvtransfer import cache
+    # this checkout's KV transfer bench, by path: its `cache` allocates a KV cache with the
+    # checkout's engine (PYTHONPATH), as the source does
+    spec = importlib.util.spec_from_file_location("kvtransfer_bench", KVTRANSFER)
+    kvtransfer_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kvtransfer_bench)
+    cache = kvtransfer_bench.cache
 
     from services.common.gen.distserve.v1 import common_pb2
     from services.common.kv_handle import KvHandle
@@ -69,7 +74,10 @@ def start_side(root: str, extra_env: list[str], size: int, chunk_kb: int) -> tup
     root = os.path.abspath(root)
     env = {**UCX_DEFAULTS, **os.environ, "UCX_TLS": "tcp,sm,cma,self", "PYTHONPATH": root}
     env.update(kv.split("=", 1) for kv in extra_env)
-    bench = os.path.join(root, "bench", "kvtransfer.py")
+    # the side's KV transfer bench: bench/kvtransfer/ since the suites' folders, bench/ before
+    bench = os.path.join(root, "bench", "kvtransfer", "kvtransfer.py")
+    if not os.path.exists(bench):
+        bench = os.path.join(root, "bench", "kvtransfer.py")
     source = subprocess.Popen(
         [sys.executable, bench, "--serve", str(size)],
         cwd=root,
@@ -108,14 +116,17 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=64, help="KV per pull (K and V, one layer)")
     ap.add_argument("--chunk-kb", type=int, default=8192)
     ap.add_argument("--pairs", type=int, default=40)
-    ap.add_argument("--block-kb", type=int, help="KiB a block of K or V (bench/kvtransfer.py's)")
+    ap.add_argument(
+        "--block-kb", type=int, help="KiB a block of K or V (bench/kvtransfer/kvtransfer.py's)"
+    )
     args = ap.parse_args()
-    if args.block_kb:  # both sides' processes read it at import (bench/kvtransfer.py's BLOCK)
+    # both sides' processes read it at import (bench/kvtransfer/kvtransfer.py's BLOCK)
+    if args.block_kb:
         os.environ["KV_BENCH_BLOCK_KB"] = str(args.block_kb)
     if args.puller:
         asyncio.run(puller_side(args.puller, args.chunk_kb * 1024))
         return
-    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path.insert(0, str(HERE.parents[2]))
     size = args.size_mib * 2**20
     times: list[list[float]] = [[], []]
     for first in (0, 1):  # each side started first once: the one started second ran faster

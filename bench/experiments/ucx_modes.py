@@ -13,7 +13,7 @@ two processes on one host (shared memory):
     `--round-trips` after a warm-up;
   * the CPU each process spends idle for `--idle-s` seconds with one receive posted (a chunk
     server always has one), and its progress thread's wake-ups per second.
-Prints a table and one JSON line. Run: `python bench/ucx_modes.py` (about a minute).
+Prints a table and one JSON line. Run: `python bench/experiments/ucx_modes.py` (about a minute).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ about 23 minutes for chat).
 Writes bench-goodput/WORKLOAD/{goodput.json,attainment.png,latency_cdf.png}; prints each
 workload's table and, last, one JSON line with every workload's goodput, per core, and ratio.
 
-    .venv/bin/python bench/goodput.py [--requests 24] [--max-probes 5] [--workloads chat,code]
+    .venv/bin/python bench/goodput/goodput.py [--requests 24] [--max-probes 5]
+        [--workloads chat,code]
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import cpu_model
 from distserve.loadgen.comparison import BenchSpec, describe, run_bench
+from distserve.loadgen.report import cpu_model
 from services.engine.presets import default_model
 
 WORKLOADS = ("summarization", "chat", "code")

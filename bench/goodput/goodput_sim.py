@@ -1,6 +1,6 @@
 """Where disaggregation pays on this machine: simulated goodput per core, colocated against the
-best prefill:decode split, at the 2 cores of the measured comparison (`bench/goodput.py`) and
-at more cores than this host has.
+best prefill:decode split, at the 2 cores of the measured comparison (`bench/goodput/goodput.py`)
+and at more cores than this host has.
 
 On 2 cores the only disaggregated placement is 1 prefill + 1 decode; DistServe's gain on a
 chat-like workload comes partly from choosing the ratio. This asks the planner's simulator,
@@ -9,14 +9,14 @@ fed this host's profile of the `small` model, what each placement would serve:
 * profile: `--profile FILE` (the planner's format), else measured at the start as a `--pin`
   worker runs (one process pinned to one core, one torch thread; the profiler's quick grid,
   about 3 minutes);
-* workloads: `bench/goodput.py`'s CPU-scaled chat, code and summarisation
+* workloads: `bench/goodput/goodput.py`'s CPU-scaled chat, code and summarisation
   (`distserve.loadgen.goodput.SCALED`), Poisson arrivals;
-* instances: the engine options of `bench/goodput.py`'s workers (`WORKER_ARGS`: a 384 MB KV
+* instances: the engine options of `bench/goodput/goodput.py`'s workers (`WORKER_ARGS`: a 384 MB KV
   pool, 16 seats, 2048-token prefill batches); KV moves at `--bandwidth` (default 6 GB/s, what
   a 64 MiB pull over UCX shared memory achieves on this host: `make bench-kvtransfer`) and,
   for prompts of >= 256 tokens, beside their prefill (the gateway's default
   `--layerwise-min-tokens`);
-* SLOs: the rule of `bench/goodput.py` predicted from the profile (5x the median request's
+* SLOs: the rule of `bench/goodput/goodput.py` predicted from the profile (5x the median request's
   prefill, 3x its batch-1 decode step), and that rule scaled by each `--slo-scales` factor
   (DistServe's Figure 8 varies the SLO the same way);
 * goodput: the highest rate with >= 90% of requests meeting both SLOs (the planner's
@@ -28,7 +28,7 @@ and the kvtransfer threads, which share the two cores with the workers on this h
 
 Prints one table per workload and, last, one JSON line.
 
-    .venv/bin/python bench/goodput_sim.py [--profile FILE] [--cores 2,3,4,6,8]
+    .venv/bin/python bench/goodput/goodput_sim.py [--profile FILE] [--cores 2,3,4,6,8]
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import cpu_model
 from distserve.loadgen.fidelity import profile_pinned
 from distserve.loadgen.goodput import SCALED
+from distserve.loadgen.report import cpu_model
 from services.common import latency as latency_file
 from services.common.latency import LatencyModel
 from services.common.model_config import ModelConfig
@@ -56,19 +56,21 @@ from services.planner.goodput import goodput
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Workload
 
-# The engine options of bench/goodput.py's workers (distserve.loadgen.comparison.WORKER_ARGS).
+# The engine options of bench/goodput/goodput.py's workers
+# (distserve.loadgen.comparison.WORKER_ARGS).
 KV_MB = 384
 MAX_NUM_SEQS = 16
 MAX_BATCH_TOKENS = 2048
 LAYERWISE_MIN_TOKENS = 256  # the gateway's default
 ALPHA = 0.9
-TTFT_SLO_FACTOR = 5.0  # bench/goodput.py's rule (distserve.loadgen.goodput.slo_from_unloaded)
+# bench/goodput/goodput.py's rule (distserve.loadgen.goodput.slo_from_unloaded)
+TTFT_SLO_FACTOR = 5.0
 TPOT_SLO_FACTOR = 3.0
 
 
 def slo_rule(latency: LatencyModel, workload: Workload) -> Slo:
-    """bench/goodput.py's SLO rule, predicted: 5x the median request's prefill, 3x its decode
-    step alone at its mid-output context."""
+    """bench/goodput/goodput.py's SLO rule, predicted: 5x the median request's prefill, 3x its
+    decode step alone at its mid-output context."""
     reqs = workload.sample(1000, seed=0)
     p, o = float(np.median(reqs.prompt)), float(np.median(reqs.output))
     lat = latency.at(1)

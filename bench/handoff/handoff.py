@@ -10,7 +10,7 @@ compute-bound; requests of 4 tokens, one at a time, alternating between the mesh
 per length, medians: TTFT, the first inter-token gap, the pull's time, and the fraction of the
 pull that ran while prefill was still computing (from the decode instance's
 `distserve_kv_overlap_fraction`). Prints a table and one JSON line.
-Run: `python bench/handoff.py` (about 3 minutes here).
+Run: `python bench/handoff/handoff.py` (about 3 minutes here).
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from distserve.loadgen.probes import ttft_and_gap
 from distserve.loadgen.report import host
 from distserve.local_mesh import Mesh, MeshSpec
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.engine.presets import default_model
 
 MODES = ("layerwise", "after-prefill")
@@ -47,21 +44,6 @@ def start(model: Path, mode: str) -> Mesh:
     mesh = Mesh(spec)
     mesh.start()
     return mesh
-
-
-async def request(address: str, prompt: list[int]) -> tuple[float, float]:
-    """(TTFT, first inter-token gap) in seconds, as the client sees them."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        req = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
-        )
-        start = time.perf_counter()
-        times: list[float] = []
-        async for r in stub.Generate(req):
-            times += [time.perf_counter()] * len(r.token_ids)
-        return times[0] - start, times[1] - times[0]
 
 
 def decode_metrics(mesh: Mesh) -> dict[str, float]:
@@ -85,7 +67,7 @@ def main() -> None:
     rows = []
     try:
         for mesh in meshes.values():  # warm-up: connections, UCX endpoints
-            asyncio.run(request(mesh.gateway_address, [5] * 64))
+            asyncio.run(ttft_and_gap(mesh.gateway_address, [5] * 64))
         for n in lengths:
             prompt = [5 + (i * 7) % 900 for i in range(n)]
             got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "gap": []} for m in MODES}
@@ -93,7 +75,7 @@ def main() -> None:
             before = {m: decode_metrics(mesh) for m, mesh in meshes.items()}
             for _ in range(args.requests):
                 for mode, mesh in meshes.items():
-                    ttft, gap = asyncio.run(request(mesh.gateway_address, prompt))
+                    ttft, gap = asyncio.run(ttft_and_gap(mesh.gateway_address, prompt))
                     got[mode]["ttft"].append(ttft * 1000)
                     got[mode]["gap"].append(gap * 1000)
             for mode, mesh in meshes.items():

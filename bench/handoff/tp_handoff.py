@@ -11,7 +11,7 @@ meshes; reported per prompt length: the mean pull time from the decode instance'
 `distserve_kv_transfer_seconds` (rank 0 waits for every rank's pull) and the medians of the
 client's first inter-token gap (which contains the pull). All meshes share this host's cores,
 so the figures compare the paths, not tensor parallelism's speed-up.
-Run: `python bench/tp_handoff.py` (about 3 minutes here).
+Run: `python bench/handoff/tp_handoff.py` (about 3 minutes here).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.handoff.handoff import decode_metrics
+from distserve.loadgen.probes import ttft_and_gap
 from distserve.loadgen.report import host
-from bench.handoff import decode_metrics, request
 from distserve.local_mesh import Mesh, MeshSpec
 from services.engine.presets import default_model
 
@@ -65,14 +66,14 @@ def main() -> None:
     rows = []
     try:
         for mesh in meshes.values():  # warm-up: connections, UCX endpoints
-            asyncio.run(request(mesh.gateway_address, [5] * 64))
+            asyncio.run(ttft_and_gap(mesh.gateway_address, [5] * 64))
         for n in [int(x) for x in args.lengths.split(",")]:
             prompt = [5 + (i * 7) % 900 for i in range(n)]
             gaps: dict[str, list[float]] = {name: [] for name in meshes}
             before = {name: pull_seconds(mesh) for name, mesh in meshes.items()}
             for _ in range(args.requests):
                 for name, mesh in meshes.items():
-                    _, gap = asyncio.run(request(mesh.gateway_address, prompt))
+                    _, gap = asyncio.run(ttft_and_gap(mesh.gateway_address, prompt))
                     gaps[name].append(gap * 1000)
             row = {"prompt_tokens": n, "kv_bytes": n * 12 * 2 * 4 * 64 * 4}
             for name, mesh in meshes.items():

@@ -19,7 +19,7 @@ In one run:
   * the handoff on the `small` model (1 prefill + 1 decode, pinned, direct Prefill and Decode
     calls): prefill compute time and pull time (prefill finished -> KV resident on decode) for
     512-, 2048- and 4000-token prompts (the preset's context is 4096). Direct calls pull after
-    prefill (the JSON says `overlap`: false); the layer-wise overlap is bench/handoff.py's.
+    prefill (the JSON says `overlap`: false); the layer-wise overlap is bench/handoff/handoff.py's.
 Prints a table, then one JSON line. Run: `make bench-kvtransfer`.
 """
 
@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import cpu_model, log
 from bench.kvtransfer.handoff import handoff
+from distserve.loadgen.report import cpu_model, log
 from services.kvtransfer.puller import PullPolicy
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]

@@ -26,13 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import grpc
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from distserve.loadgen.probes import WARMUP, grpc_ttft, http_ttft, sequential_ttft_and_gap
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.sampling import SamplingParams
@@ -41,10 +45,6 @@ from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.presets import default_model
-
-# Requests before each measurement that are not counted: a mesh that has just started pays for
-# its first requests' connections, allocations and UCX endpoints; users meet a warm one.
-WARMUP = 20
 
 
 class EngineProbe:
@@ -90,35 +90,6 @@ def engine_stream_rate(path, prompts: list[list[int]], new: int) -> float:
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t)
 
 
-async def mesh_ttft_and_gap(
-    address: str,
-    prompt: list[int],
-    n: int,
-    max_tokens: int = 2,
-    between: Callable[[], None] | None = None,
-):
-    """TTFT and first inter-token gap of `n` sequential requests (after WARMUP); `between` is
-    called after each counted one."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=params
-        )
-        ttft, gap = [], []
-        for i in range(n + WARMUP):
-            t0 = time.perf_counter()
-            times = []
-            async for r in stub.Generate(request):
-                times += [time.perf_counter()] * len(r.token_ids)
-            if i >= WARMUP:
-                ttft.append(times[0] - t0)
-                gap.append(times[1] - times[0] if len(times) > 1 else 0.0)
-                if between is not None:
-                    between()
-        return ttft, gap
-
-
 async def mesh_stream_rate(address: str, prompts: list[list[int]], new: int) -> float:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -136,25 +107,6 @@ async def mesh_stream_rate(address: str, prompts: list[list[int]], new: int) -> 
         t = time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in prompts))
         return sum(counts) / (time.perf_counter() - t)
-
-
-async def grpc_ttft(stub, request) -> float:
-    t0 = time.perf_counter()
-    first = None
-    async for r in stub.Generate(request):
-        if first is None and r.token_ids:
-            first = time.perf_counter() - t0
-    return first
-
-
-async def http_ttft(session: aiohttp.ClientSession, url: str, body: dict) -> float:
-    t0 = time.perf_counter()
-    first = None
-    async with session.post(url, json=body) as r:
-        async for line in r.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - t0
-    return first
 
 
 async def edge_ttft(mesh: Mesh, prompt: list[int], n: int) -> dict[str, list[float]]:
@@ -254,11 +206,11 @@ def main() -> None:
     )
     with Mesh(spec) as mesh:
         m_ttft, m_gap = asyncio.run(
-            mesh_ttft_and_gap(mesh.gateway_address, prompt, args.requests, between=probe)
+            sequential_ttft_and_gap(mesh.gateway_address, prompt, args.requests, between=probe)
         )
         e_ttft, e_gap = probe.take()
         m_ttft1, _ = asyncio.run(
-            mesh_ttft_and_gap(
+            sequential_ttft_and_gap(
                 mesh.gateway_address, prompt, args.requests, max_tokens=1, between=probe
             )
         )

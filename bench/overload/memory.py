@@ -1,5 +1,5 @@
 """Resident memory of a mesh's processes, sampled, and the bound each may not exceed (the
-overload bench's, `bench/overload.py`).
+overload bench's, `bench/overload/overload.py`).
 
 The bound: idle + `allowance()`, term by term from what bounds memory in the code; the
 constants are stated, not fitted:
@@ -29,11 +29,11 @@ constants are stated, not fitted:
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 
+from distserve.loadgen.procfs import command_name, descendants, rss_bytes
 from distserve.local_mesh import Mesh
 from services.common.model_config import ModelConfig
 from services.kvtransfer.puller import PullPolicy
@@ -45,46 +45,6 @@ GATEWAY_TOKEN_BYTES = 80  # two Python lists and protobuf copies of each id
 CALL_BYTES = 64 * 2**10  # one gRPC stream: its receive window and call objects
 FIXED_BYTES = 64 * MiB  # allocator slack, thread stacks, metrics
 FLOAT_BYTES = 4  # fp32 activations
-
-
-def vm_rss(pid: int) -> int | None:
-    """Resident memory of `pid` in bytes (VmRSS), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc/PID/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except FileNotFoundError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return "?"
 
 
 class RssSampler:
@@ -102,14 +62,14 @@ class RssSampler:
         """One reading: name -> bytes. A descendant is named ROOT/COMM-PID."""
         out = {}
         for name, pid in self.roots.items():
-            rss = vm_rss(pid)
+            rss = rss_bytes(pid)
             if rss is not None:
                 out[name] = rss
                 self.role.setdefault(name, role_of(name))
             for child in descendants(pid):
-                rss = vm_rss(child)
+                rss = rss_bytes(child)
                 if rss is not None:
-                    key = f"{name}/{comm(child)}-{child}"
+                    key = f"{name}/{command_name(child)}-{child}"
                     out[key] = rss
                     self.role.setdefault(key, role_of(name))
         return out

@@ -47,7 +47,7 @@ served traffic before the overload came. `--cold-start` leaves it out: the overl
 mesh whose predictor has no fit yet, as right after start.
 
 **The bound**: idle + `allowance()`, term by term from what bounds memory in the code
-(`bench/overload_memory.py` states each term and its constants).
+(`bench/overload/memory.py` states each term and its constants).
 
 Model and sizes: the `small` preset (12 layers, hidden 768, GQA 12/4, 105M parameters, fp32),
 as `distserve bench goodput` uses, because `tiny` serves the chat workload in a few ms per
@@ -57,14 +57,14 @@ at under 2 req/s, and a 1.2 GB worker makes the memory figures those of a real m
 Workload: the CPU-scaled `chat` (`distserve.loadgen.goodput.SCALED`: prompts lognormal 256 +- 200
 tokens [16, 768], outputs 48 +- 40 [4, 128]), `--workload` takes another. Defaults are sized for
 about 10-15 minutes on 2 shared cores: 24 requests per probe and at most 5 probes for the search
-(as bench/goodput.py), 90 s of overload per run (the baseline then runs until its backlog is
+(as bench/goodput/goodput.py), 90 s of overload per run (the baseline then runs until its backlog is
 served or times out). The gateway, the load generator and this process's sampler share the cores
 with the pinned workers.
 
 Prints the search, a table of both runs, the memory table with the bound, the hardware and model,
 and last one JSON line `{"bench": "overload", ...}`.
 
-    .venv/bin/python bench/overload.py [--duration-s 90] [--factor 5] [--workload chat]
+    .venv/bin/python bench/overload/overload.py [--duration-s 90] [--factor 5] [--workload chat]
         [--requests-per-probe 24] [--max-probes 5] [--goodput-rps R] [--slo TTFT_MS,TPOT_MS]
         [--admission-ttft-factor F] [--cold-start] [--out overload.json]
 """
@@ -84,11 +84,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-from distserve.loadgen.report import host
 from bench.overload.memory import MiB, allowance, engine_options, memory_table
 from bench.overload.run import fmt, log, overload_run, run_table
 from distserve.loadgen import goodput as g
 from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS, BenchSpec, mesh_spec
+from distserve.loadgen.report import host
 from distserve.loadgen.targets import GrpcTarget
 from distserve.local_mesh import Mesh
 from services.common.model_config import ModelConfig

@@ -1,5 +1,6 @@
-"""One overload run of the overload bench (`bench/overload.py`): a fresh mesh warmed up, its idle
-memory read, the load offered with every refusal's retry hint kept, and its summary and table."""
+"""One overload run of the overload bench (`bench/overload/overload.py`): a fresh mesh warmed up,
+its idle memory read, the load offered with every refusal's retry hint kept, and its summary and
+table."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from distserve.loadgen import goodput as g
 from distserve.loadgen.requests import load_requests
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load
+from distserve.loadgen.scrape import by_label, gateway
 from distserve.loadgen.targets import GrpcTarget, LoadError
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.slo import Slo
@@ -43,16 +45,6 @@ class HintedGrpcTarget(GrpcTarget):
                     if key == "retry-after-ms":
                         self.retry_after_ms[id(request)] = int(value)
             raise
-
-
-def gateway_refusals(mesh: Mesh) -> dict[str, float]:
-    """`distserve_admission_refusals_total` by reason, from the gateway's /metrics."""
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    return {
-        s.labels["reason"]: s.value
-        for s in gateway.metrics()
-        if s.name == "distserve_admission_refusals_total"
-    }
 
 
 def overload_run(
@@ -89,7 +81,8 @@ def overload_run(
         finally:
             sampler.stop()
         seconds = time.monotonic() - t0
-        refusals = gateway_refusals(mesh)
+        # `distserve_admission_refusals_total` by reason, from the gateway's /metrics
+        refusals = by_label(gateway(mesh).metrics(), "distserve_admission_refusals_total", "reason")
         alive = {p.name: p.popen.poll() is None for p in mesh.processes}
     finally:
         mesh.stop()

@@ -23,7 +23,7 @@ Parts (`--parts`, default all):
   which the actuator refuses), then R again for `--after-s`. `burst_surge_test_s`: when the
   planner's surge test alone flags the burst's scheduled arrivals, the decision's floor on
   this one burst; a burst is one draw (seed 0's is slow, 4.9 s, where the test's median is
-  ~2.9 s: bench/surge.py), so `--seed` gives others.
+  ~2.9 s: bench/planner/surge.py), so `--seed` gives others.
 
 R: the highest rate (0.1 req/s steps) at which the simulator predicts 1P1D meets chat's SLO
 for 95% of the requests (a margin over 0.9 for what the simulator omits): the planner keeps
@@ -37,7 +37,7 @@ under a tenth of an emulated step, which chat's 200-token streams miss at any K 
 minutes; K = 1 is used, and the check is printed from the static mesh
 (`mesh_cpu_per_request_over_step`) with the K the rule would need (`time_scale_the_rule_needs`).
 
-    .venv/bin/python bench/autoplan.py [--parts phases,constant] [--phase-s S] [--out F]
+    .venv/bin/python bench/planner/autoplan.py [--parts phases,constant] [--phase-s S] [--out F]
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from bench.planner.autoplan_measure import (
     settle_s,
     surge_test_s,
 )
-from distserve.loadgen.report import host, log, report_and_exit_code
-from bench.emulated import EmulatedMesh, rate_for
 from distserve.loadgen.emulated import EmulatedCluster, Shape
+from distserve.loadgen.emulated_mesh import EmulatedMesh, rate_for
+from distserve.loadgen.report import host, log, report_and_exit_code
 from services.common.slo import Slo
 from services.planner.autoscale import AutoscaleConfig, Autoscaler
 from services.planner.workload import PRESETS

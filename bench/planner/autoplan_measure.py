@@ -1,6 +1,6 @@
-"""What bench/autoplan.py measures a run by: its schedule of workload segments, a log of what the
-launcher's actuator was asked and did, and the figures (attainment per segment after a settling
-window, settle time, lost requests) read from a run's `LoadResult`.
+"""What bench/planner/autoplan.py measures a run by: its schedule of workload segments, a log of
+what the launcher's actuator was asked and did, and the figures (attainment per segment after a
+settling window, settle time, lost requests) read from a run's `LoadResult`.
 
 Times are emulated seconds from the start of the run (the load generator's clock; the
 actuator's events are taken on the wall and divided by the time scale).

@@ -21,7 +21,8 @@
 
 Prints each figure beside its baseline or target, then one JSON line. About 20 minutes on 2
 cores (12 with --repeats 1), nearly all of it part (1).
-Run: .venv/bin/python bench/planner.py [--requests N] [--targets 0.9,0.7,0.5,0.3] [--grid quick]
+Run: .venv/bin/python bench/planner/planner.py [--requests N] [--targets 0.9,0.7,0.5,0.3]
+[--grid quick]
 """
 
 from __future__ import annotations

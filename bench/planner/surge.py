@@ -10,7 +10,7 @@ to the first check that flags it (`--trials` bursts of 60 s, each starting at a 
 a tick): median and p90, and how many went unflagged.
 No mesh, no emulated engine: arrival times only.
 
-    .venv/bin/python bench/surge.py [--rates 1,3.8,20] [--hours 10] [--trials 50]
+    .venv/bin/python bench/planner/surge.py [--rates 1,3.8,20] [--hours 10] [--trials 50]
         [--surge-factor 2] [--surge-threshold 11]
 """
 
@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from distserve.loadgen.report import host
+from distserve.loadgen.requests import poisson_arrivals
 from services.planner.autoscale import AutoscaleConfig
 from services.planner.control import SURGE_CHECK_S
 from services.planner.surge import arrival_rate
@@ -70,7 +71,7 @@ def main() -> int:
     rows = {}
     for rate in (float(r) for r in args.rates.split(",")):
         horizon = args.hours * 3600
-        steady = np.cumsum(rng.exponential(1 / rate, int(rate * horizon * 1.1) + 10))
+        steady = poisson_arrivals(rng, rate, int(rate * horizon * 1.1) + 10)
         steady = steady[steady < horizon]
         false, quiet_until = 0, 0.0
         for t in checks(steady, config.window_s, horizon):
@@ -79,8 +80,8 @@ def main() -> int:
         delays = []
         for _ in range(args.trials):
             start = 100.0 + rng.uniform(0, TICK_S)
-            before = np.cumsum(rng.exponential(1 / rate, int(rate * 120) + 10))
-            burst = start + np.cumsum(rng.exponential(1 / (3 * rate), int(3 * rate * 60) + 10))
+            before = poisson_arrivals(rng, rate, int(rate * 120) + 10)
+            burst = start + poisson_arrivals(rng, 3 * rate, int(3 * rate * 60) + 10)
             arrivals = np.concatenate([before[before < start], burst])
             at = checks(arrivals, start, start + 60)
             delays.append(next((t - start for t in at if flagged(config, arrivals, t)), np.inf))

@@ -27,7 +27,7 @@ Two parts (`--parts`, default both):
 
 Prints a table per part and one JSON line. About 12 minutes on 2 cores by default.
 
-    .venv/bin/python bench/prefix.py [--parts chat,routing] [--time-scale 6]
+    .venv/bin/python bench/prefix/prefix.py [--parts chat,routing] [--time-scale 6]
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.report import host, log
 from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS
 from distserve.loadgen.emulated import EmulatedCluster, Shape
-from distserve.loadgen.requests import FIRST_ORDINARY_ID
+from distserve.loadgen.report import host, log
+from distserve.loadgen.requests import FIRST_ORDINARY_ID, poisson_arrivals
+from distserve.loadgen.scrape import gateway, role_total, total
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common import mesh_tls
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -125,25 +126,6 @@ async def ask(
     return turn
 
 
-def worker_counter(mesh: Mesh, name: str, role: str) -> float:
-    return sum(
-        s.value
-        for p in mesh.workers
-        if p.name.startswith(role)
-        for s in p.metrics()
-        if s.name == name
-    )
-
-
-def gateway_counter(mesh: Mesh, name: str, **labels: str) -> float:
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    return sum(
-        s.value
-        for s in gateway.metrics()
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 # -- chat: the real engine, cache on and off ------------------------------------------------------
 
 
@@ -190,9 +172,9 @@ async def chat_run(mesh: Mesh, vocab: int) -> tuple[list[Turn], dict[str, float]
 def counters(mesh: Mesh, tag: str) -> dict[str, float]:
     prompt = "distserve_prompt_tokens_{}_total"
     return {
-        f"{tag}.computed": worker_counter(mesh, prompt.format("computed"), "prefill"),
-        f"{tag}.cached": worker_counter(mesh, prompt.format("cached"), "prefill"),
-        f"{tag}.pulled": worker_counter(mesh, "distserve_kv_transfer_bytes_total", "decode"),
+        f"{tag}.computed": role_total(mesh, "prefill", prompt.format("computed")),
+        f"{tag}.cached": role_total(mesh, "prefill", prompt.format("cached")),
+        f"{tag}.pulled": role_total(mesh, "decode", "distserve_kv_transfer_bytes_total"),
     }
 
 
@@ -250,7 +232,7 @@ def chat_part() -> dict:
 
 async def routing_run(mesh: Mesh, vocab: int, scale: float, rate: float, seed: int) -> list[Turn]:
     talks = Conversations(CONVERSATIONS_AT_SCALE, vocab, seed)
-    starts = np.cumsum(np.random.default_rng(seed + 1).exponential(1 / rate, len(talks.users)))
+    starts = poisson_arrivals(np.random.default_rng(seed + 1), rate, len(talks.users))
     turns: list[Turn] = []
 
     async def converse(stub, c: int) -> None:
@@ -283,12 +265,18 @@ def routing_part(scale: float, rate: float) -> dict:
             started = time.monotonic()
             turns = asyncio.run(routing_run(mesh, vocab, scale, rate, seed=7))
             elapsed = (time.monotonic() - started) / scale
-            cached = worker_counter(mesh, "distserve_prompt_tokens_cached_total", "prefill")
-            best = gateway_counter(
-                mesh, "distserve_gateway_prefix_tokens_total", role="prefill", kind="best"
+            cached = role_total(mesh, "prefill", "distserve_prompt_tokens_cached_total")
+            best = total(
+                gateway(mesh).metrics(),
+                "distserve_gateway_prefix_tokens_total",
+                role="prefill",
+                kind="best",
             )
-            chosen = gateway_counter(
-                mesh, "distserve_gateway_prefix_tokens_total", role="prefill", kind="cached"
+            chosen = total(
+                gateway(mesh).metrics(),
+                "distserve_gateway_prefix_tokens_total",
+                role="prefill",
+                kind="cached",
             )
         ok = [t for t in turns if not t.error]
         met = [t for t in ok if ROUTING_SLO.met(t.ttft_s, t.tpot_s)]

@@ -1,5 +1,5 @@
-"""What the tracing bench (`bench/tracing.py`) does to its meshes and reads from them: the load
-offered to all of them at once, their step and TTFT counters, each process's CPU time, and the
+"""What the tracing bench (`bench/tracing/tracing.py`) does to its meshes and reads from them: the
+load offered to all of them at once, their step and TTFT counters, each process's CPU time, and the
 counting OTLP receiver the traced one exports to."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
 
+from distserve.loadgen.procfs import cpu_seconds
+from distserve.loadgen.scrape import gateway
 from distserve.local_mesh import Mesh
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -27,21 +28,16 @@ def counters(mesh: Mesh) -> dict[str, float]:
         found = {s.name: s.value for s in proc.metrics() if s.labels.get("kind") == kind}
         out[f"{kind}_steps"] = found.get("distserve_engine_step_seconds_count", 0.0)
         out[f"{kind}_seqs"] = found.get("distserve_engine_step_batch_size_sum", 0.0)
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    for s in gateway.metrics():
+    for s in gateway(mesh).metrics():
         if s.name.startswith("gen_ai_server_time_to_first_token_seconds_"):
             key = "ttft_" + s.name.rsplit("_", 1)[1]  # ttft_sum, ttft_count
             out[key] = out.get(key, 0.0) + s.value
     return out
 
 
-def cpu_seconds(mesh: Mesh) -> dict[str, float]:
+def cpu_by_process(mesh: Mesh) -> dict[str, float]:
     """CPU time (user + system, all threads) each process of the mesh has used so far."""
-    out = {}
-    for p in mesh.processes:
-        fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[p.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
+    return {p.name: cpu_seconds(p.popen.pid) for p in mesh.processes}
 
 
 async def load_together(

@@ -22,21 +22,20 @@ decode took per request; the overhead is 1 - the median over rounds of (traced /
 round), with a 90% interval (bootstrap over rounds), for throughput and for CPU per request.
 On a saturated host the two are one cost seen twice; the CPU pairing comes out the tighter.
 The meshes are started afresh `--restarts` times, each first, second and third in turn (in
-bench/kvtransfer_ab.py processes started second ran 5-10% faster, same code). `--control` runs
-the same bench with no mesh traced: how far apart identical meshes come out here. Also the TTFT
-p50 of sequential 2-token requests on each mesh (alone), and how requests shared steps: decode
-steps per request, the mean decode and prefill batch (the workers' `distserve_engine_step_*`
-metrics), and the mean TTFT under the load (the gateway's histogram), medians over rounds: a
-traced mesh could lose throughput by batching worse rather than by its spans' work.
-Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds of
-10 s could not hold). The model is the `small` preset by default (105M parameters, 16 streams
-a mesh, 12 rounds of 20 s): one whose prefill computes and whose decode reads its weights every
-step, as a served model's do. `--model tiny` (64 streams, 18 rounds of 10 s) serves the tiny
-preset, where a request costs only the mesh's own work (~35 ms of CPU, all of it RPCs, queues
-and Python): the worst case for tracing's share, reported beside `small`. Prints
-a table and one JSON line (`tracing_overhead_fraction`: the worse of file and otlp,
-throughput). Run: `python bench/tracing.py` (about 8 minutes here; tiny about 6).
-"""
+bench/experiments/kvtransfer_ab.py processes started second ran 5-10% faster, same code).
+`--control` runs the same bench with no mesh traced: how far apart identical meshes come out here.
+Also the TTFT p50 of sequential 2-token requests on each mesh (alone), and how requests shared
+steps: decode steps per request, the mean decode and prefill batch (the workers'
+`distserve_engine_step_*` metrics), and the mean TTFT under the load (the gateway's histogram),
+medians over rounds: a traced mesh could lose throughput by batching worse rather than by its spans'
+work. Traced meshes export every second (`--export-delay-s`; the SDK's default is 5 s, which rounds
+of 10 s could not hold). The model is the `small` preset by default (105M parameters, 16 streams a
+mesh, 12 rounds of 20 s): one whose prefill computes and whose decode reads its weights every step,
+as a served model's do. `--model tiny` (64 streams, 18 rounds of 10 s) serves the tiny preset, where
+a request costs only the mesh's own work (~35 ms of CPU, all of it RPCs, queues and Python): the
+worst case for tracing's share, reported beside `small`. Prints a table and one JSON line
+(`tracing_overhead_fraction`: the worse of file and otlp, throughput). Run: `python
+bench/tracing/tracing.py` (about 8 minutes here; tiny about 6)."""
 
 from __future__ import annotations
 
@@ -57,9 +56,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+from bench.tracing.load import Receiver, counters, cpu_by_process, load_together
+from distserve.loadgen.probes import sequential_ttft_and_gap
 from distserve.loadgen.report import host
-from bench.mesh import mesh_ttft_and_gap
-from bench.tracing.load import Receiver, counters, cpu_seconds, load_together
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.stats import percentile
 from services.engine.presets import default_model
@@ -200,7 +199,7 @@ def main() -> None:
                     meshes = {name: start(model, envs[name], kv_mb) for name in first}
                     load(WARMUP_S)  # connections, UCX endpoints, allocations
                     time.sleep(3 * args.export_delay_s)
-                before = {name: (cpu_seconds(m), counters(m)) for name, m in meshes.items()}
+                before = {name: (cpu_by_process(m), counters(m)) for name, m in meshes.items()}
                 counts = load(args.seconds)
                 time.sleep(3 * args.export_delay_s)  # the round's last spans go out
                 for name, mesh in meshes.items():
@@ -218,7 +217,7 @@ def main() -> None:
                             d.get("ttft_sum", 0.0) * 1000 / max(1.0, d.get("ttft_count", 0.0)),
                         )
                     )
-                    for proc, seconds in cpu_seconds(mesh).items():
+                    for proc, seconds in cpu_by_process(mesh).items():
                         per_request = (seconds - cpu_before[proc]) / tokens * args.new_tokens
                         cpu[name].setdefault(proc, []).append(per_request)
                 print(
@@ -230,7 +229,7 @@ def main() -> None:
             for name in names:
                 mesh = meshes[name]
                 t, _ = asyncio.run(
-                    mesh_ttft_and_gap(mesh.gateway_address, prompt, args.ttft_requests)
+                    sequential_ttft_and_gap(mesh.gateway_address, prompt, args.ttft_requests)
                 )
                 ttft[name] = percentile(t, 50) * 1000
         finally:

@@ -84,7 +84,7 @@ class AutoscaleConfig:
     # window's rate passes `surge_threshold` (nats of evidence). Tested as arrivals come
     # (services/planner/control.py), 2 and 11 give 0 / 0 / 1 false surges per 10 h at 1 / 3.8 /
     # 20 req/s and see a tripled rate after 2.9 s (median) at 3.8 req/s, 0.6 s at 20 (10: 3
-    # false surges per 10 h at 20 req/s, 2.7 s): bench/surge.py
+    # false surges per 10 h at 20 req/s, 2.7 s): bench/planner/surge.py
     surge_factor: float = 2.0
     surge_threshold: float = 11.0
     # tensor degrees a role may be re-sharded to (empty: each role keeps the mesh's degree)

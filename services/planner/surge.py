@@ -1,6 +1,7 @@
 """The planner's surge test: a Poisson CUSUM over the arrivals the gateway reports, so that a
 burst is decided on as soon as there is evidence of it, not a window later
-(services/planner/autoscale.py calls it; `bench/surge.py` measures its false surges and delay).
+(services/planner/autoscale.py calls it; `bench/planner/surge.py` measures its false surges and
+delay).
 """
 
 from __future__ import annotations
