@@ -2,7 +2,7 @@
 
 For each CPU-scaled workload (`distserve.loadgen.goodput.SCALED`: chat, code, summarization) and
 the `small` model (12 layers, 105M parameters, fp32), both meshes run with every worker pinned
-to its own core (one torch thread) and the same engine options (`distserve.loadgen.cli.
+to its own core (one torch thread) and the same engine options (`distserve.loadgen.comparison.
 WORKER_ARGS`); the SLO is 5x the unloaded TTFT and 3x the unloaded TPOT of the workload's median
 request (the smaller of the two modes' for each), alpha 0.9, Poisson arrivals; each mode's
 goodput is found by bisection over the rate, 24 seeded requests per probe, at most 5 probes.
