@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from distserve.command import run
 from services.common.errors import InvalidRequest
 
 
@@ -139,9 +140,7 @@ def scale_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distserve import cli  # it imports this module's `register`
-
-    return cli.run((register,), argv, __doc__.splitlines()[0])
+    return run((register,), argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from distserve.loadgen.calibration import (
     under_load,
     warm_up,
 )
-from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.comparison import ADMISSION_OFF
 from distserve.loadgen.results import LoadResult
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.latency import LatencyModel

@@ -1,7 +1,8 @@
 """The planner's surge test: a Poisson CUSUM over the arrivals the gateway reports, so that a
 burst is decided on as soon as there is evidence of it, not a window later
-(services/planner/autoscale.py and control.py call it; `bench/surge.py` measures its false
-surges and delay). Its own config (`SurgeConfig`), so it depends on nothing of the autoscaler's.
+(services/planner/autoscale.py and control.py call it; `bench/planner/surge.py` measures its
+false surges and delay). It has its own config (`SurgeConfig`): it depends on nothing of the
+autoscaler's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class SurgeConfig:
     of evidence). Tested as arrivals come (services/planner/control.py), 2 and 11 give
     0 / 0 / 1 false surges per 10 h at 1 / 3.8 / 20 req/s and see a tripled rate after 2.9 s
     (median) at 3.8 req/s, 0.6 s at 20 (10: 3 false surges per 10 h at 20 req/s, 2.7 s):
-    bench/surge.py"""
+    bench/planner/surge.py"""
 
     factor: float = 2.0
     threshold: float = 11.0
