@@ -113,7 +113,7 @@ def cluster(
         latency=latency,
         kv_bytes_per_token=kv_bytes_per_token,
         intra_node_bandwidth=bandwidth,
-        early_handoff_min_tokens=LAYERWISE_MIN_TOKENS,
+        layerwise_min_tokens=LAYERWISE_MIN_TOKENS,
     )
 
 

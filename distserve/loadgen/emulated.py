@@ -149,7 +149,7 @@ class EmulatedCluster:
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             intra_node_bandwidth=self.link_gbs * 1e9,
             colocated_latency=self.colocated_latency,
-            early_handoff_min_tokens=self.layerwise_min_tokens,
+            layerwise_min_tokens=self.layerwise_min_tokens,
         )
 
     def mesh_spec(self, shape: Shape, model_dir: Path, time_scale: float, **kwargs):
