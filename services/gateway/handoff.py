@@ -86,8 +86,8 @@ class Handoff:
                 return
             except _Retry as e:
                 failure = str(e)
-                first = tries.first_token is None
-                kind = Failover.PREFILL_UNAVAILABLE if first else Failover.KV_HANDOFF
+                before_first = tries.first_token is None  # the client has nothing yet
+                kind = Failover.PREFILL_UNAVAILABLE if before_first else Failover.KV_HANDOFF
                 if not retries.allow(kind, failure):
                     if kind is Failover.PREFILL_UNAVAILABLE:
                         raise e.__cause__ from None
@@ -144,8 +144,9 @@ class Handoff:
                     decode = self._start_decode(
                         req, prompt, tries.first_token, held.kv, trace, tries.failed_decode
                     )
-                async for out in self._decode(decode, held, tries):
-                    yield out
+                async with contextlib.aclosing(self._decode(decode, held, tries)) as outputs:
+                    async for out in outputs:
+                        yield out
             finally:
                 if decode is not None:
                     decode.cancel()  # a decode instance pulling the KV releases it
