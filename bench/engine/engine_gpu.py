@@ -1,4 +1,4 @@
-"""Decode and prefill speed of the engine on a CUDA device (run by bench/engine/gpu_check.sh).
+"""Decode and prefill speed of the engine on a CUDA device (run by bench/gpu_check.sh).
 
 Small preset; prefill of one 2048-token prompt; decode step at batch 1, 8, 32 and 128 with
 prompts uniform in [64, 1024]; float32 and bfloat16. Prints a table and one JSON line.

@@ -6,7 +6,7 @@
 #   2. the engine benchmark's decode figures on the GPU (small preset, bf16 and fp32).
 # Output goes to stdout and, when $OUT is set, to $OUT/gpu_check.log.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 log="${OUT:-/tmp}/gpu_check.log"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DISTSERVE_CACHE="${TMPDIR:-/tmp}/distserve-gpu"
 {
