@@ -38,31 +38,31 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench-engine: $(GEN)
-	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/engine/engine.py
 
 bench-mesh: $(GEN)
-	$(BIN)/python bench/mesh.py
+	$(BIN)/python bench/mesh/mesh.py
 
 bench-kvtransfer: $(GEN)
-	$(BIN)/python bench/kvtransfer.py
+	$(BIN)/python bench/kvtransfer/kvtransfer.py
 
 bench-handoff: $(GEN)
-	$(BIN)/python bench/handoff.py
+	$(BIN)/python bench/handoff/handoff.py
 
 bench-tracing: $(GEN)
-	$(BIN)/python bench/tracing.py
+	$(BIN)/python bench/tracing/tracing.py
 
 bench-conditional: $(GEN)
-	$(BIN)/python bench/conditional.py
+	$(BIN)/python bench/conditional/conditional.py
 
 bench-planner: $(GEN)
-	$(BIN)/python bench/planner.py
+	$(BIN)/python bench/planner/planner.py
 
 bench-chaos: $(GEN)
-	$(BIN)/python bench/chaos.py
+	$(BIN)/python bench/chaos/chaos.py
 
 bench-overload: $(GEN)
-	$(BIN)/python bench/overload.py
+	$(BIN)/python bench/overload/overload.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache services/common/gen

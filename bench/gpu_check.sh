@@ -14,5 +14,5 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 DISTSERVE_CACHE="${TMPDIR:-/tmp}/dis
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 | tail -1
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine
-  timeout 200 python3 bench/engine_gpu.py
+  timeout 200 python3 bench/engine/engine_gpu.py
 } 2>&1 | tee "$log"

@@ -25,7 +25,8 @@ from services.common import mesh_tls
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
-from services.planner.actuator import ActuatorStatus, Instance, common_degree, transition
+from services.planner.actuator import ActuatorStatus, Instance, common_degree
+from services.planner.transition import transition
 
 log = logging.getLogger("distserve.actuator")
 
@@ -40,8 +41,12 @@ class LocalActuator:
 
     def __init__(self, mesh) -> None:
         self.mesh = mesh
-        self._change = threading.Lock()  # held while a change is applied
         self._lock = threading.Lock()  # guards the fields below
+        # A change is applied on the thread that begins it or on one of its own
+        # (`apply_in_background`), so "a change is being applied" is a flag under `_lock`, not
+        # a lock held across threads; `_idle` is notified when it is cleared.
+        self._idle = threading.Condition(self._lock)
+        self._changing = False
         self._starting: dict[str, tuple[str, int]] = {}  # name -> (role, tp) of those starting
         self._draining: set[str] = set()
         self._last_error = ""
@@ -54,8 +59,8 @@ class LocalActuator:
     def close(self, timeout_s: float = 60.0) -> None:
         """Take no more changes; wait (up to `timeout_s`) for the one being applied."""
         self._closed = True
-        if self._change.acquire(timeout=timeout_s):
-            self._change.release()
+        with self._idle:
+            self._idle.wait_for(lambda: not self._changing, timeout_s)
 
     def apply(
         self,
@@ -69,8 +74,8 @@ class LocalActuator:
         surplus first, then start what is missing, replacing instances of another degree
         (module docstring). Waits for a change being applied first."""
         self._check(pool, counts, tp)
-        self._change.acquire()
-        self._apply_locked(self._plan(counts, tp, reason), reason)
+        self._begin(wait=True)
+        self._apply_steps(self._plan(counts, tp, reason), reason)
 
     def apply_in_background(
         self,
@@ -82,16 +87,33 @@ class LocalActuator:
         """`apply` on a thread of its own; refused while a change is being applied. Once this
         returns, `status()` shows the change (changing, and counted in `changes`)."""
         self._check(pool, counts, tp)
-        if not self._change.acquire(blocking=False):
+        if not self._begin(wait=False):
             raise FailedPrecondition("a change is being applied: wait until status says done")
         plan = self._plan(counts, tp, reason)
-        thread = threading.Thread(target=self._apply_locked, args=(plan, reason))
+        thread = threading.Thread(target=self._apply_steps, args=(plan, reason))
         thread.daemon = True
         thread.start()
 
+    def _begin(self, wait: bool) -> bool:
+        """Mark a change as being applied: at once, or (`wait`) once the one being applied
+        has ended. False: one is being applied (without `wait`). The caller ends it (`_end`)."""
+        with self._idle:
+            if wait:
+                self._idle.wait_for(lambda: not self._changing)
+            elif self._changing:
+                return False
+            self._changing = True
+            return True
+
+    def _end(self) -> None:
+        """The change begun (`_begin`) has ended, applied or not: the next may begin."""
+        with self._idle:
+            self._changing = False
+            self._idle.notify_all()
+
     def _plan(self, counts: Mapping[str, int], tp: Mapping[str, int] | None, reason: str):
-        """The steps of the change (`transition`), with `_change` held by the caller; on a
-        change that cannot be made, releases it and raises. The change is counted."""
+        """The steps of the change (`transition`), the change begun by the caller; on a change
+        that cannot be made, ends it and raises. The change is counted."""
         self._changes += 1
         try:
             want = {role: (tp or {}).get(role) or self._degree(role) for role in counts}
@@ -100,13 +122,13 @@ class LocalActuator:
             steps = transition(live, counts, want, self.mesh.spec.budget)
         except Exception as e:
             self._last_error = f"{type(e).__name__}: {e}"
-            self._change.release()
+            self._end()
             raise
         log.info("applying %s (tp %s): %s", dict(counts), want, reason or "asked")
         return steps
 
-    def _apply_locked(self, steps: list, reason: str) -> None:
-        """The steps, with `_change` held by the caller; releases it. Drains in a row run at
+    def _apply_steps(self, steps: list, reason: str) -> None:
+        """The steps of the change begun by the caller; ends it. Drains in a row run at
         once."""
         try:
             draining: list[str] = []
@@ -125,7 +147,7 @@ class LocalActuator:
             log.exception("applying the change failed (%s)", reason or "asked")
             raise
         finally:
-            self._change.release()
+            self._end()
 
     def _check(
         self, pool: str, counts: Mapping[str, int], tp: Mapping[str, int] | None = None
@@ -146,10 +168,13 @@ class LocalActuator:
                 raise InvalidRequest(f"{role}: a tensor degree is >= 1 (0: keep), got {degree}")
 
     def drain(self, worker: str) -> None:
-        with self._change:
+        self._begin(wait=True)
+        try:
             if worker not in {p.name for p in self.mesh.workers}:
                 raise InvalidRequest(f"no worker named {worker!r}")
             self._drain_all([worker])
+        finally:
+            self._end()
 
     def status(self) -> ActuatorStatus:
         with self._lock:
@@ -173,9 +198,11 @@ class LocalActuator:
         instances += [
             Instance(name, role, "starting", tp=tp) for name, (role, tp) in starting.items()
         ]
+        with self._lock:
+            changing = self._changing
         return ActuatorStatus(
             tuple(sorted(instances, key=lambda i: i.name)),
-            changing=self._change.locked(),
+            changing=changing,
             last_error=self._last_error,
             changes=self._changes,
         )
@@ -255,18 +282,7 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
             return planner_pb2.DrainResponse()
 
         def Status(self, request, context):
-            s = actuator.status()
-            return planner_pb2.ActuatorStatus(
-                instances=[
-                    planner_pb2.ActuatorInstance(
-                        name=i.name, role=i.role, state=i.state, load=i.load, tp=i.tp
-                    )
-                    for i in s.instances
-                ],
-                changing=s.changing,
-                last_error=s.last_error,
-                changes=s.changes,
-            )
+            return actuator.status().to_pb()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     planner_pb2_grpc.add_ActuatorServicer_to_server(Servicer(), server)

@@ -255,7 +255,11 @@ class Mesh:
             self.processes.remove(proc)
 
     def worker_loads(self) -> dict:
-        """Each registered worker's last reported load (`WorkerLoad`), by name."""
+        """Each registered worker's last reported load (`WorkerLoad`), by name; none before the
+        gateway is up (the planner starts first and asks at once: a channel to no address would
+        be kept, and fail every later call)."""
+        if not self.gateway_address:
+            return {}
         if self._registry is None:
             self._registry = mesh_tls.channel(self.gateway_address)
         stub = gateway_pb2_grpc.WorkerRegistryStub(self._registry)

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from distserve.command import run
 from services.common.errors import InvalidRequest
 
 
@@ -227,9 +228,7 @@ def profile_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distserve import cli  # it imports this module's `register`
-
-    return cli.run((register,), argv, __doc__.splitlines()[0])
+    return run((register,), argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

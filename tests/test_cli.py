@@ -76,3 +76,36 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tiny_model):
     assert "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr
     run = distserve("generate", "--model", "/nonexistent/model", "x")
     assert run.returncode == 2 and "does not exist" in run.stderr
+
+
+def test_a_tool_run_on_its_own_never_imports_the_cli_that_lists_it():
+    """`distserve.command.run` serves `distserve` and every tool module alike: a tool run on its
+    own (`python -m distserve.plan ...`) builds its parser without importing distserve.cli."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from distserve import plan\n"
+        "from distserve.deploy import cli as deploy\n"
+        "from distserve.loadgen import cli as loadgen\n"
+        "for tool, argv in ((plan, ['plan', '--help']), (deploy, ['deploy', '--help']),\n"
+        "                   (loadgen, ['bench', 'goodput', '--help'])):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        tool.main(argv)\n"
+        "print('distserve.cli' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+def test_run_turns_a_distserve_error_into_exit_status_2(capsys):
+    from distserve.command import run
+    from services.common.errors import InvalidRequest
+
+    def register(sub) -> None:
+        def fail(args) -> int:
+            raise InvalidRequest("--budget must be >= 1")
+
+        sub.add_parser("fail").set_defaults(func=fail)
+
+    assert run((register,), ["fail"], "a tool") == 2
+    assert "distserve: error: --budget must be >= 1" in capsys.readouterr().err

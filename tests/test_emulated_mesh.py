@@ -229,8 +229,8 @@ def test_an_emulated_mesh_says_so_in_its_name_models_traces_and_times(opt13b, tm
 
 
 def test_the_simulator_predicts_the_emulated_1p1d_mesh_within_5_points():
-    """A short fidelity check (bench/emulated.py is the full one): OPT-13B 1P1D on A100s, the
-    same requests through the simulator and the mesh at three rates around the knee."""
+    """A short fidelity check (bench/emulated/emulated.py is the full one): OPT-13B 1P1D on A100s,
+    the same requests through the simulator and the mesh at three rates around the knee."""
     cluster = EmulatedCluster.of("opt-13b")
     shape = Shape(prefill=(1, 1), decode=(1, 1))
     workload = Workload(

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from distserve.local_actuator import LocalActuator, serve
+from distserve.local_mesh import Mesh, MeshSpec
 from services.common.errors import InvalidRequest
 from services.common.model_spec import PRESETS
 from services.common.sampling import SamplingParams
@@ -332,3 +333,11 @@ def test_the_planner_resizes_a_running_mesh_to_its_load_and_back_when_idle(opt13
 
 def vocab(model) -> int:
     return json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+def test_worker_loads_before_the_gateway_is_up_are_none_and_leave_no_channel(tmp_path):
+    """The planner starts before the gateway and asks for loads at once: that answer is empty,
+    and keeps no channel to no address (which failed every later status and so every apply)."""
+    mesh = Mesh(MeshSpec(model=tmp_path))
+    assert mesh.worker_loads() == {}
+    assert mesh._registry is None

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from distserve.command import run
 from services.common.errors import InvalidRequest
 
 
@@ -120,8 +121,8 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 def scale_command(args: argparse.Namespace) -> int:
-    from distserve.deploy.actuator import KubernetesActuator
     from distserve.deploy.render import RenderOptions
+    from distserve.deploy.scale import ReplicaPatches
 
     plans = []
     for path in (args.placement, args.to):
@@ -130,7 +131,7 @@ def scale_command(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise InvalidRequest(f"cannot read the placement {path}: {e}") from e
     options = RenderOptions(namespace=args.namespace, baseline=args.baseline)
-    commands = KubernetesActuator(plans[0], args.out, options).apply(plans[1])
+    commands = ReplicaPatches(plans[0], args.out, options).apply(plans[1])
     if not commands:
         print("the replica counts already match: nothing to change")
     for command in commands:
@@ -139,9 +140,7 @@ def scale_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distserve import cli  # it imports this module's `register`
-
-    return cli.run((register,), argv, __doc__.splitlines()[0])
+    return run((register,), argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ gateway and the load generator. `calibrate` measures, on a running mesh:
   cost `c` (`decode_extras`, `mesh_latency`);
 * unloaded requests (`one_at_a_time`): the TTFT beyond the prefill, as latency on every prompt
   (`ttft_hops_s`: client, gateway, gRPC hops) plus, for prompts whose KV is pulled beside their
-  prefill, prefill time (`early_prefill_s`: the prefill instance serving the pull);
+  prefill, prefill time (`layerwise_prefill_s`: the prefill instance serving the pull);
 * the KV pull bandwidth, from pulls after prefill only (a pull beside a prefill lasts as long as
   the prefill), and the rest of the first-to-second token gap beyond one decode step and the
   transfer left after prefill (`handoff_s`: pull set-up, the join).
@@ -48,7 +48,7 @@ class MeshCalibration:
     decode_step_extra_s: float  # per decode iteration: the worker's loop and its streaming
     decode_seq_extra_s: float  # per sequence in a decode iteration
     ttft_hops_s: float  # unloaded TTFT beyond the prefill batch (client, gateway, gRPC hops)
-    early_prefill_s: float  # prefill time added by serving a prompt's KV beside its prefill
+    layerwise_prefill_s: float  # prefill time added by serving a prompt's KV beside its prefill
     handoff_s: float  # first-to-second token gap beyond one decode step and the KV transfer
     bandwidth: float  # KV pull bandwidth (bytes / seconds of pulls after prefill)
     requests: int  # in the calibration run
@@ -166,7 +166,7 @@ def calibrate(
         decode_step_extra_s=step_extra,
         decode_seq_extra_s=seq_extra,
         ttft_hops_s=hops,
-        early_prefill_s=max(0.0, float(np.median(ttft_extra[1])) - hops),
+        layerwise_prefill_s=max(0.0, float(np.median(ttft_extra[1])) - hops),
         handoff_s=max(0.0, float(np.nanmedian(np.concatenate(handoff)))),
         bandwidth=bandwidth,
         requests=sum(len(h) for h in handoff),

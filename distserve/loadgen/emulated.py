@@ -17,14 +17,12 @@ simulator does not model, not a difference of inputs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.comparison import ADMISSION_OFF
 from distserve.loadgen.requests import load_requests
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load
@@ -151,7 +149,7 @@ class EmulatedCluster:
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             intra_node_bandwidth=self.link_gbs * 1e9,
             colocated_latency=self.colocated_latency,
-            early_handoff_min_tokens=self.layerwise_min_tokens,
+            layerwise_min_tokens=self.layerwise_min_tokens,
         )
 
     def mesh_spec(self, shape: Shape, model_dir: Path, time_scale: float, **kwargs):
@@ -212,25 +210,3 @@ def judged(result: LoadResult, slo: Slo) -> float:
     first quarter fills the cluster, the last keeps it loaded while the judged ones finish."""
     n = len(result)
     return float(np.mean(result.met(slo)[n // 4 : n - n // 4]))
-
-
-def cpu_seconds(mesh) -> float:
-    """CPU time (user + system) the mesh's processes have used so far."""
-    total = 0.0
-    for p in mesh.processes:
-        try:
-            fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def rss_bytes(mesh) -> dict[str, int]:
-    """Resident memory of each worker process, by name."""
-    out = {}
-    page = os.sysconf("SC_PAGE_SIZE")
-    for p in mesh.workers:
-        with contextlib.suppress(OSError):
-            out[p.name] = int(Path(f"/proc/{p.popen.pid}/statm").read_text().split()[1]) * page
-    return out

@@ -37,7 +37,7 @@ from distserve.loadgen.calibration import (
     under_load,
     warm_up,
 )
-from distserve.loadgen.cli import ADMISSION_OFF
+from distserve.loadgen.comparison import ADMISSION_OFF
 from distserve.loadgen.results import LoadResult
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2_grpc
 from services.common.latency import LatencyModel
@@ -170,9 +170,9 @@ def predict(
         max_batch_tokens=params.max_batch_tokens,
         max_num_seqs=params.max_num_seqs,
         bandwidth=cal.bandwidth,
-        early_handoff_min_tokens=LAYERWISE_MIN_TOKENS,
+        layerwise_min_tokens=LAYERWISE_MIN_TOKENS,
         handoff_s=cal.handoff_s,
-        early_handoff_prefill_s=cal.early_prefill_s,
+        layerwise_prefill_s=cal.layerwise_prefill_s,
     )
     return SimResult(sim.ttft + cal.ttft_hops_s, sim.tpot)
 
@@ -194,7 +194,9 @@ def slo_rule(
     lat = mesh_latency(latency, cal).at(1)
     p, o = float(np.median(requests.prompt)), float(np.median(requests.output))
     prefill = lat.prefill_ms(p, p * p) / 1000
-    ttft = prefill + cal.ttft_hops_s + (cal.early_prefill_s if p >= LAYERWISE_MIN_TOKENS else 0.0)
+    ttft = (
+        prefill + cal.ttft_hops_s + (cal.layerwise_prefill_s if p >= LAYERWISE_MIN_TOKENS else 0.0)
+    )
     after = float(
         after_prefill(p, prefill, params.kv_bytes_per_token, cal.bandwidth, LAYERWISE_MIN_TOKENS)
     )

@@ -50,3 +50,9 @@ def load_requests(
         ids = rng.integers(first_id, vocab_size, int(n))
         out.append(LoadRequest(float(t), tuple(ids.tolist()), int(m)))
     return out
+
+
+def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
+    """`n` arrival times (s, from 0) of a Poisson process of `rate` per second: the cumulative
+    sum of exponential gaps drawn from `rng`."""
+    return np.cumsum(rng.exponential(1 / rate, n))

@@ -2,17 +2,17 @@
 
 A decode step multiplies one row per running sequence by every weight matrix, and on a CPU it is
 bound by reading the weights from memory. The BLAS does not always read them once: on the bench
-host (MKL, AVX-512; `python bench/decode_gemm.py` measures it), `x @ W^T` (`F.linear`) with 2 or
-3 rows takes about as long as 2 or 3 single-row products for some shapes (the `small` model's
-decode step: 37 ms for one sequence, 67 for two, 87 for three, 56 for four), while the same
-product as `(W @ x^T)^T` reads them once for a few rows. Which form wins depends on the shape,
-the row count, the BLAS and the CPU, so the engine measures instead of guessing: `tune` times
-both forms for each weight shape of the model and each row count up to `MAX_ROWS`, and a layer
-uses the transposed form for the row counts where it was clearly faster (`MARGIN`), padded with
-zero rows to a larger count where that count is clearly faster still (on that host one row is:
-two rows the transposed way take 0.6x the time of one row through `F.linear`). Larger batches
-(and every prefill) use `F.linear`. The forms compute the same sums in a different order:
-results agree to float rounding, not bit for bit.
+host (MKL, AVX-512; `python bench/experiments/decode_gemm.py` measures it), `x @ W^T` (`F.linear`)
+with 2 or 3 rows takes about as long as 2 or 3 single-row products for some shapes (the `small`
+model's decode step: 37 ms for one sequence, 67 for two, 87 for three, 56 for four), while the same
+product as `(W @ x^T)^T` reads them once for a few rows. Which form wins depends on the shape, the
+row count, the BLAS and the CPU, so the engine measures instead of guessing: `tune` times both forms
+for each weight shape of the model and each row count up to `MAX_ROWS`, and a layer uses the
+transposed form for the row counts where it was clearly faster (`MARGIN`), padded with zero rows to
+a larger count where that count is clearly faster still (on that host one row is: two rows the
+transposed way take 0.6x the time of one row through `F.linear`). Larger batches (and every prefill)
+use `F.linear`. The forms compute the same sums in a different order: results agree to float
+rounding, not bit for bit.
 """
 
 from __future__ import annotations

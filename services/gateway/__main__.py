@@ -30,9 +30,10 @@ from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.observe import GatewayMetrics
 from services.gateway.planner_feed import PlannerFeed
-from services.gateway.registry import ROUTING, Registry
+from services.gateway.registry import Registry
 from services.gateway.request import Limits
 from services.gateway.router import Router
+from services.gateway.routing import POLICIES, Routing
 from services.gateway.servicer import GatewayServicer, RegistryServicer
 
 log = logging.getLogger("distserve.gateway")
@@ -58,7 +59,7 @@ class GatewayConfig:
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
     local_prefill_max_tokens: int | None = None  # explicit threshold (0: never local)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 rules
-    routing: str = "prefix"  # prefix: cached prefix and load; load; round-robin (registry.py)
+    routing: str = "prefix"  # prefix: cached prefix and load; load; round-robin (routing.py)
     time_scale: float = 1.0  # an emulated mesh's clock (services/common/clock.py)
     time_epoch: float | None = None
 
@@ -134,7 +135,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument(
         "--routing",
-        choices=ROUTING,
+        choices=POLICIES,
         default="prefix",
         help="how a worker is chosen: prefix (the prompt's prefix cached there, and its load), "
         "load (least loaded), round-robin",
@@ -188,16 +189,17 @@ async def serve(config: GatewayConfig) -> None:
     engine = "emulated" if model.emulated else "torch"
     telemetry.setup("gateway", engine=engine)
     tokenizer = Tokenizer.from_dir(config.model)
-    registry = Registry(config.worker_lease_s, config.routing)
+    registry = Registry(config.worker_lease_s)
     served = config.served_model_name or config.model.resolve().name
     if model.emulated and "emulated" not in served:
         served += "-emulated"  # an emulated model is never mistaken for a real one
-    metrics = GatewayMetrics(worker_registry(), config.slo)
-    metrics.watch(registry)
-    feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
     local = _local_prefill(config, model)
     if local is not None:
         log.info("local prefill: prompts <= %d tokens (%s)", local.max_tokens, local.rule)
+    routing = Routing(registry, config.routing, local)
+    metrics = GatewayMetrics(worker_registry(), config.slo)
+    metrics.watch(routing)
+    feed = PlannerFeed(config.planner, metrics.registry) if config.planner else None
     admission = Admission(
         registry,
         config.slo.ttft_s,
@@ -206,8 +208,8 @@ async def serve(config: GatewayConfig) -> None:
         tpot_slo_s=config.slo.tpot_s,
     )
     metrics.watch_admission(admission)
-    early_min = config.layerwise_min_tokens if config.layerwise_handoff else None
-    router = Router(registry, tokenizer, served, metrics, feed, early_min, local, admission)
+    layerwise_min = config.layerwise_min_tokens if config.layerwise_handoff else None
+    router = Router(routing, tokenizer, served, metrics, feed, layerwise_min, admission)
     limits = Limits.for_model(model, config.max_tokens)
 
     def add(server) -> None:
@@ -233,7 +235,7 @@ async def serve(config: GatewayConfig) -> None:
                 engine=engine,
             ),
             router,
-            registry,
+            routing,
             tokenizer,
             limits,
         )

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway (aiohttp, on the gateway's event loop).
 
 Handlers are thin: parse the body (openai_protocol), build the Request through the same
-validation as gRPC (request.build_request), stream Router.generate's pieces back as JSON or
+validation as gRPC (request.build_request), stream Router.generate's events back as JSON or
 server-sent events. `_errors` is the one place where exceptions become HTTP statuses and
 OpenAI-shaped error bodies. Errors before the first token get their status; an error after the
 stream has started is sent as a last `data: {"error": ...}` event (the status line is gone).
@@ -30,13 +30,15 @@ from services.common.errors import (
     RemoteError,
     Unavailable,
 )
+from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
 from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
+from services.gateway.events import Done, Output
 from services.gateway.openapi import openapi_document
-from services.gateway.registry import Registry
 from services.gateway.request import Limits, Request, build_request
-from services.gateway.router import Piece, Router
+from services.gateway.router import Router
+from services.gateway.routing import Routing
 
 log = logging.getLogger("distserve.gateway.http")
 
@@ -80,13 +82,13 @@ class HttpApi:
         self,
         config: HttpApiConfig,
         router: Router,
-        registry: Registry,
+        routing: Routing,
         tokenizer: Tokenizer,
         limits: Limits,
     ) -> None:
         self.config = config
         self.router = router
-        self.registry = registry
+        self.routing = routing
         self.tokenizer = tokenizer
         self.limits = limits
         self.chat_template = ChatTemplate(tokenizer)
@@ -118,8 +120,9 @@ class HttpApi:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when a request can be served now (a complete path of workers), else 503."""
-        mode = self.registry.mode()  # Unavailable -> 503 with the reason
-        counts = {r: len(self.registry.live(r)) for r in ("prefill", "decode", "colocated")}
+        mode = self.routing.mode()  # Unavailable -> 503 with the reason
+        live = self.routing.registry.live
+        counts = {r: len(live(r)) for r in ("prefill", "decode", "colocated")}
         return _json({"status": "ok", "mode": mode, "workers": counts})
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -169,57 +172,61 @@ class HttpApi:
         reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model)
         if call.user:
             log.info("request %s from user %r", req.request_id, call.user)
-        pieces = self.router.generate(
+        events = self.router.generate(
             req,
             telemetry.from_headers(request.headers),
             "chat" if endpoint == oai.CHAT else "text_completion",
             received,
         )
-        async with contextlib.aclosing(pieces):
-            # The first piece comes before any byte of the reply: errors until then (no worker,
+        async with contextlib.aclosing(events):
+            # The first event comes before any byte of the reply: errors until then (no worker,
             # a refused request) get their own HTTP status.
-            first = await anext(pieces)
+            first = await anext(events)
             if call.stream:
-                return await self._stream(request, req, reply, first, pieces)
+                return await self._stream(request, req, reply, first, events)
             text, used, last = [first.text], len(first.token_ids), first
-            async for piece in pieces:
-                text.append(piece.text)
-                used += len(piece.token_ids)
-                last = piece
+            async for out in events:
+                text.append(out.text)
+                used += len(out.token_ids)
+                last = out
             total = oai.usage(len(req.prompt_ids), used)
-            return _json(reply.whole("".join(text), last.finish_reason, total), req)
+            return _json(reply.whole("".join(text), _reason(last), total), req)
 
     async def _stream(
         self,
         request: web.Request,
         req: Request,
         reply: oai.Reply,
-        first: Piece,
-        pieces: AsyncIterator[Piece],
+        first: Output,
+        events: AsyncIterator[Output],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
         chat = reply.call.endpoint == oai.CHAT
-        await _event(response, reply.chunk(first.text, first.finish_reason, first=chat))
+        await _event(response, reply.chunk(first.text, _reason(first), first=chat))
         used, last = len(first.token_ids), first
         try:
-            async for piece in pieces:
-                used += len(piece.token_ids)
-                last = piece
-                if piece.text or piece.finish_reason is not None:
-                    await _event(response, reply.chunk(piece.text, piece.finish_reason))
+            async for out in events:
+                used += len(out.token_ids)
+                last = out
+                if out.text or isinstance(out, Done):
+                    await _event(response, reply.chunk(out.text, _reason(out)))
         except DistServeError as e:
             # Too late for a status: the error becomes the stream's last event.
             await _event(response, error_body(e)[1])
             log.info("request %s failed mid-stream: %s", req.request_id, e)
         else:
-            if last.finish_reason is None:
+            if not isinstance(last, Done):
                 log.warning("request %s ended without a finish reason", req.request_id)
             if reply.call.include_usage:
                 await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _reason(out: Output) -> FinishReason | None:
+    return out.reason if isinstance(out, Done) else None
 
 
 async def _event(response: web.StreamResponse, payload: dict) -> None:

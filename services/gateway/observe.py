@@ -154,14 +154,16 @@ class GatewayMetrics:
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch(self, registry) -> None:
-        """Live workers per role, from the worker registry, at each scrape."""
+    def watch(self, routing) -> None:
+        """Live workers per role, from the worker registry, and the prompt tokens routed, at
+        each scrape."""
+        registry = routing.registry
         workers = Gauge(
             "distserve_workers", "Live workers by role.", ["role"], registry=self.registry
         )
         for role in ("prefill", "decode", "colocated"):
             workers.labels(role).set_function(lambda role=role: len(registry.live(role)))
-        self.registry.register(_PrefixTokens(registry))
+        self.registry.register(_PrefixTokens(routing))
 
 
 class _PrefixTokens:
@@ -169,8 +171,8 @@ class _PrefixTokens:
     routing's hit rate is cached / prompt; its quality against the best choice, cached /
     best)."""
 
-    def __init__(self, registry) -> None:
-        self._registry = registry
+    def __init__(self, routing) -> None:
+        self._routing = routing
 
     def collect(self):
         family = CounterMetricFamily(
@@ -180,7 +182,7 @@ class _PrefixTokens:
             "holding the most of each prompt).",
             labels=["role", "kind"],
         )
-        for (role, kind), n in sorted(self._registry.prefix_tokens.items()):
+        for (role, kind), n in sorted(self._routing.prefix_tokens.items()):
             family.add_metric([role, kind], n)
         yield family
 

@@ -1,10 +1,8 @@
-"""The workers the gateway routes to, kept alive by heartbeats, and the routing rules.
+"""The workers the gateway routes to: membership, kept alive by heartbeats, and load.
 
-Routing weighs load and, for a worker with a prefix cache, the part of the prompt it holds
-(gateway/prefix_index.py): a prefill instance is chosen by the prompt tokens it would compute
-before this prompt's first token (its queue plus the prompt's uncached part), and a decode or
-colocated instance, among those within a few requests of the least loaded, by the prefix it
-already holds.
+Each worker's load is what its heartbeats report plus the calls this gateway has sent it since
+(`Worker`): exact for this gateway's own work, a snapshot for other gateways'. Which worker a
+request goes to is decided in gateway/routing.py.
 """
 
 from __future__ import annotations
@@ -14,14 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.common import telemetry
-from services.common.errors import Unavailable
-from services.gateway.prefix_index import CachedBlocks, PromptBlocks
-
-# A decode or colocated instance holding more of a prompt is preferred over the least loaded
-# one if it has at most this many more requests open: one request more in a decode batch costs
-# its others little, and a cached prefix saves pulling (or computing) that part of the prompt.
-DECODE_AFFINITY_SLACK = 2
+from services.gateway.prefix_index import CachedBlocks
 
 
 @dataclass
@@ -140,26 +131,12 @@ class Worker:
         return self.load.total_kv_blocks * self.load.kv_block_size - held
 
 
-ROUTING = ("prefix", "load", "round-robin")  # see Registry
-
-
 class Registry:
-    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing.
+    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing."""
 
-    `routing`: "prefix" weighs each worker's cached prefix of the prompt and its load (the
-    default); "load" the load alone; "round-robin" takes the workers of a role in turn (both
-    for comparison)."""
-
-    def __init__(self, lease_s: float = 3.0, routing: str = "prefix") -> None:
-        if routing not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, not {routing!r}")
+    def __init__(self, lease_s: float = 3.0) -> None:
         self.lease_s = lease_s
-        self.routing = routing
         self._workers: dict[str, Worker] = {}
-        self._turns: dict[str, int] = {}  # round-robin: picks so far, by role
-        # Prompt tokens routed, by (role, kind): "prompt" all of them, "cached" those the chosen
-        # worker holds, "best" those the worker holding the most of each prompt holds.
-        self.prefix_tokens: dict[tuple[str, str], int] = {}
 
     def register(
         self, worker_id: str, role: str, address: str, load: Load, cache: CachedBlocks | None = None
@@ -205,88 +182,3 @@ class Registry:
             if now - w.last_seen > self.lease_s:
                 del self._workers[worker_id]
         return [w for w in self._workers.values() if role is None or w.role == role]
-
-    def pick_prefill(
-        self, exclude: set[str] | frozenset[str] = frozenset(), prompt: PromptBlocks | None = None
-    ) -> Worker:
-        """The prefill instance that would reach `prompt`'s first token soonest: the fewest
-        prompt tokens to compute there first (queued ones, then the prompt's part not in its
-        prefix cache); without a prompt, the fewest queued. Instances not in `exclude` (those a
-        request already tried) are preferred."""
-        workers = self.live("prefill")
-        if not workers:
-            raise Unavailable("no prefill instance is registered with the gateway")
-        workers = [w for w in workers if w.worker_id not in exclude] or workers
-        if self.routing == "round-robin":
-            return self._turn("prefill", workers)
-        if prompt is None or self.routing == "load":
-            return min(workers, key=lambda w: (w.queued_tokens, w.worker_id))
-        n = len(prompt.token_ids)
-
-        def first_token_after(w: Worker) -> int:  # prompt tokens computed there first
-            return w.queued_tokens + n - prompt.cached_tokens(w.cache)
-
-        return min(workers, key=lambda w: (first_token_after(w), w.worker_id))
-
-    def pick_decode(
-        self,
-        role: str = "decode",
-        exclude: set[str] | frozenset[str] = frozenset(),
-        prompt: PromptBlocks | None = None,
-    ) -> Worker:
-        """The least-loaded decode (or colocated) instance: fewest sequences running, waiting
-        or being pulled; then the most KV headroom (`Worker.kv_headroom_tokens`). With a
-        `prompt`, of the instances within `DECODE_AFFINITY_SLACK` requests of the least
-        loaded, the one holding the longest prefix of it. Instances in `exclude` (those a
-        request already failed on) only when there is no other."""
-        workers = self.live(role)
-        if not workers:
-            raise Unavailable(f"no {role} instance is registered with the gateway")
-        workers = [w for w in workers if w.worker_id not in exclude] or workers
-        if self.routing == "round-robin":
-            return self._turn(role, workers)
-
-        def load(w: Worker) -> tuple:
-            return (w.open_requests, -w.kv_headroom_tokens, w.worker_id)
-
-        if prompt is None or self.routing == "load":
-            return min(workers, key=load)
-        least = min(w.open_requests for w in workers)
-        near = [w for w in workers if w.open_requests <= least + DECODE_AFFINITY_SLACK]
-        return min(near, key=lambda w: (-prompt.cached_tokens(w.cache), *load(w)))
-
-    def _turn(self, role: str, workers: list[Worker]) -> Worker:
-        n = self._turns[role] = self._turns.get(role, -1) + 1
-        return sorted(workers, key=lambda w: w.worker_id)[n % len(workers)]
-
-    def routed(self, trace, worker: Worker, prompt: PromptBlocks) -> int:
-        """`prompt` goes to `worker`: its blocks count as held there from now on, and the
-        prompt tokens cached there (and the most any worker of its role holds) go on the
-        request's span (`distserve.<role>.cached_tokens`, `...best_cached_tokens`) and into
-        `prefix_tokens`. Returns the tokens cached there."""
-        role = worker.role
-        cached = prompt.cached_tokens(worker.cache)
-        best = max((prompt.cached_tokens(w.cache) for w in self.live(role)), default=0)
-        best = max(best, cached)
-        for kind, n in (("prompt", len(prompt.token_ids)), ("cached", cached), ("best", best)):
-            self.prefix_tokens[role, kind] = self.prefix_tokens.get((role, kind), 0) + n
-        if worker.cache.enabled:
-            telemetry.annotate(
-                trace,
-                {
-                    f"distserve.{role}.cached_tokens": cached,
-                    f"distserve.{role}.best_cached_tokens": best,
-                },
-            )
-            worker.cache.predict(prompt.hashes(worker.cache))
-        return cached
-
-    def mode(self) -> str:
-        """How requests are served now: disaggregated when both pools exist, else colocated."""
-        if self.live("prefill") and self.live("decode"):
-            return "disaggregated"
-        if self.live("colocated"):
-            return "colocated"
-        raise Unavailable(
-            "no complete serving path: register a prefill and a decode instance, or a colocated one"
-        )

@@ -1,15 +1,15 @@
-"""Where a request is routed: its serving path, and its move to another when it is lost.
+"""A request's answer at the gateway: admitted, served over a path, moved when it is lost.
 
-A request goes one of three ways (`Router._path`): disaggregated (prefill on a prefill
-instance, its KV handed to a decode instance: gateway/handoff.py), a short prompt prefilled on a
-decode instance itself (conditional disaggregation), or one colocated instance. The first token
-is streamed as soon as it exists. Text is detokenized here, with stop strings held back and cut.
-When the instance streaming a request is lost, the rest of the request moves to a new path
-(`_migrating`); every retry of a request draws on one budget (gateway/retries.py).
-Cancellation and deadlines reach every stage: a cancelled client cancels the downstream call,
-whose worker frees what it holds (who frees KV held between prefill and decode: handoff.py).
-Each request is one trace: its root span is opened here and its context travels with every
-downstream call.
+The serving path (gateway/paths.py) is chosen by gateway/routing.py: disaggregated (prefill on
+a prefill instance, its KV handed to a decode instance: gateway/handoff.py), a short prompt
+prefilled on a decode instance itself (conditional disaggregation), or one colocated instance.
+The first token is streamed as soon as it exists. Text is detokenized here, with stop strings
+held back and cut. When the instance streaming a request is lost, the rest of the request moves
+to a new path (`_migrating`); every retry of a request draws on one budget
+(gateway/retries.py). Cancellation and deadlines reach every stage: a cancelled client cancels
+the downstream call, whose worker frees what it holds (who frees KV held between prefill and
+decode: gateway/held_kv.py). Each request is one trace: its root span is opened here and its
+context travels with every downstream call.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import replace
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -30,26 +30,17 @@ from services.common.slo import Slo
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
-from services.gateway.conditional import LocalPrefill
-from services.gateway.handoff import DecodeCall, Handoff, Tokens
+from services.gateway.events import Done, Output
+from services.gateway.handoff import Handoff
 from services.gateway.observe import GatewayMetrics, RequestObserver
+from services.gateway.paths import OneInstance, ServingPath
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.prefix_index import PromptBlocks
-from services.gateway.registry import Registry
 from services.gateway.request import Request
-from services.gateway.retries import Failover, Retries, RetryPolicy
+from services.gateway.retries import Failover, RetryPolicy
+from services.gateway.routing import Routing
 
 log = logging.getLogger("distserve.gateway")
-
-
-@dataclass
-class Piece:
-    """A part of the answer: new token ids and the text they completed; the last one has a
-    finish reason."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
 
 
 class Router:
@@ -57,30 +48,27 @@ class Router:
 
     def __init__(
         self,
-        registry: Registry,
+        routing: Routing,
         tokenizer: Tokenizer,
         model: str = "",
         metrics: GatewayMetrics | None = None,
         feed: PlannerFeed | None = None,
         layerwise_min_tokens: int | None = 0,
-        local_prefill: LocalPrefill | None = None,
         admission: Admission | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
-        self.registry = registry
+        self.routing = routing
         self.tokenizer = tokenizer
         self.model = model  # the served model's name, in spans and metrics
         self.metrics = metrics or GatewayMetrics(CollectorRegistry(), Slo())
         self.feed = feed  # requests' arrivals and finishes, for the planner
-        # Conditional disaggregation: short prompts prefilled on a decode instance.
-        self.local_prefill = local_prefill
         # Refuses early (429) what cannot be served in time; None admits everything.
         self.admission = admission
         self.retry = retry or RetryPolicy()  # how often one request may be tried again, in all
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Layer-wise handoff (decode pulls the KV while prefill computes it) for prompts of at
         # least `layerwise_min_tokens` tokens; None: never.
-        self.handoff = Handoff(registry, self.channel, admission, layerwise_min_tokens)
+        self.handoff = Handoff(routing, self.channel, admission, layerwise_min_tokens)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -99,10 +87,10 @@ class Router:
         parent: telemetry.Context | None = None,
         operation: str = "text_completion",
         received: float | None = None,
-    ) -> AsyncIterator[Piece]:
-        """The request's answer, piece by piece. `parent` is the caller's trace context (from
-        Envoy or the client); `operation` its GenAI operation name (`text_completion`, `chat`);
-        `received` when the API got it (monotonic s)."""
+    ) -> AsyncIterator[Output]:
+        """The request's answer, event by event, each with the text it completed. `parent` is
+        the caller's trace context (from Envoy or the client); `operation` its GenAI operation
+        name (`text_completion`, `chat`); `received` when the API got it (monotonic s)."""
         text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         if self.feed is not None:
@@ -119,16 +107,17 @@ class Router:
             events = self._migrating(req, seen)
             async with admitted as verdict, contextlib.aclosing(events):
                 seen.admitted(verdict)
-                async for ids, reason in events:
+                async for out in events:
+                    ids = out.token_ids
                     delta = text.add(ids) if ids else ""
-                    if reason is not None or text.stopped:
-                        reason = reason or FinishReason.STOP
+                    if isinstance(out, Done) or text.stopped:
+                        reason = out.reason if isinstance(out, Done) else FinishReason.STOP
                         seen.tokens_out(len(ids))
-                        yield Piece(ids, delta + text.finish(), reason)
+                        yield Done(ids, reason, delta + text.finish())
                         return
                     if ids:
                         seen.tokens_out(len(ids))
-                        yield Piece(ids, delta)
+                        yield replace(out, text=delta)
         except grpc.aio.AioRpcError as e:
             error = _remote(e)
             raise error from e
@@ -150,7 +139,7 @@ class Router:
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
 
-    async def _migrating(self, req: Request, seen: RequestObserver) -> AsyncIterator[Tokens]:
+    async def _migrating(self, req: Request, seen: RequestObserver) -> AsyncIterator[Output]:
         """The request's tokens over one serving path; when the instance streaming them is lost
         (it died, or drained past its deadline: UNAVAILABLE), the rest of the request moves to
         another path: the prompt plus the tokens already sent is prefilled again and decoding
@@ -163,11 +152,13 @@ class Router:
         first = True
         while True:
             try:
-                events = self._path(part, seen, first, retries)
+                prompt = PromptBlocks(part.prompt_ids)
+                path = self._path(part, prompt, seen, first)
+                events = path.serve(part, prompt, seen.context, retries)
                 async with contextlib.aclosing(events):
-                    async for ids, reason in events:
-                        sent += ids
-                        yield ids, reason
+                    async for out in events:
+                        sent += out.token_ids
+                        yield out
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -189,54 +180,15 @@ class Router:
         self.metrics.migrations.labels(kind.value).inc()
 
     def _path(
-        self, req: Request, seen: RequestObserver, first: bool, retries: Retries
-    ) -> AsyncIterator[Tokens]:
-        """The serving path for (the rest of) a request: disaggregated, a short prompt
-        prefilled on a decode instance, or colocated."""
-        mode = self.registry.mode()
-        prompt = PromptBlocks(req.prompt_ids)
-        if mode == "disaggregated" and self._prefill_locally(req, prompt):
-            mode = "local-prefill"
+        self, req: Request, prompt: PromptBlocks, seen: RequestObserver, first: bool
+    ) -> ServingPath:
+        """The serving path for (the rest of) a request, as routing chooses it."""
+        worker = self.routing.one_instance(req, prompt)
+        path = self.handoff if worker is None else OneInstance(self.routing, self.channel, worker)
         if first:
-            seen.set_mode(mode)
-        self.metrics.routes.labels(mode).inc()
-        if mode == "disaggregated":
-            return self.handoff.run(req, seen.context, retries, prompt)
-        if mode == "local-prefill":
-            return self._colocated(req, prompt, seen.context, role="decode")
-        return self._colocated(req, prompt, seen.context)
-
-    def _prefill_locally(self, req: Request, prompt: PromptBlocks) -> bool:
-        """Conditional disaggregation: a prompt whose part not cached on the chosen decode
-        instance is short, and that instance has headroom (nothing queued to prefill there
-        yet, free KV for the prompt)."""
-        rule = self.local_prefill
-        if rule is None:
-            return False
-        worker = self.registry.pick_decode(prompt=prompt)
-        cached = prompt.cached_tokens(worker.cache)
-        load = worker.load
-        return (
-            rule.allows(len(req.prompt_ids) - cached)
-            and worker.queued_tokens == 0
-            and load.waiting_seqs == 0
-            and load.free_kv_tokens > len(req.prompt_ids) - cached + req.params.max_tokens
-        )
-
-    async def _colocated(
-        self, req: Request, prompt: PromptBlocks, trace, role: str = "colocated"
-    ) -> AsyncIterator[Tokens]:
-        """Prefill and decode on one instance: a colocated one, or (conditional
-        disaggregation) a decode instance that prefills a short prompt itself."""
-        worker = self.registry.pick_decode(role, prompt=prompt)
-        cached = self.registry.routed(trace, worker, prompt)
-        call = DecodeCall.start(self.channel, worker, req, trace, len(req.prompt_ids) - cached)
-        try:
-            async with contextlib.aclosing(call.tokens(self.registry)) as tokens:
-                async for piece in tokens:
-                    yield piece
-        finally:
-            call.cancel()
+            seen.set_mode(path.mode)
+        self.metrics.routes.labels(path.mode).inc()
+        return path
 
 
 def _remote(e: grpc.aio.AioRpcError) -> RemoteError:

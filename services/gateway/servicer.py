@@ -11,6 +11,7 @@ from services.common.gen.distserve.v1 import (
     gateway_pb2_grpc,
 )
 from services.common.tokenizer import Tokenizer
+from services.gateway.events import Done
 from services.gateway.prefix_index import CachedBlocks
 from services.gateway.registry import Load, Registry
 from services.gateway.request import Limits, validate
@@ -44,16 +45,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if clock.scale() != 1.0:  # an emulated mesh: the client reports latencies in its time
             await context.send_initial_metadata(((TIME_SCALE_HEADER, repr(clock.scale())),))
         completion = 0
-        pieces = self.router.generate(req, telemetry.incoming(context), received=received)
-        async for piece in pieces:
-            completion += len(piece.token_ids)
+        events = self.router.generate(req, telemetry.incoming(context), received=received)
+        async for out in events:
+            completion += len(out.token_ids)
+            reason = out.reason if isinstance(out, Done) else None
             reply = gateway_pb2.GenerateResponse(
                 request_id=req.request_id,
-                token_ids=piece.token_ids,
-                text=piece.text,
-                finish_reason=finish_to_pb(piece.finish_reason),
+                token_ids=out.token_ids,
+                text=out.text,
+                finish_reason=finish_to_pb(reason),
             )
-            if piece.finish_reason is not None:
+            if reason is not None:
                 reply.usage.CopyFrom(
                     common_pb2.Usage(
                         prompt_tokens=len(req.prompt_ids), completion_tokens=completion

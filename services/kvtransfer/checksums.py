@@ -26,13 +26,13 @@ THREAD_CHECKSUM_BYTES = 2**20
 # the thread that does the copying (then UCX's progress thread; the event loop since UCX runs
 # on it, services/kvtransfer/ucx_loop.py): a pull of 64 MiB over shared memory went from
 # 4.2-4.3 GB/s to 4.6-4.7 with one thread, the puller's CPU from 19.5 to 17.9 ms a pull
-# (`python bench/kvtransfer.py` measures a pull today). CRC-32C runs at ~22 GB/s a thread,
-# faster than any copy on the same cores.
+# (`python bench/kvtransfer/kvtransfer.py` measures a pull today). CRC-32C runs at ~22 GB/s a
+# thread, faster than any copy on the same cores.
 # None at all in a process with one core (a `--pin` worker): a thread there cannot run beside
 # the loop, it only adds hops to the same work (a job started 1-2.5 ms after it was handed
 # over, waiting for the GIL and the core); hashing on the loop made the pinned mesh's 2048-token
-# handoff 0.76x and 0.95x as long in two runs, 0.88x pooled (bench/handoff_env.py, 24 paired
-# pulls a run). Sized at first use, after a `--pin` worker has pinned itself.
+# handoff 0.76x and 0.95x as long in two runs, 0.88x pooled (bench/experiments/handoff_env.py, 24
+# paired pulls a run). Sized at first use, after a `--pin` worker has pinned itself.
 _checksum_threads: ThreadPoolExecutor | None = None
 _one_core: bool | None = None
 

@@ -8,7 +8,8 @@ every chunk is out sends one KvChunkStatus frame on tag 2*t with the checksums, 
 verifies. A refused request gets its status and a one-byte filler on each data tag: the filler
 completes the receive the puller posted in advance. One request of many chunks, not a request,
 a status and the data per chunk: every UCX message has a fixed cost (~0.13 ms one way on 2
-cores, `bench/ucx_modes.py`). Tags are the connection's own (services/kvtransfer/ucx_loop.py).
+cores, `bench/experiments/ucx_modes.py`). Tags are the connection's own
+(services/kvtransfer/ucx_loop.py).
 """
 
 from __future__ import annotations

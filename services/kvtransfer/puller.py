@@ -74,9 +74,9 @@ class PullPolicy:
     # Largest chunk. Each chunk costs a fixed ~0.1-0.2 ms of CPU on each side (its UCX message,
     # futures, checksum). 64 MiB pulls over shared memory, two chunk sizes alternated in one
     # process pair: 4 MiB 3.5 GB/s, 8 MiB 4.0 (the source's CPU per pull 6.8 -> 5.0 ms); 8 and
-    # 16 MiB alike (4.05 / 3.97; 5.0 / 5.2 at 256 MiB). With two lanes (bench/kvtransfer.py,
-    # 64 MiB): 2 MiB 4.7 GB/s, 4 MiB 5.0, 8 MiB 6.0. Small enough that a retry fetches
-    # little again and a long prompt's layer still moves in several pieces.
+    # 16 MiB alike (4.05 / 3.97; 5.0 / 5.2 at 256 MiB). With two lanes
+    # (bench/kvtransfer/kvtransfer.py, 64 MiB): 2 MiB 4.7 GB/s, 4 MiB 5.0, 8 MiB 6.0. Small enough
+    # that a retry fetches little again and a long prompt's layer still moves in several pieces.
     chunk_bytes: int = 8 * 2**20
     window: int = 32  # chunks in flight per pull (their receives posted)
     chunk_timeout_s: float = 10.0  # one attempt at one chunk

@@ -53,8 +53,8 @@ class Window:
 
     A limit in bytes as well (large chunks one at a time, each checksummed while the next is
     copied) measured no faster, 8 MiB against none at 1-256 MiB, but on the first version of
-    bench/kvtransfer_ab.py, whose start-order bias favoured the unlimited side by 5-10%: not
-    settled either way."""
+    bench/experiments/kvtransfer_ab.py, whose start-order bias favoured the unlimited side by
+    5-10%: not settled either way."""
 
     def __init__(self, chunks: int) -> None:
         self.chunks = max(1, chunks)

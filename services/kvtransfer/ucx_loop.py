@@ -1,14 +1,14 @@
 """UCX progressed on the event loop: the data plane's listeners, endpoints and messages.
 
 ucxx's async layer offers two ways to wait for UCX, and both cost the data plane dearly
-(`python bench/ucx_modes.py` measures both): in its `thread` mode a message's arrival crosses
-three threads (UCX's progress thread, ucxx's notifier thread, the event loop), ~0.6 ms a round
-trip of 1 KiB on 2 cores, and the progress thread wakes ~900 times a second even idle; in its
-`blocking` mode each wait yields to the loop in a loop, so a process with a receive posted (a
-chunk server always has one) spins a core. Here the loop progresses the worker when the
-worker's file descriptor is readable, completes each request's future itself and re-arms the
-worker: one hop per message (~0.2 ms a round trip), and an idle process sleeps. Built on
-ucxx's low-level API (`ucxx._lib.libucxx`).
+(`python bench/experiments/ucx_modes.py` measures both): in its `thread` mode a message's arrival
+crosses three threads (UCX's progress thread, ucxx's notifier thread, the event loop), ~0.6 ms a
+round trip of 1 KiB on 2 cores, and the progress thread wakes ~900 times a second even idle; in its
+`blocking` mode each wait yields to the loop in a loop, so a process with a receive posted (a chunk
+server always has one) spins a core. Here the loop progresses the worker when the worker's file
+descriptor is readable, completes each request's future itself and re-arms the worker: one hop per
+message (~0.2 ms a round trip), and an idle process sleeps. Built on ucxx's low-level API
+(`ucxx._lib.libucxx`).
 
 UCX matches tags across all of a worker's endpoints, so every connection has a namespace of
 its own: the connecting side picks a 31-bit id, sends it over UCX's per-endpoint stream API and
@@ -27,8 +27,8 @@ A process may have more workers, *lanes* (`worker(lane=1)`, 2, ...), each progre
 thread of its own: UCX copies between processes of one host inside `progress` (CMA: the receiver
 reads the sender's memory), so a puller that receives its chunks over two lanes copies on two
 cores (measured here, the loop's worker and one lane: 64 MiB pulls in 8 MiB chunks, checksummed,
-0.85x as long as on the loop alone, paired, `bench/kvtransfer_ab.py`; 256 MiB 0.83x; two lanes
-against the loop's worker and one: 1 GiB 0.90x, 64 MiB 0.93x, the same bench). Every copy
+0.85x as long as on the loop alone, paired, `bench/experiments/kvtransfer_ab.py`; 256 MiB 0.83x;
+two lanes against the loop's worker and one: 1 GiB 0.90x, 64 MiB 0.93x, the same bench). Every copy
 into this process's memory is still made by this process, in `progress`: aborting an endpoint
 (which waits for a progress call under way, UCX's workers being multi-threaded) ends them all.
 Requests are made from the event loop as on the loop's worker; the lane thread progresses,
@@ -67,8 +67,8 @@ ACCEPT_TIMEOUT_S = 30.0  # how long a listener waits for a new connection's hand
 # processes inside `progress` (512 KiB a call, UCX_CMA_SEG_SIZE): without a bound, a 64 MiB pull
 # was copied whole inside one callback (13-20 ms without the loop), and no chunk's completion
 # was seen, nor its checksum started, before the last chunk was copied. Against 0.5 ms, paired
-# (`bench/kvtransfer_ab.py`): 1 ms 64 MiB -4.5%, 48 MiB in 512 KiB chunks -7%, 12 MiB and 256
-# MiB alike; 2 ms small pulls -5 to -7% but 64 MiB +5%.
+# (`bench/experiments/kvtransfer_ab.py`): 1 ms 64 MiB -4.5%, 48 MiB in 512 KiB chunks -7%, 12 MiB
+# and 256 MiB alike; 2 ms small pulls -5 to -7% but 64 MiB +5%.
 PROGRESS_SLICE_S = 0.001
 
 _workers: dict[tuple[asyncio.AbstractEventLoop, int], UcxWorker] = {}
@@ -274,7 +274,7 @@ class UcxLane(UcxWorker):
     # A progress call copies up to a segment; between two, the thread takes the GIL back (from
     # the loop, or another lane). 8 MiB segments against 512 KiB (UCX's default, which the
     # loop's worker keeps: its progress is cut into slices), 64 MiB pulls in 8 MiB chunks,
-    # paired (bench/kvtransfer_ab.py): 0.973x as long.
+    # paired (bench/experiments/kvtransfer_ab.py): 0.973x as long.
     config: ClassVar[dict[str, str]] = {"CMA_SEG_SIZE": "8m"}
 
     def __init__(self, loop: asyncio.AbstractEventLoop, number: int = 1) -> None:

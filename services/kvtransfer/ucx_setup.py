@@ -55,7 +55,7 @@ UCX_DEFAULTS = {
     # (lease released, lapsed or drained) is refused (the same holds for the bounce buffer: a
     # cut-off send may still copy from freed blocks). Measured here, 64 MiB pulls on 2 cores:
     # the source's CPU per pull 19 -> 6 ms, a pull 2.1-2.9 -> 3.7-4.1 GB/s
-    # (`python bench/kvtransfer.py` measures a pull today).
+    # (`python bench/kvtransfer/kvtransfer.py` measures a pull today).
     # Where CMA is not allowed (ptrace restricted, another PID namespace) UCX keeps to shared
     # memory.
     "UCX_CMA_MEMORY_INVALIDATE": "y",

@@ -9,7 +9,10 @@ and `status()` (the instances by role, degree and state, and whether a change is
 applied: no new decision is taken while one is).
 The planner process holds a `RemoteActuator` (below): the same interface over gRPC, to the
 `Actuator` service that `distserve up` serves (distserve/local_actuator.py, which drives the
-local mesh of processes). distserve/deploy/actuator.py implements it for Kubernetes.
+local mesh of processes and follows services/planner/transition.py's steps). On Kubernetes no
+actuator runs: `distserve deploy scale` writes the replica patches (distserve/deploy/scale.py).
+`ActuatorStatus` and `Instance` convert to and from their messages here (`to_pb`/`from_pb`),
+the one place either side of the `Actuator` service does.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common import mesh_tls
-from services.common.errors import FailedPrecondition
 from services.common.gen.distserve.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 
 
@@ -33,6 +35,15 @@ class Instance:
     load: common_pb2.WorkerLoad | None = None
     tp: int = 1  # its tensor degree
 
+    @classmethod
+    def from_pb(cls, pb: planner_pb2.ActuatorInstance) -> Instance:
+        return cls(pb.name, pb.role, pb.state, pb.load if pb.HasField("load") else None, pb.tp or 1)
+
+    def to_pb(self) -> planner_pb2.ActuatorInstance:
+        return planner_pb2.ActuatorInstance(
+            name=self.name, role=self.role, state=self.state, load=self.load, tp=self.tp
+        )
+
 
 @dataclass(frozen=True)
 class ActuatorStatus:
@@ -40,6 +51,23 @@ class ActuatorStatus:
     changing: bool = False  # a change is being applied
     last_error: str = ""  # the last change that failed, and why ("" when none)
     changes: int = 0  # changes applied since start (failed ones included)
+
+    @classmethod
+    def from_pb(cls, pb: planner_pb2.ActuatorStatus) -> ActuatorStatus:
+        return cls(
+            tuple(Instance.from_pb(i) for i in pb.instances),
+            changing=pb.changing,
+            last_error=pb.last_error,
+            changes=pb.changes,
+        )
+
+    def to_pb(self) -> planner_pb2.ActuatorStatus:
+        return planner_pb2.ActuatorStatus(
+            instances=[i.to_pb() for i in self.instances],
+            changing=self.changing,
+            last_error=self.last_error,
+            changes=self.changes,
+        )
 
     def count(self, role: str) -> int:
         """Instances of `role` serving or starting (those draining are on their way out)."""
@@ -137,15 +165,7 @@ class RemoteActuator:
 
     def status(self) -> ActuatorStatus:
         pb = self._stub.Status(planner_pb2.ActuatorStatusRequest(), timeout=self.timeout_s)
-        return ActuatorStatus(
-            tuple(
-                Instance(i.name, i.role, i.state, i.load if i.HasField("load") else None, i.tp or 1)
-                for i in pb.instances
-            ),
-            changing=pb.changing,
-            last_error=pb.last_error,
-            changes=pb.changes,
-        )
+        return ActuatorStatus.from_pb(pb)
 
     def close(self) -> None:
         self._channel.close()
@@ -155,73 +175,3 @@ def common_degree(degrees: list[int]) -> int | None:
     """The most common of a role's instances' tensor degrees (a tie: the larger; none: None):
     the role's degree, also while a re-shard is under way."""
     return max(set(degrees), key=lambda d: (degrees.count(d), d)) if degrees else None
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a change: `drain` the instance `name`, or `start` one of `role` at `tp`."""
-
-    action: str  # "drain" or "start"
-    role: str
-    tp: int
-    name: str = ""  # the instance drained
-
-
-def transition(
-    instances: list[tuple[str, str, int]],
-    counts: Mapping[str, int],
-    tp: Mapping[str, int],
-    budget: int,
-) -> list[Step]:
-    """The steps from `instances` ((name, role, tp), the first drained first where there is a
-    choice) to `counts` instances per role at degree `tp[role]` (roles not in `counts` keep
-    theirs), never over `budget` devices (0: none) and never leaving a role that has an
-    instance without one: the surplus drains first; then each missing instance starts,
-    once an instance of another degree has drained to make room for it where the budget is
-    full (one whose role keeps another instance meanwhile). FailedPrecondition when the budget
-    leaves no such order (a role of one instance re-sharded with no room beside it)."""
-    live = {name: (role, degree) for name, role, degree in instances}
-    order = [name for name, _, _ in instances]
-    steps: list[Step] = []
-
-    def drain(name: str) -> None:
-        role, degree = live.pop(name)
-        steps.append(Step("drain", role, degree, name))
-
-    def of(role: str, degree: int | None = None) -> list[str]:
-        """`role`'s live instances (of `degree`, if given), in order."""
-        return [
-            n
-            for n in order
-            if n in live and live[n][0] == role and (degree is None or live[n][1] == degree)
-        ]
-
-    for role, count in counts.items():
-        same = of(role, tp[role])
-        for name in same[: max(0, len(same) - count)]:
-            drain(name)
-    old = [n for n in order if n in live and live[n][0] in counts and live[n][1] != tp[live[n][0]]]
-    started = 0
-    for role, count in counts.items():
-        while len(of(role, tp[role])) < count:
-            used = sum(degree for _, degree in live.values())
-            if budget and used + tp[role] > budget:
-                spare = [n for n in old if n in live and len(of(live[n][0])) > 1]
-                spare.sort(key=lambda n: live[n][0] != role)  # this role's own first
-                if not spare:
-                    raise FailedPrecondition(
-                        f"{role} at tp {tp[role]}: no room in a budget of {budget} devices "
-                        f"beside the {used} in use, and every instance that could make room is "
-                        "its role's last (a role is never left without one): raise the budget "
-                        "or re-shard by hand"
-                    )
-                drain(spare[0])
-                continue
-            started += 1
-            live[f"+{role}-{started}"] = (role, tp[role])
-            order.append(f"+{role}-{started}")
-            steps.append(Step("start", role, tp[role]))
-    for name in old:
-        if name in live:
-            drain(name)
-    return steps

@@ -1,9 +1,11 @@
 """The planner's decisions on a running mesh: how many instances of each role, from the
 workload it measures, within a budget of devices, never oscillating.
 
-`Autoscaler.decide(view)` is pure (no I/O, its own clock given in the view): the service calls
-it on a timer with what it measured and hands a `scale` decision to an actuator
-(services/planner/actuator.py). The rules, each against a fault users of other planners report:
+The planner's one decider that moves the mesh (services/planner/__init__.py).
+`Autoscaler.decide(view)` is pure (no I/O, its own clock given in the view; `View` and
+`Decision` in services/planner/decision.py): the service calls it on a timer with what it
+measured and hands a `scale` decision to an actuator (services/planner/actuator.py). The
+rules, each against a fault users of other planners report:
 
 * **One change at a time.** While a change is in flight (the actuator is applying one, or the
   registry does not yet show the last target) the answer is `wait`, and for `cooldown_s` after
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -55,12 +56,13 @@ import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.latency import Coefficients, LatencyModel, TpLatency
-from services.planner.actuator import transition
 from services.planner.cluster import kv_capacity
+from services.planner.decision import Decision, View
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import simulate
-from services.planner.surge import arrival_rate
+from services.planner.surge import SurgeConfig, arrival_rate
+from services.planner.transition import transition
 from services.planner.workload import Requests
 
 MIN_SAMPLES = 20  # a window with fewer finished requests decides nothing
@@ -80,13 +82,8 @@ class AutoscaleConfig:
     replay: int = 600  # requests the simulator replays per prediction (the window repeated)
     correction_weight: float = 0.3  # the share of each window's observed/predicted ratio
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # the most a correction scales by
-    # A surge: a Poisson CUSUM over the window's arrivals for a rise to `surge_factor` x the
-    # window's rate passes `surge_threshold` (nats of evidence). Tested as arrivals come
-    # (services/planner/control.py), 2 and 11 give 0 / 0 / 1 false surges per 10 h at 1 / 3.8 /
-    # 20 req/s and see a tripled rate after 2.9 s (median) at 3.8 req/s, 0.6 s at 20 (10: 3
-    # false surges per 10 h at 20 req/s, 2.7 s): bench/surge.py
-    surge_factor: float = 2.0
-    surge_threshold: float = 11.0
+    # the surge test over the window's arrivals (services/planner/surge.py)
+    surge: SurgeConfig = field(default_factory=SurgeConfig)
     # tensor degrees a role may be re-sharded to (empty: each role keeps the mesh's degree)
     tp_choices: tuple[int, ...] = ()
 
@@ -105,47 +102,6 @@ class AutoscaleConfig:
                 f"load from scaling back and forth), got up {self.up_headroom}, "
                 f"down {self.down_headroom}"
             )
-
-
-@dataclass(frozen=True)
-class View:
-    """What the planner sees now."""
-
-    now_s: float
-    samples: tuple[Sample, ...]  # finished requests, in the order they finished (any age)
-    counts: Mapping[str, int]  # instances per role now (the registry's view)
-    tp: Mapping[str, int] = field(default_factory=dict)  # each role's degree (not named: as built)
-    in_flight: bool = False  # a change is being applied
-    last_change_s: float = -math.inf  # when the last change landed
-    # when requests arrived (the gateway reports each as it is accepted), counted since
-    # `arrivals_since_s`; none reported: the rate is measured from the finished requests
-    arrivals: tuple[float, ...] = ()
-    arrivals_since_s: float = -math.inf
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: str  # "scale", "hold" or "wait"
-    reason: str
-    counts: dict[str, int]  # the target (the current counts unless action is "scale")
-    tp: dict[str, int] = field(default_factory=dict)  # the target's tensor degree per role
-    rate: float = 0.0  # measured, requests/s
-    observed: float = math.nan  # attainment observed in the window
-    predicted: dict[str, float] = field(default_factory=dict)  # "current"/"target" at the rate
-    # step-time factors applied to the latency model ("prefill", "decode"; 1: as profiled)
-    correction: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "action": self.action,
-            "reason": self.reason,
-            "counts": self.counts,
-            "tp": self.tp,
-            "rate_rps": round(float(self.rate), 4),
-            "observed_attainment": None if math.isnan(self.observed) else round(self.observed, 4),
-            "predicted_attainment": {k: round(v, 4) for k, v in self.predicted.items()},
-            "latency_correction": {k: round(v, 4) for k, v in self.correction.items()},
-        }
 
 
 class Autoscaler:
@@ -401,7 +357,10 @@ class Autoscaler:
     def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
         """The arrival rate to decide on (the gateway's reported arrivals', else
         `finished_rate`; in a surge, the surge's own), and "" or what makes it a surge."""
-        measured = arrival_rate(view.arrivals, view.now_s, view.arrivals_since_s, self.config)
+        config = self.config
+        measured = arrival_rate(
+            view.arrivals, view.now_s, view.arrivals_since_s, config.window_s, config.surge
+        )
         if measured is None:
             return finished_rate, ""
         rate, surge = measured

@@ -17,15 +17,21 @@ import asyncio
 import collections
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import clock, telemetry
+from services.common.errors import FailedPrecondition
 from services.planner.actuator import Actuator
-from services.planner.autoscale import Autoscaler, Decision, View
+from services.planner.autoscale import Autoscaler
+from services.planner.decision import Decision, View
 from services.planner.drift import Sample
 from services.planner.surge import arrival_rate
+
+if TYPE_CHECKING:
+    from services.common.gen.distserve.v1 import planner_pb2
 
 log = logging.getLogger("distserve.planner")
 
@@ -101,7 +107,7 @@ class ControlLoop:
         ):
             return
         self._surge_checked_s = now
-        measured = arrival_rate(self.arrivals, now, self._since_s, config)
+        measured = arrival_rate(self.arrivals, now, self._since_s, config.window_s, config.surge)
         if measured is not None and measured[1] is not None:
             self._wake.set()
 
@@ -205,28 +211,19 @@ class ControlLoop:
             ", x".join(f"{v:.2f} {k}" for k, v in decision.correction.items()),
         )
 
-    def to_pb(self):
-        """The latest decision as a `Decision` message (GetDecision)."""
-        from services.common.errors import FailedPrecondition
-        from services.common.gen.distserve.v1 import planner_pb2
-
+    def latest_pb(self) -> planner_pb2.Decision:
+        """The latest decision as a `Decision` message (GetDecision), with what it was taken
+        on (`Decision.to_pb`)."""
         d, view = self.latest, self._latest_view
         if d is None or view is None:
             raise FailedPrecondition("no decision yet: the first comes after one interval")
-        window = self.autoscaler.config.window_s
-        return planner_pb2.Decision(
-            action=d.action,
-            reason=d.reason,
-            current=dict(view.counts),
-            target=d.counts,
-            current_tp={r: view.tp.get(r) or self.autoscaler.tp[r] for r in view.counts},
-            target_tp=d.tp,
-            rate_rps=d.rate,
-            observed_attainment=-1.0 if math.isnan(d.observed) else d.observed,
-            predicted_attainment=d.predicted,
+        config = self.autoscaler.config
+        return d.to_pb(
+            view.counts,
+            {r: view.tp.get(r) or self.autoscaler.tp[r] for r in view.counts},
+            samples=sum(1 for s in view.samples if s.arrival_s >= view.now_s - config.window_s),
             decided_unix_s=self.latest_at_s,
             advisory=self.advisory,
-            budget=self.autoscaler.config.budget,
-            samples=sum(1 for s in view.samples if s.arrival_s >= view.now_s - window),
+            budget=config.budget,
             load=self._loads,
         )

@@ -1,5 +1,13 @@
 """The planner service's state: the current placement, and replanning when the workload drifts.
 
+It moves no instance: the running mesh is resized by the `Autoscaler` (autoscale.py, through
+control.py's loop and an actuator). It stays for what the autoscaler does not do: the whole
+placement the planner recommends (parallelism per phase, replicas, node mapping), searched
+anew when the workload drifts and answered by Plan, GetPlacement and each ReportWorkload
+reply (the gateway's feed logs it and exports its version), so an operator sees when the
+deployed shape no longer fits; the autoscaler only changes instance counts and tensor
+degrees within a budget.
+
 Plans are searched on worker threads (a search takes seconds) so the gRPC event loop keeps
 taking samples. A replan uses the drifted window itself as the workload (a trace), at its
 measured rate when the current plan has a target rate; on a single host it re-splits the workers.

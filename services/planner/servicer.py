@@ -53,7 +53,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def GetDecision(self, request, context):
         if self.control is None:
             raise NotFound("this planner resizes no mesh: start it with --budget")
-        return self.control.to_pb()
+        return self.control.latest_pb()
 
     async def ReportWorkload(self, request_iterator, context):
         # Client streaming is not covered by the shared ErrorInterceptor: map errors here.

@@ -16,9 +16,9 @@ doing both) of any size. What it models, and what it leaves out:
   a seat is free (no preemption: the engine also reserves a request's growth when admitting it);
   then its KV is transferred (bytes / link bandwidth, transfers into an instance one after
   another) and it joins at the next iteration boundary, `handoff_s` after its KV is in place. With
-  the mesh's layer-wise handoff (`early_handoff_min_tokens`), a prompt that long waits for its
+  the mesh's layer-wise handoff (`layerwise_min_tokens`), a prompt that long waits for its
   seat and memory from the moment its prefill batch starts, and its transfer runs beside the
-  prefill (it ends no earlier than the prefill), and serving it adds `early_handoff_prefill_s` to
+  prefill (it ends no earlier than the prefill), and serving it adds `layerwise_prefill_s` to
   the prefill batch. An instance of pipeline degree pp runs pp micro-batches ("lanes", each with
   1/pp of the capacity and seats), each iterating at the whole-model latency: the stages are then
   all busy, as in a balanced pipeline.
@@ -92,11 +92,11 @@ class SimCluster:
     colocated_latency: LatencyModel | None = None
     # Prompts of at least this many tokens go to a decode instance when their prefill batch
     # starts (the mesh's layer-wise handoff); None: after prefill, as in DistServe.
-    early_handoff_min_tokens: int | None = None
+    layerwise_min_tokens: int | None = None
     handoff_s: float = 0.0  # from the KV in place to joining the decode batch
     # prefill time added per prompt whose KV is served beside its prefill (the instance's share
     # of the work of serving the pull while it computes)
-    early_handoff_prefill_s: float = 0.0
+    layerwise_prefill_s: float = 0.0
 
     def transfer_bandwidth(self, p: Instance, d: Instance) -> float:
         """KV moves stage by stage: in parallel over each node's links when stage k of both
@@ -142,9 +142,9 @@ def simulate_1p1d(
     max_batch_tokens: int,
     max_num_seqs: int,
     bandwidth: float,
-    early_handoff_min_tokens: int | None = None,
+    layerwise_min_tokens: int | None = None,
     handoff_s: float = 0.0,
-    early_handoff_prefill_s: float = 0.0,
+    layerwise_prefill_s: float = 0.0,
 ) -> SimResult:
     """One prefill and one decode instance on one host (tp = pp = 1), KV over `bandwidth` bytes/s:
     the shape of `distserve up --prefill 1 --decode 1`, for checking the simulator against it."""
@@ -157,9 +157,9 @@ def simulate_1p1d(
         latency=latency,
         kv_bytes_per_token=kv_bytes_per_token,
         intra_node_bandwidth=bandwidth,
-        early_handoff_min_tokens=early_handoff_min_tokens,
+        layerwise_min_tokens=layerwise_min_tokens,
         handoff_s=handoff_s,
-        early_handoff_prefill_s=early_handoff_prefill_s,
+        layerwise_prefill_s=layerwise_prefill_s,
     )
     return simulate(cluster, requests)
 
@@ -291,8 +291,10 @@ class _Sim:
         self.finish = [0.0] * n
         self.source = [0] * n  # the prefill instance of each request
         self.ready = [0.0] * n  # when its prefill ends (known when its batch starts)
-        early = cluster.early_handoff_min_tokens
-        self.early = 2**62 if early is None else early  # set again below without decode lanes
+        least = cluster.layerwise_min_tokens
+        self.layerwise_min = (
+            2**62 if least is None else least
+        )  # set again below without decode lanes
         self.handoff = cluster.handoff_s
         self.until = until
         self.remaining = until  # of the first `until` requests, those not finished
@@ -315,9 +317,9 @@ class _Sim:
                 self.lanes.append(_Lane(len(self.lanes), inst, model.at(inst.tp), ov))
                 lane_insts.append(inst)
         self.colocated = "colocated" in roles
-        self.early_cost = cluster.early_handoff_prefill_s
+        self.layerwise_cost = cluster.layerwise_prefill_s
         if not self.lanes:  # nothing is handed off
-            self.early, self.early_cost = 2**62, 0.0
+            self.layerwise_min, self.layerwise_cost = 2**62, 0.0
         self.decode_only = not self.prefills and not self.colocated
         # seconds per prompt token of KV, per (prefill instance, decode lane)
         kvb = cluster.kv_bytes_per_token
@@ -394,8 +396,8 @@ class _Sim:
         a, b, c = p.coeffs
         stage = a + b * tokens + c * squares + p.overhead
         # handed to a decode instance now, KV pulled beside the prefill (the layer-wise handoff)
-        early = [i for i in batch if prompt[i] >= self.early and self.output[i] > 1]
-        stage += len(early) * self.early_cost / p.pp
+        layerwise = [i for i in batch if prompt[i] >= self.layerwise_min and self.output[i] > 1]
+        stage += len(layerwise) * self.layerwise_cost / p.pp
         free = p.stage_free
         end = t
         for s in range(p.pp):
@@ -404,7 +406,7 @@ class _Sim:
         p.busy = True
         for i in batch:
             self.ready[i] = end
-        for i in early:
+        for i in layerwise:
             self.route(p, i, t)
         if p.pp > 1:
             heappush(self.events, (free[0], next(self.counter), _STAGE0_FREE, p, None))
@@ -422,7 +424,7 @@ class _Sim:
                 finish[i] = t
                 if i < self.until:
                     self.remaining -= 1
-            elif self.prompt[i] < self.early:
+            elif self.prompt[i] < self.layerwise_min:
                 self.route(p, i, t)
         if p.pp == 1:
             p.busy = False
@@ -598,7 +600,7 @@ class _Sim:
 
 
 def _least_loaded(lane: _Lane) -> tuple[int, int, int]:
-    """The gateway's rule (`Registry.pick_decode`): the fewest requests routed there and not
+    """The gateway's rule (`Routing.pick_decode`): the fewest requests routed there and not
     finished, then the most KV not reserved by those it runs (prompt + output), then the
     first."""
     return lane.open, -lane.free, lane.index

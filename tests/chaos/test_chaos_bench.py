@@ -1,4 +1,4 @@
-"""The chaos bench, short: `bench/chaos.py` for 8 s of load on a 2 prefill + 2 decode mesh
+"""The chaos bench, short: `bench/chaos/chaos.py` for 8 s of load on a 2 prefill + 2 decode mesh
 (tiny model) while workers are killed, drained and restarted, one prefill instance's KV
 transfers fail every 5th chunk, the client cancels a quarter of the requests and malformed HTTP
 bodies arrive. No request is lost or answered with wrong tokens, every request cut off by a
@@ -43,7 +43,7 @@ ARGS = (
 
 def test_short_chaos_run_loses_no_request_and_leaks_no_kv(tmp_path):
     out = tmp_path / "chaos.json"
-    command = [sys.executable, str(ROOT / "bench" / "chaos.py"), *ARGS]
+    command = [sys.executable, str(ROOT / "bench" / "chaos" / "chaos.py"), *ARGS]
     proc = subprocess.run(
         [*command, "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT,

@@ -63,8 +63,8 @@ def test_small_and_odd_sizes_fall_back_to_a_plain_tensor() -> None:
     reason="the kernel gives no transparent huge pages here",
 )
 def test_a_host_cache_gets_huge_pages() -> None:
-    """What a KV pull between processes copies faster (`bench/kvtransfer_ab.py`: 64 MiB 25%
-    faster than from torch's own allocation)."""
+    """What a KV pull between processes copies faster (`bench/experiments/kvtransfer_ab.py`: 64 MiB
+    25% faster than from torch's own allocation)."""
     kv = cache(2048)  # 64 MiB
     assert anon_huge_kb(kv.data.data_ptr()) >= HUGE_PAGE // 1024
     plain = torch.zeros(kv.data.shape, dtype=kv.data.dtype)  # what the cache was before

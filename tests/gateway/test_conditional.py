@@ -15,7 +15,7 @@ from services.gateway.conditional import LocalPrefill
 from services.gateway.prefix_index import CachedBlocks, PromptBlocks
 from services.gateway.registry import Load, Registry
 from services.gateway.request import Request
-from services.gateway.router import Router
+from services.gateway.routing import Routing
 from tests.test_mesh import addresses, expected, generate, kv_all_free, stats, wait_until
 
 
@@ -58,13 +58,13 @@ def test_a_short_prompt_is_prefilled_on_decode_only_if_its_kv_fits_in_the_free_b
     registry.register("p", "prefill", "p:1", Load(total_kv_blocks=100, free_kv_blocks=100))
     free = Load(total_kv_blocks=100, free_kv_blocks=4, kv_block_size=block_size)
     registry.register("d", "decode", "d:1", free)
-    router = Router(registry, tokenizer=None, local_prefill=LocalPrefill(1000, "test"))
+    routing = Routing(registry, local_prefill=LocalPrefill(1000, "test"))
     room = 4 * block_size  # tokens in the free blocks
     params = SamplingParams(max_tokens=8)
     fits = Request("fits", list(range(room - 9)), params, None)
     too_big = Request("too-big", list(range(room - 8)), params, None)
-    assert router._prefill_locally(fits, PromptBlocks(fits.prompt_ids))
-    assert not router._prefill_locally(too_big, PromptBlocks(too_big.prompt_ids))
+    assert routing.one_instance(fits, PromptBlocks(fits.prompt_ids)) is not None
+    assert routing.one_instance(too_big, PromptBlocks(too_big.prompt_ids)) is None
 
 
 def test_a_prompt_whose_uncached_part_is_short_is_prefilled_where_its_prefix_is_cached():
@@ -75,12 +75,12 @@ def test_a_prompt_whose_uncached_part_is_short_is_prefilled_where_its_prefix_is_
     registry.register("p", "prefill", "p:1", Load(total_kv_blocks=100, free_kv_blocks=100))
     load = Load(total_kv_blocks=1000, free_kv_blocks=500, kv_block_size=16)
     registry.register("d", "decode", "d:1", load, CachedBlocks(salt, 16))
-    router = Router(registry, tokenizer=None, local_prefill=LocalPrefill(32, "test"))
+    routing = Routing(registry, local_prefill=LocalPrefill(32, "test"))
     history = [5 + i % 900 for i in range(1008)]  # 63 full blocks
     turn = Request("turn", [*history, 1, 2, 3, 4], SamplingParams(max_tokens=8), None)
-    assert not router._prefill_locally(turn, PromptBlocks(turn.prompt_ids))
+    assert routing.one_instance(turn, PromptBlocks(turn.prompt_ids)) is None
     registry.heartbeat("d", load, (False, block_hashes(history, 16, salt), ()))
-    assert router._prefill_locally(turn, PromptBlocks(turn.prompt_ids))
+    assert routing.one_instance(turn, PromptBlocks(turn.prompt_ids)) is not None
 
 
 def test_short_prompts_are_prefilled_on_decode_long_ones_on_the_prefill_pool(

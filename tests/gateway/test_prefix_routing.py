@@ -14,6 +14,7 @@ from services.common.prefix_hash import block_hashes, cache_salt
 from services.gateway import prefix_index
 from services.gateway.prefix_index import CachedBlocks, PromptBlocks
 from services.gateway.registry import Load, Registry
+from services.gateway.routing import Routing
 from services.gateway.servicer import RegistryServicer
 from services.worker.announcer import Announcer
 from services.worker.prefix_log import PrefixCacheLog
@@ -40,12 +41,12 @@ def test_a_prompt_goes_where_its_prefix_is_cached_when_queues_are_equal():
     r = _registry(("p0", "prefill"), ("p1", "prefill"), ("p2", "prefill"))
     _holds(r, "p1", SYSTEM)
     prompt = PromptBlocks(PROMPT)
-    chosen = r.pick_prefill(prompt=prompt)
+    chosen = Routing(r).pick_prefill(prompt=prompt)
     assert chosen.worker_id == "p1"
     assert prompt.cached_tokens(chosen.cache) == len(SYSTEM)
     # Without the prompt (or with a cache nobody holds), the least-queued one, as before.
-    assert r.pick_prefill().worker_id == "p0"
-    assert r.pick_prefill(prompt=PromptBlocks([1, 2, 3, 4, 5] * 8)).worker_id == "p0"
+    assert Routing(r).pick_prefill().worker_id == "p0"
+    assert Routing(r).pick_prefill(prompt=PromptBlocks([1, 2, 3, 4, 5] * 8)).worker_id == "p0"
 
 
 def test_a_cached_prefix_is_worth_only_the_tokens_it_saves_against_a_longer_queue():
@@ -56,10 +57,10 @@ def test_a_cached_prefix_is_worth_only_the_tokens_it_saves_against_a_longer_queu
     _holds(r, "p1", SYSTEM)
     p1 = r._workers["p1"]
     ticket = p1.send(40)
-    assert r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
+    assert Routing(r).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
     p1.settle(ticket)
     p1.send(31)
-    assert r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1"
+    assert Routing(r).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1"
 
 
 def test_the_last_prompt_token_is_never_counted_cached():
@@ -78,7 +79,7 @@ def test_blocks_of_another_model_never_match():
     _holds(r, "p0", SYSTEM[:8])
     prompt = PromptBlocks(PROMPT)
     assert prompt.cached_tokens(r._workers["p1"].cache) == 0
-    assert r.pick_prefill(prompt=prompt).worker_id == "p0"
+    assert Routing(r).pick_prefill(prompt=prompt).worker_id == "p0"
 
 
 def test_decode_prefers_the_instance_holding_the_conversation_within_a_few_requests():
@@ -86,15 +87,15 @@ def test_decode_prefers_the_instance_holding_the_conversation_within_a_few_reque
     _holds(r, "d1", PROMPT)
     d1 = r._workers["d1"]
     tickets = [d1.send() for _ in range(2)]  # 2 more open than d0: within the slack
-    assert r.pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d1"
+    assert Routing(r).pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d1"
     tickets.append(d1.send())  # 3 more: the load decides
-    assert r.pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d0"
+    assert Routing(r).pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d0"
     for t in tickets:
         d1.settle(t)
     # Nothing cached anywhere: exactly the least-loaded rule.
     r2 = _registry(("d0", "decode"), ("d1", "decode"))
     r2._workers["d0"].send()
-    assert r2.pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d1"
+    assert Routing(r2).pick_decode(prompt=PromptBlocks(PROMPT)).worker_id == "d1"
 
 
 def test_a_routed_prompt_counts_as_cached_there_until_the_worker_says_otherwise():
@@ -160,19 +161,19 @@ async def _events_reach_the_gateway() -> None:
             await a.start()
             announcers.append(a)
         prompt = PromptBlocks(PROMPT)
-        assert registry.pick_prefill(prompt=prompt).worker_id == "p0"
+        assert Routing(registry).pick_prefill(prompt=prompt).worker_id == "p0"
         logs["p1"].record(False, block_hashes(SYSTEM, BS, SALT), [])
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if registry.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1":
+            if Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1":
                 break
-        assert registry.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1"
+        assert Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1"
         logs["p1"].record(False, [], block_hashes(SYSTEM, BS, SALT)[:1])  # the first evicted
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if registry.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0":
+            if Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0":
                 break
-        assert registry.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
+        assert Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
     finally:
         for a in announcers:
             await a.stop()
@@ -182,10 +183,9 @@ async def _events_reach_the_gateway() -> None:
 def test_load_and_round_robin_routing_ignore_the_cache_for_comparison():
     r = _registry(("p0", "prefill"), ("p1", "prefill"), ("p2", "prefill"))
     _holds(r, "p2", SYSTEM)
-    r.routing = "load"
-    assert r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
-    r.routing = "round-robin"
-    picks = [r.pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id for _ in range(4)]
+    assert Routing(r, "load").pick_prefill(PromptBlocks(PROMPT)).worker_id == "p0"
+    turns = Routing(r, "round-robin")
+    picks = [turns.pick_prefill(PromptBlocks(PROMPT)).worker_id for _ in range(4)]
     assert picks == ["p0", "p1", "p2", "p0"]
 
 
@@ -198,16 +198,17 @@ def test_routing_counts_cached_and_best_prefix_tokens_and_exports_them():
     r = _registry(("p0", "prefill"), ("p1", "prefill"))
     _holds(r, "p1", SYSTEM)
     metrics = GatewayMetrics(CollectorRegistry(), Slo())
-    metrics.watch(r)
-    r.routed(None, r._workers["p0"], PromptBlocks(PROMPT))  # not the best choice: p1 has 32
+    routing = Routing(r)
+    metrics.watch(routing)
+    routing.routed(None, r._workers["p0"], PromptBlocks(PROMPT))  # not the best choice: p1 has 32
     # What was routed to p0 counts as held there (its 9 full blocks), until p0's reports say
     # otherwise: the same prompt again goes to p0.
     prompt = PromptBlocks(PROMPT)
-    chosen = r.pick_prefill(prompt=prompt)
+    chosen = routing.pick_prefill(prompt)
     assert chosen.worker_id == "p0"
-    r.routed(None, chosen, prompt)
-    assert r.prefix_tokens["prefill", "prompt"] == 2 * len(PROMPT)
-    assert r.prefix_tokens["prefill", "cached"] == 0 + 36
-    assert r.prefix_tokens["prefill", "best"] == 32 + 36
+    routing.routed(None, chosen, prompt)
+    assert routing.prefix_tokens["prefill", "prompt"] == 2 * len(PROMPT)
+    assert routing.prefix_tokens["prefill", "cached"] == 0 + 36
+    assert routing.prefix_tokens["prefill", "best"] == 32 + 36
     text = generate_latest(metrics.registry).decode()
     assert 'distserve_gateway_prefix_tokens_total{kind="best",role="prefill"} 68.0' in text

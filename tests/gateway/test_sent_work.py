@@ -10,6 +10,7 @@ import asyncio
 
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.registry import Load, Registry
+from services.gateway.routing import Routing
 
 
 def test_a_call_counts_until_it_is_answered_and_ends_whatever_heartbeats_say():
@@ -48,7 +49,7 @@ def test_a_heartbeat_counts_other_gateways_work_but_not_calls_ended_since():
     for ticket in ours[:2]:
         a.settle(ticket)  # ended; a's next heartbeat has not come yet
     assert (a.open_requests, b.open_requests) == (1, 2)
-    assert r.pick_decode("colocated") is a
+    assert Routing(r).pick_decode(role="colocated") is a
     b.send(5)
     assert b.open_requests == 3 and b.queued_tokens == 5
 
@@ -93,9 +94,9 @@ def test_instances_tied_on_open_requests_are_told_apart_by_kv_their_requests_may
     b.answered(b.send(128, kv_tokens=128 + 64))
     assert (a.kv_headroom_tokens, b.kv_headroom_tokens) == (1600 - 576, 1600 - 192)
     r.heartbeat("b", Load(total_kv_blocks=100, free_kv_blocks=10))  # stale: b looked fuller
-    assert r.pick_decode("colocated") is b
+    assert Routing(r).pick_decode(role="colocated") is b
     waiting = a.send(16, kv_tokens=4096)  # not answered: its prompt is not in place yet
     assert a.kv_headroom_tokens == 1600 - 576 and a.open_requests == 2
     a.settle(waiting)
     r.heartbeat("a", Load(total_kv_blocks=1000, free_kv_blocks=1000))  # a larger instance
-    assert r.pick_decode("colocated") is a
+    assert Routing(r).pick_decode(role="colocated") is a

@@ -10,7 +10,8 @@ import pytest
 
 from distserve.loadgen import GrpcTarget
 from distserve.loadgen import goodput as g
-from distserve.loadgen.cli import BenchSpec, main, mesh_spec
+from distserve.loadgen.cli import main
+from distserve.loadgen.comparison import BenchSpec, mesh_spec
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.planner.workload import LengthDist, Workload
@@ -42,6 +43,30 @@ def test_search_brackets_the_knee_within_the_probe_budget():
     # Nothing passes: the search goes below the range, and goodput is 0.
     s = g.search_goodput(lambda r: fake_probe(r, 0.0), rate_lo=1.0, rate_hi=4.0, max_probes=3)
     assert [p.rate for p in s.probes] == pytest.approx([2.0, 1.0, 0.5]) and s.goodput == 0.0
+
+
+def test_step_search_walks_up_from_a_low_hint_then_halves_between_a_pass_and_a_fail():
+    knee = 10.0
+    rates = []
+
+    def measure(rate: float) -> g.Probe:
+        rates.append(rate)
+        return fake_probe(rate, 0.95 if rate <= knee else 0.5)
+
+    search = g.step_search(measure, start=9.0, probes=6, alpha=0.9)
+    assert len(search.probes) == 6
+    assert rates[0] == pytest.approx(0.97 * 9.0)
+    assert rates[1] == pytest.approx(rates[0] * 1.04)  # every probe passed: up by a step
+    failing = min(r for r in rates if r > knee)
+    assert knee - (failing - search.goodput) <= search.goodput <= knee
+    before = rates[:-1]  # the last probe: halfway between the best pass and the least fail
+    top = max(r for r in before if r <= knee)
+    assert rates[-1] == pytest.approx((top + min(r for r in before if r > knee)) / 2)
+
+
+def test_step_search_walks_down_from_a_high_hint_until_a_probe_passes():
+    search = g.step_search(lambda r: fake_probe(r, 0.95 if r <= 5.0 else 0.2), 10.0, 20, 0.9)
+    assert 5.0 * 0.96 <= search.goodput <= 5.0
 
 
 def test_bisection_on_the_mesh_finds_a_passing_rate_below_a_failing_one(shared_mesh, tiny_model):

@@ -1,7 +1,7 @@
 """The planner's decisions on a running mesh (services/planner/autoscale.py), on OPT-13B's
 published A100 profile: up when the SLO is at risk, down only when it stays safe, never back and
 forth under a constant load, nothing while a change is in flight, never over the budget; a role
-re-sharded only when allowed, when it does better, and when the actuator's `transition` can
+re-sharded only when allowed, when it does better, and when `transition` (transition.py) can
 make it without leaving a role with no instance (OPT-66B)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from distserve.loadgen.emulated import EmulatedCluster
-from services.common.errors import FailedPrecondition, InvalidRequest
+from services.common.errors import InvalidRequest
 from services.common.slo import Slo
-from services.planner.actuator import transition
-from services.planner.autoscale import AutoscaleConfig, Autoscaler, View, _replay, _scaled
+from services.planner.autoscale import AutoscaleConfig, Autoscaler, _replay, _scaled
+from services.planner.decision import View
 from services.planner.drift import Sample
 from services.planner.placement import PlanSpec, sim_cluster
 from services.planner.simulator import simulate
@@ -302,37 +302,3 @@ def test_at_equal_devices_the_mesh_keeps_its_degrees():
     a, b = (x.decide(View(NOW, samples, tp)) for x in (reshard, keep))
     assert b.action == "scale" and b.tp == tp, b
     assert (a.action, a.counts, a.tp) == (b.action, b.counts, b.tp)
-
-
-def test_transition_starts_the_new_degree_before_the_old_drains_within_the_budget():
-    live = [("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
-    steps = transition(live, {"decode": 1}, {"decode": 2}, budget=4)
-    assert [(s.action, s.role, s.tp, s.name) for s in steps] == [
-        ("start", "decode", 2, ""),
-        ("drain", "decode", 1, "decode-0"),
-    ]
-    # no budget at all: the same order
-    assert transition(live, {"decode": 1}, {"decode": 2}, budget=0) == steps
-    # two old instances and room for one new beside them only once one has gone: one drains
-    # first (the role keeps the other), the new starts, the other drains
-    live = [("decode-0", "decode", 1), ("decode-1", "decode", 1), ("prefill-0", "prefill", 1)]
-    steps = transition(live, {"decode": 1}, {"decode": 2}, budget=4)
-    assert [(s.action, s.name or s.tp) for s in steps] == [
-        ("drain", "decode-0"),
-        ("start", 2),
-        ("drain", "decode-1"),
-    ]
-    # the surplus drains before anything starts (a role change within the budget), the first
-    # listed (the least busy) first
-    live = [("prefill-1", "prefill", 1), ("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
-    steps = transition(live, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 1}, 3)
-    assert [(s.action, s.name or s.role) for s in steps] == [
-        ("drain", "prefill-1"),
-        ("start", "decode"),
-    ]
-
-
-def test_transition_refuses_to_leave_a_role_without_an_instance():
-    live = [("prefill-0", "prefill", 1), ("decode-0", "decode", 1)]
-    with pytest.raises(FailedPrecondition, match="decode at tp 2: no room in a budget of 3"):
-        transition(live, {"decode": 1}, {"decode": 2}, budget=3)

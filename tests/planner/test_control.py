@@ -24,7 +24,7 @@ from services.planner.simulator import simulate
 from services.planner.workload import PRESETS, Requests
 
 SLO = Slo(0.25, 0.1)  # chat, DistServe's Table 1
-RATE = 3.8  # chat on OPT-13B: 1P1D meets the SLO (bench/autoplan.py's R)
+RATE = 3.8  # chat on OPT-13B: 1P1D meets the SLO (bench/planner/autoplan.py's R)
 BURST_AT, BURST_S = 120.0, 60.0
 TICK_S = 5.0
 APPLY_S = 20.0  # how long the fake actuator takes to apply a change
@@ -135,7 +135,8 @@ def ends(s: Sample) -> float:
 def test_a_surge_is_decided_on_between_ticks_as_its_arrivals_come(autoscaler, monkeypatch):
     """With ticks too far apart to matter, the loop decides on a burst as soon as its arrivals
     show a surge: within 5 s of its start (a tripled rate at 3.8 req/s: ~2.5 s median,
-    bench/surge.py), a change asked of the actuator, and nothing decided before the burst."""
+    bench/planner/surge.py), a change asked of the actuator, and nothing decided before the
+    burst."""
     now = [0.0]
     monkeypatch.setattr(clock, "time_s", lambda: now[0])
     actuator = FakeActuator(lambda: now[0], {"prefill": 1, "decode": 1}, APPLY_S)

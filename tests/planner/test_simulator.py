@@ -112,7 +112,7 @@ def test_handoff_time_comes_before_the_second_token():
     assert result.tpot[0] == pytest.approx((0.05 + 10 * 0.01) / 10)
 
 
-def test_early_handoff_holds_a_decode_seat_from_the_prefill_start():
+def test_layerwise_handoff_holds_a_decode_seat_from_the_prefill_start():
     """One decode seat; a 300-token prompt (prefill 0.3 s) and a 100-token one (0.1 s) arrive
     together on two prefill instances. Handed off after prefill, the short one takes the seat at
     0.1 s; handed off when its prefill starts, the long one holds it from 0 to 0.31 s and the
@@ -120,23 +120,23 @@ def test_early_handoff_holds_a_decode_seat_from_the_prefill_start():
     requests = Requests(np.zeros(2), np.array([300, 100]), np.array([2, 2]))
     instances = (Instance("prefill"), Instance("prefill"), Instance("decode", max_num_seqs=1))
     late = simulate(SimCluster(instances, PLAIN), requests)
-    early = simulate(SimCluster(instances, PLAIN, early_handoff_min_tokens=256), requests)
-    assert late.ttft == pytest.approx([0.3, 0.1]) and early.ttft == pytest.approx([0.3, 0.1])
+    layerwise = simulate(SimCluster(instances, PLAIN, layerwise_min_tokens=256), requests)
+    assert late.ttft == pytest.approx([0.3, 0.1]) and layerwise.ttft == pytest.approx([0.3, 0.1])
     assert late.tpot == pytest.approx([0.01, 0.01])
-    assert early.tpot == pytest.approx([0.01, 0.22])
+    assert layerwise.tpot == pytest.approx([0.01, 0.22])
 
 
-def test_early_handoff_hides_the_transfer_behind_the_prefill():
+def test_layerwise_handoff_hides_the_transfer_behind_the_prefill():
     # 1 MB of KV per token at 1 GB/s: 1 ms per prompt token, as long as the prefill
     requests = one_request(300, 11)
 
-    def tpot(early: int | None) -> float:
+    def tpot(least: int | None) -> float:
         cluster = SimCluster(
             (Instance("prefill"), Instance("decode")),
             PLAIN,
             kv_bytes_per_token=2**20,
             intra_node_bandwidth=2**30,
-            early_handoff_min_tokens=early,
+            layerwise_min_tokens=least,
         )
         return float(simulate(cluster, requests).tpot[0])
 
@@ -150,8 +150,8 @@ def test_serving_a_pull_beside_the_prefill_lengthens_the_prefill():
     cluster = SimCluster(
         (Instance("prefill", max_batch_size=1), Instance("decode")),
         PLAIN,
-        early_handoff_min_tokens=256,
-        early_handoff_prefill_s=0.02,
+        layerwise_min_tokens=256,
+        layerwise_prefill_s=0.02,
     )
     # the long prompt's prefill takes 0.02 s more, and the short one queues behind it
     assert simulate(cluster, requests).ttft == pytest.approx([0.32, 0.42])

@@ -1,0 +1,61 @@
+"""The typed events of a request's stream inside the gateway.
+
+A prefill call's events (`HandleReady`, then `Prefilled`) are read by the handoff; every serving
+path yields `Tokens` and, last, `Done` to the router, which yields the same two types, with the
+text they complete, to the gRPC and HTTP edges. An error ends a stream as an exception (gRPC's
+`AioRpcError` from a worker, a `DistServeError` from the gateway), so that leaving a stream early
+and failing in it free what they hold the same way (`async with`, `aclosing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.gen.distserve.v1 import common_pb2
+from services.common.sampling import FinishReason
+
+
+@dataclass(frozen=True)
+class HandleReady:
+    """A prefill instance scheduled the prompt and sent the handle on its KV before computing
+    it (layer-wise handoff): a decode instance can pull each layer as it is written."""
+
+    kv: common_pb2.KvHandle
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill instance's result: the first token and the KV it holds for decode (None: none
+    held, the request ended at its first token or its KV was given up while computed)."""
+
+    first_token: int
+    finish_reason: FinishReason | None
+    kv: common_pb2.KvHandle | None
+    compute_ms: float
+    batch_tokens: int
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens of the answer (none: a worker's reply that carried no token, e.g. decode's
+    first after its pull), and, from the router on, the text they completed."""
+
+    token_ids: list[int]
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Done:
+    """The answer's last tokens (maybe none) and why it ended."""
+
+    token_ids: list[int]
+    reason: FinishReason
+    text: str = ""
+
+
+Output = Tokens | Done  # what a serving path and the router yield
+
+
+def output(token_ids: list[int], reason: FinishReason | None) -> Output:
+    """A worker's reply as an event: `Done` if it ended the answer."""
+    return Tokens(token_ids) if reason is None else Done(token_ids, reason)
