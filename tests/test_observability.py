@@ -163,7 +163,7 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(traced
         assert h["kv.transport"] == "ucx" and h["kv.bandwidth_bytes_per_s"] > 0
         # Layer-wise: the pull starts while prefill computes (how much of it hides
         # behind prefill depends on timing; tests/kvtransfer/test_layerwise.py checks it).
-        assert h["kv.streaming"] is True and 0.0 <= h["kv.overlap_fraction"] <= 1.0
+        assert h["kv.layerwise"] is True and 0.0 <= h["kv.overlap_fraction"] <= 1.0
         [compute] = kids["prefill.compute"]
         assert compute["attributes"]["prefill.batch_tokens"] >= a["gen_ai.usage.input_tokens"]
         assert compute["attributes"]["prefill.batch_size"] == 1  # one request at a time

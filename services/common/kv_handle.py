@@ -41,7 +41,7 @@ class KvHandle:
     block_bytes: int
     lease_expiry_unix_ms: int
     access_token: str
-    streaming: bool = False  # layers published as prefill computes them (see common.proto)
+    layerwise: bool = False  # layers published as prefill computes them (see common.proto)
     # A tensor-parallel source's ranks, each serving the heads it holds (empty: one rank, all
     # heads, at ucx_host:ucx_port). block_bytes counts every head either way.
     rank_sources: tuple[RankSource, ...] = ()
@@ -93,7 +93,7 @@ class KvHandle:
             block_bytes=pb.block_bytes,
             lease_expiry_unix_ms=pb.lease_expiry_unix_ms,
             access_token=pb.access_token,
-            streaming=pb.streaming,
+            layerwise=pb.layerwise,
             rank_sources=tuple(
                 RankSource(
                     r.rank, r.ucx_host, r.ucx_port, range(r.first_head, r.first_head + r.num_heads)
@@ -120,7 +120,7 @@ class KvHandle:
             layer_bytes=self.layer_bytes,
             lease_expiry_unix_ms=self.lease_expiry_unix_ms,
             access_token=self.access_token,
-            streaming=self.streaming,
+            layerwise=self.layerwise,
             rank_sources=[
                 common_pb2.KvRankSource(
                     rank=r.rank,

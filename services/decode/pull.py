@@ -57,7 +57,7 @@ def handoff_attributes(report: PullReport, seconds: float, hidden: float) -> dic
         "kv.transport": report.transport,
         "kv.bandwidth_bytes_per_s": report.nbytes / seconds if seconds > 0 else 0.0,
         "kv.overlap_fraction": hidden / seconds if seconds > 0 else 0.0,
-        "kv.streaming": report.streaming,
+        "kv.layerwise": report.layerwise,
     }
     if report.modelled_bytes:  # an emulated engine: the payload stood for this much KV
         attributes["kv.emulated_bytes"] = report.modelled_bytes

@@ -20,8 +20,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         handle = KvHandle.from_pb(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
-        if handle is not None and not handle.streaming and first is None:
-            raise InvalidRequest("a request with a (non-streaming) KV handle needs first_token_id")
+        if handle is not None and not handle.layerwise and first is None:
+            raise InvalidRequest(
+                "a request with a KV handle sent after prefill (not layer-wise) needs "
+                "first_token_id"
+            )
         events = self.worker.generate(
             request.request_id,
             list(request.prompt_token_ids),

@@ -276,7 +276,7 @@ class DecodeWorker:
                     done = clock.monotonic()
                     prefill_done = started  # the prompt was computed before the pull began
                     late_first = None
-                    if handle.streaming:
+                    if handle.layerwise:
                         late_first, done_unix_s = await self.puller.first_token(handle, handoff)
                         prefill_done = clock.monotonic() - (clock.time_s() - done_unix_s)
                 except DistServeError:

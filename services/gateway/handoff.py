@@ -176,7 +176,7 @@ class Handoff:
                 request_id=req.worker_request_id,
                 prompt_token_ids=req.prompt_ids,
                 sampling=sampling_to_pb(req.params),
-                early_handle=layerwise,
+                layerwise=layerwise,
             ),
             timeout=req.timeout(),
             metadata=telemetry.outgoing(trace),

@@ -118,7 +118,7 @@ class ChunkServer:
 
     async def _send_all(self, ep, chunks, tags: list[int], sends: dict) -> None:
         """Each chunk's bytes from the KV cache in place, once its layer is computed (a
-        request's chunks are in layer order: a streaming handle's go out as prefill computes
+        request's chunks are in layer order: a layer-wise handle's go out as prefill computes
         them), checksummed while they go out; returns once every send completed. No task per
         chunk: a chunk's fixed cost is most of a small chunk's."""
         faulty = []

@@ -21,7 +21,7 @@ class Lease:
     chunk sends are reading its blocks right now (the blocks are freed only when none is).
     `trace` is the request's trace context, for the span of the lease's life.
 
-    A streaming lease (layer-wise handoff) is created before its prompt is computed: layers
+    A layer-wise lease (layer-wise handoff) is created before its prompt is computed: layers
     become readable as `publish` announces them, and `first_token` resolves when prefill has
     sampled it. Closing the lease (released, lapsed, cancelled) wakes everyone waiting."""
 
@@ -31,7 +31,7 @@ class Lease:
     trace: object = None
     layers_ready: int = 0
     closed: bool = False
-    first_token: asyncio.Future | None = None  # (token id, prefill done unix s), streaming only
+    first_token: asyncio.Future | None = None  # (token id, prefill done unix s), layer-wise only
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=clock.monotonic)  # reported (the lease span)
     chunks_sent: int = 0
@@ -46,7 +46,7 @@ class Lease:
     def __post_init__(self) -> None:
         self.blocks = self.handle.blocks()
         self.idle.set()
-        if self.handle.streaming:
+        if self.handle.layerwise:
             self.first_token = asyncio.get_running_loop().create_future()
         else:
             self.layers_ready = self.handle.num_layers

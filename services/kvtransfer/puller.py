@@ -99,7 +99,7 @@ class PullReport:
     chunks: int
     nbytes: int = 0
     retries: int = 0
-    streaming: bool = False  # pulled while prefill computed the layers
+    layerwise: bool = False  # pulled while prefill computed the layers
     # Chunks used without a checksum check: in device memory on either side over UCX (no host
     # copy to hash), or with `verify` off.
     unverified: int = 0
@@ -256,7 +256,7 @@ class KvPuller:
             for t, _, _ in pieces
         }
         names = sorted({transport.name for transport, _, _ in pieces})
-        report = PullReport("+".join(names), len(chunks), streaming=handle.streaming)
+        report = PullReport("+".join(names), len(chunks), layerwise=handle.layerwise)
 
         stop = asyncio.Event()  # a chunk failed or the pull was cancelled: start no more
 
@@ -463,7 +463,7 @@ class KvPuller:
     async def first_token(
         self, handle: KvHandle, trace: telemetry.Context | None = None
     ) -> tuple[int, float]:
-        """A streaming handle's first token, once prefill sampled it, and when prefill finished
+        """A layer-wise handle's first token, once prefill sampled it, and when prefill finished
         (unix s). FailedPrecondition if it ended the request; NotFound if the handle is gone;
         Unavailable if the source cannot be reached."""
         stub = kvtransfer_pb2_grpc.KvTransferStub(self._channel(handle.control_address))

@@ -34,7 +34,7 @@ class KvTransferServicer(kvtransfer_pb2_grpc.KvTransferServicer):
     async def AwaitFirstToken(self, request, context):
         lease = self.leases.get(request.handle_id, request.access_token)
         if lease.first_token is None:
-            raise FailedPrecondition("the handle is not streaming: its first token came with it")
+            raise FailedPrecondition("the handle is not layer-wise: its first token came with it")
         token, done_unix_s = await asyncio.shield(lease.first_token)
         return kvtransfer_pb2.FirstToken(token_id=token, prefill_done_unix_s=done_unix_s)
 

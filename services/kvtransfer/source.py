@@ -136,7 +136,7 @@ class ChunkSource:
         return out[0], out[1]
 
     async def ready(self, chunk: Chunk) -> None:
-        """Wait until the chunk's layer is computed (a streaming handle's layers are published
+        """Wait until the chunk's layer is computed (a layer-wise handle's layers are published
         as prefill computes them; the wait ends early if the lease closes), then take its
         bytes: in place, or a contiguous copy of a sub-range of the heads."""
         lease = chunk.lease

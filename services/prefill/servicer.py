@@ -17,7 +17,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         layerwise = None  # gets the layer-wise handle once the prompt is scheduled
-        if request.early_handle and not request.discard_kv:
+        if request.layerwise and not request.discard_kv:
             layerwise = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(
             self.worker.prefill(

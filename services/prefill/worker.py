@@ -248,7 +248,7 @@ class PrefillWorker:
     def lease(self, prompt: HeldPrompt, runs: list[tuple[int, int]], layerwise: bool) -> Lease:
         """A lease on a prompt's KV; the other ranks of a tensor-parallel instance serve their
         heads of it from now on."""
-        template = replace(self._template(prompt.num_tokens, runs), streaming=layerwise)
+        template = replace(self._template(prompt.num_tokens, runs), layerwise=layerwise)
         handle = self.leases.create(prompt.request_id, template, prompt.trace)
         if self.group is not None:
             self.group.adopt(prompt.request_id, handle.encode())

@@ -177,7 +177,7 @@ class RankKv:
     def _adopt(self, request_id: str, handle: KvHandle) -> None:
         if self.leases is None:
             return
-        layers = self._layers.get(request_id, 0) if handle.streaming else handle.num_layers
+        layers = self._layers.get(request_id, 0) if handle.layerwise else handle.num_layers
         self.leases.adopt(request_id, handle, layers)
 
     def _publish(self, request_ids: list[str], layers: int) -> None:

@@ -375,7 +375,7 @@ def test_undecodable_bytes_are_invalid_argument(fuzz_mesh, target):
     strict=True,
     reason="the decode instance dies (SIGSEGV) at the second request that ends at its first "
     "token (max_tokens=1, or a stop string or EOS in the first token) while the decode "
-    "instance pulls its KV over UCX (the early, layer-wise handoff the gateway then cancels)",
+    "instance pulls its KV over UCX (the layer-wise handoff the gateway then cancels)",
 )
 def test_requests_that_end_at_the_first_token_leave_decode_alive(shared_mesh):
     mesh = shared_mesh  # 1P1D, UCX, as deployed

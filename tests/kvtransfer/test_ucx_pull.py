@@ -111,7 +111,7 @@ def test_checksums_are_taken_as_layers_are_published_and_match_the_pullers():
             handle_id="", source_instance="p", control_address="", ucx_host="", ucx_port=0,
             num_tokens=20, block_size=4, num_layers=2, num_kv_heads=2, head_dim=3,
             dtype="float32", runs=((2, 3), (6, 2)), block_bytes=4 * 2 * 3 * 4,
-            lease_expiry_unix_ms=0, access_token="", streaming=True,
+            lease_expiry_unix_ms=0, access_token="", layerwise=True,
         )  # fmt: skip
         handle = leases.create("r", template)
         lease = leases.get(handle.handle_id, handle.access_token)

@@ -73,7 +73,7 @@ class Host:
         return (n or 0) if isinstance(command, Release) else n is not None
 
     def lease(self, prompt: HeldPrompt, runs: list[tuple[int, int]], layerwise: bool) -> Lease:
-        template = replace(TEMPLATE, runs=tuple(runs), streaming=layerwise)
+        template = replace(TEMPLATE, runs=tuple(runs), layerwise=layerwise)
         handle = self.leases.create(prompt.request_id, template, prompt.trace)
         return self.leases.get(handle.handle_id, handle.access_token)
 

@@ -69,8 +69,8 @@ async def _decode(address: str, request_id: str, prompt, kv=None, first=None) ->
         return ids
 
 
-async def _handoff(prefill: str, decode: str, request_id: str, prompt, early: bool):
-    """Prefill on one instance, decode on another with the handle; (tokens, handle). `early`:
+async def _handoff(prefill: str, decode: str, request_id: str, prompt, layerwise: bool):
+    """Prefill on one instance, decode on another with the handle; (tokens, handle). `layerwise`:
     the layer-wise handoff (the decode pulls while the prompt is computed)."""
     async with grpc.aio.insecure_channel(prefill) as channel:
         calls = prefill_pb2_grpc.PrefillStub(channel).Prefill(
@@ -78,13 +78,13 @@ async def _handoff(prefill: str, decode: str, request_id: str, prompt, early: bo
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 sampling=_sampling(),
-                early_handle=early,
+                layerwise=layerwise,
             ),
             timeout=60,
         )
         pulling = None
         async for event in calls:
-            if event.HasField("kv"):  # the early handle: pull while prefill computes
+            if event.HasField("kv"):  # the layer-wise handle: pull while prefill computes
                 handle = event.kv
                 pulling = asyncio.ensure_future(_decode(decode, request_id, prompt, handle))
             else:
@@ -112,9 +112,9 @@ def _minus(after: list[int], before: list[int]) -> list[int]:
     [("prefill-1", "decode-0"), ("prefill-0", "decode-1"), ("prefill-1", "decode-1")],
     ids=["P-tp2-D-tp1", "P-tp1-D-tp2", "P-tp2-D-tp2"],
 )
-@pytest.mark.parametrize("early", [True, False], ids=["layerwise", "after-prefill"])
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
 def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
-    mesh, reference, prefill, decode, early
+    mesh, reference, prefill, decode, layerwise
 ):
     """Tokens equal the in-process engine's; every rank of either side moved exactly its share
     of the bytes (so each decode rank pulled its own heads, from the source ranks that hold
@@ -129,7 +129,13 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
     async def both():
         return await asyncio.gather(
             *(
-                _handoff(_address(mesh, prefill), _address(mesh, decode), f"{i}-{early}", q, early)
+                _handoff(
+                    _address(mesh, prefill),
+                    _address(mesh, decode),
+                    f"{i}-{layerwise}",
+                    q,
+                    layerwise,
+                )
                 for i, q in enumerate(PROMPTS)
             )
         )
@@ -138,7 +144,7 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
     total = 0
     for (tokens, handle), want in zip(results, reference, strict=True):
         assert tokens == want
-        assert handle.streaming is early
+        assert handle.layerwise is layerwise
         assert len(handle.rank_sources) == (p if p > 1 else 0)
         total += handle.total_bytes
     reused = stats(_address(mesh, decode), "decode").prompt_tokens_cached - reused_before
