@@ -28,7 +28,7 @@ from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
-from services.gateway.observe import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
 from services.gateway.request import Limits

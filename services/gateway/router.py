@@ -32,7 +32,8 @@ from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.events import Done, Output
 from services.gateway.handoff import Handoff
-from services.gateway.observe import GatewayMetrics, RequestObserver
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.observe import RequestObserver
 from services.gateway.paths import OneInstance, ServingPath
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.prefix_index import PromptBlocks

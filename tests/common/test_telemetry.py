@@ -11,7 +11,7 @@ import pytest
 from services.common import telemetry
 from services.common.slo import Slo
 from services.edge.config import otlp_grpc_endpoint
-from services.gateway.observe import SloWindow
+from services.gateway.metrics import SloWindow
 from tests.otlp_receiver import OtlpReceiver
 
 

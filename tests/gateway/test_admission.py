@@ -15,7 +15,8 @@ import pytest
 
 from services.common.errors import Overloaded
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.admission import Admission, AdmissionConfig, CostLine, Verdict
+from services.gateway.admission import Admission, AdmissionConfig, Verdict
+from services.gateway.cost_line import CostLine
 from services.gateway.registry import Load, Registry
 from tests.conftest import start_mesh, stop_now
 

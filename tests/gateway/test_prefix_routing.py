@@ -193,7 +193,7 @@ def test_routing_counts_cached_and_best_prefix_tokens_and_exports_them():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from services.common.slo import Slo
-    from services.gateway.observe import GatewayMetrics
+    from services.gateway.metrics import GatewayMetrics
 
     r = _registry(("p0", "prefill"), ("p1", "prefill"))
     _holds(r, "p1", SYSTEM)
