@@ -8,6 +8,9 @@ of its start; it returns a `Fetched`: the source's status, if it came, and per c
 bytes arrived and, with `checksums`, their CRC-32C as received (over UCX, taken by the thread
 that copied the chunk as soon as it arrived). A broken connection is forgotten, so the next
 attempt reconnects. Retries and the checks are the puller's.
+
+Why one file (~350 lines): the two transports answer one call (`fetch`) and fill the same
+`Window` and `Fetched`; side by side, a reader sees what the fallback does differently.
 """
 
 from __future__ import annotations
