@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--colocated-profile",
         type=Path,
-        help="latency of the colocated baseline (default: the vLLM fit published beside a "
-        "DistServe profile, else --profile)",
+        help="latency of the colocated baseline, used as named (default: the vLLM fit published "
+        "beside a DistServe profile, as the paper measures its baseline on vLLM; else --profile)",
     )
     p.add_argument("--cluster", help="NODESxGPUS[,INTRA_GBS,INTER_GBS], e.g. 4x8,300,3.1")
     p.add_argument(
@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def plan_spec(args: argparse.Namespace):
     """The PlanSpec the arguments describe (validated)."""
-    from services.common.latency import for_model
+    from services.common.latency import colocated_for_model, for_model
     from services.common.model_spec import GIB, model_spec
     from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
@@ -96,7 +96,7 @@ def plan_spec(args: argparse.Namespace):
             cluster.inter_node_bandwidth,
         )
     latency = for_model(model, args.profile)
-    colocated = for_model(model, args.colocated_profile or args.profile, engine="vllm")
+    colocated = colocated_for_model(model, args.colocated_profile, args.profile)
     return PlanSpec(
         model=model,
         cluster=cluster,
@@ -208,6 +208,8 @@ def describe_plan(result) -> str:
         f"colocated baseline: tp={c.phases[0].tp} pp={c.phases[0].pp} x{c.phases[0].replicas}, "
         f"{c.goodput:.3g} req/s on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
         f"ratio over colocated: {result.ratio:.2f}x  (search {result.search_seconds:.1f} s)",
+        f"latency: {result.spec.latency.source}",
+        f"colocated baseline's latency: {result.spec.colocated_latency.source}",
     ]
     return "\n".join(lines)
 

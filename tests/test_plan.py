@@ -39,6 +39,10 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
     assert plan["placement"]["num_gpus"] <= 4
     assert set(plan["placement"]["phases"]) == {"prefill", "decode"}
     assert plan["ratio_over_colocated"] > 0
+    # Which latency timed each side, the colocated default with its reason, in both outputs.
+    assert plan["latency_source"].endswith("distserve.json")
+    assert "vllm.json (the vLLM fit, by default" in plan["colocated_latency_source"]
+    assert f"colocated baseline's latency: {plan['colocated_latency_source']}" in printed
 
 
 def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys):

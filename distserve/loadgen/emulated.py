@@ -27,7 +27,7 @@ from distserve.loadgen.requests import load_requests
 from distserve.loadgen.results import LoadResult
 from distserve.loadgen.runner import run_load
 from distserve.loadgen.targets import GrpcTarget
-from services.common.latency import LatencyModel, for_model
+from services.common.latency import LatencyModel, colocated_for_model, for_model
 from services.common.model_spec import GIB, PUBLISHED_GPU_MEMORY, ModelSpec, kv_capacity
 from services.common.model_spec import model_spec as spec_named
 from services.common.slo import Slo
@@ -98,7 +98,7 @@ class EmulatedCluster:
         return cls(
             spec,
             for_model(spec, profile),
-            for_model(spec, profile, "vllm"),
+            colocated_for_model(spec, None, profile),
             profile=profile,
             **kwargs,
         )

@@ -191,13 +191,10 @@ def for_model(spec: ModelSpec, path: str | Path | None, engine: str = "distserve
     """The latency of `spec` from a profile file (default: DistServe's published A100 one).
 
     Our own profiles are used as they are. From a published file: the model's own entry when it
-    has one, else the largest published model scaled to `spec` (see `scaled`).
+    has one, else the largest published model scaled to `spec` (see `scaled`). `engine`: whose
+    fit, DistServe's or vLLM's (`_fit_path`); the colocated baseline's: `colocated_for_model`.
     """
-    path = Path(path) if path else PUBLISHED[engine]
-    if path.name.endswith(".distserve.json") and engine == "vllm":
-        # The colocated baseline reads the vLLM-engine fit published beside it.
-        sibling = path.with_name(path.name.replace(".distserve.", ".vllm."))
-        path = sibling if sibling.exists() else path
+    path = _fit_path(path, engine)
     raw = json.loads(path.read_text()) if path.exists() else None
     if raw is not None and raw.get("format") == FORMAT:
         return _ours(raw, path)
@@ -212,6 +209,33 @@ def for_model(spec: ModelSpec, path: str | Path | None, engine: str = "distserve
         raise InvalidRequest(f"profile {path} has no model to scale {spec.name} from")
     base = max(known, key=lambda s: s.num_params)
     return scaled(_published(raw, path, base.published), base, spec)
+
+
+def colocated_for_model(
+    spec: ModelSpec, colocated: str | Path | None, profile: str | Path | None
+) -> LatencyModel:
+    """The latency the colocated baseline is timed with: the profile the user named for it
+    (`colocated`), exactly as named; else, by default, the vLLM fit of `profile` (or of the
+    published A100 profile): DistServe's paper measures its colocated baseline on vLLM, and its
+    published profiles come in pairs (`*.distserve.json` beside `*.vllm.json`). A profile of our
+    own has one fit, used for both. The default says so in the model's `source`."""
+    if colocated is not None:
+        return for_model(spec, colocated)
+    model = for_model(spec, profile, "vllm")
+    if _fit_path(profile, "vllm").name.endswith(".vllm.json"):
+        why = "the vLLM fit, by default: DistServe's paper times its colocated baseline on vLLM"
+        return replace(model, source=f"{model.source} ({why})")
+    return model
+
+
+def _fit_path(path: str | Path | None, engine: str) -> Path:
+    """The file holding `engine`'s fit: `path` (default: the published A100 profile), or for
+    vLLM's fit of a published DistServe profile, the `*.vllm.json` published beside it."""
+    path = Path(path) if path else PUBLISHED[engine]
+    if path.name.endswith(".distserve.json") and engine == "vllm":
+        sibling = path.with_name(path.name.replace(".distserve.", ".vllm."))
+        path = sibling if sibling.exists() else path
+    return path
 
 
 # -- scaling to an unprofiled model ---------------------------------------------------------------

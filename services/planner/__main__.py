@@ -113,7 +113,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
 
 def control_loop(config: PlannerConfig, registry) -> ControlLoop:
     """The loop that resizes the mesh (config.autoscale)."""
-    from services.common.latency import for_model
+    from services.common.latency import colocated_for_model, for_model
     from services.common.model_spec import model_spec
     from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
@@ -128,7 +128,7 @@ def control_loop(config: PlannerConfig, registry) -> ControlLoop:
         workload=PRESETS["chat"],  # unused: the loop plans for the measured workload
         slo=Slo(auto.ttft_slo_ms / 1000, auto.tpot_slo_ms / 1000),
         latency=for_model(model, config.profile),
-        colocated_latency=for_model(model, config.colocated_profile or config.profile, "vllm"),
+        colocated_latency=colocated_for_model(model, config.colocated_profile, config.profile),
         alpha=auto.attainment,
         max_num_seqs=config.max_num_seqs,
     )

@@ -180,6 +180,7 @@ class Plan:
             "attainment": s.alpha,
             "rate": s.rate,
             "latency_source": s.latency.source,
+            "colocated_latency_source": s.colocated_latency.source,
             "placement": self.placement.to_json(),
             "colocated": self.colocated.to_json(),
             "ratio_over_colocated": round(self.ratio, 4) if math.isfinite(self.ratio) else None,

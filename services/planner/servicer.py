@@ -130,7 +130,7 @@ class _searching:
 
 def plan_spec(request, config: PlannerConfig) -> PlanSpec:
     """The PlanSpec of a PlanRequest, with the service's defaults for what it leaves out."""
-    from services.common.latency import for_model
+    from services.common.latency import colocated_for_model, for_model
     from services.common.model_spec import model_spec
     from services.common.slo import Slo
     from services.planner.cluster import ClusterSpec
@@ -151,7 +151,7 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
         workload=parse_workload(request.workload or "chat"),
         slo=Slo(request.ttft_slo_ms / 1000, request.tpot_slo_ms / 1000),
         latency=for_model(model, config.profile),
-        colocated_latency=for_model(model, config.colocated_profile or config.profile, "vllm"),
+        colocated_latency=colocated_for_model(model, config.colocated_profile, config.profile),
         alpha=request.attainment or 0.9,
         rate=request.rate or None,
         affinity=request.affinity or "auto",

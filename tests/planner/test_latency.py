@@ -135,3 +135,17 @@ def test_malformed_profiles_are_clear_errors(tmp_path):
         latency.load(bad)
     with pytest.raises(InvalidRequest, match="name one of them"):
         latency.load(latency.PUBLISHED["distserve"], model="opt-30b")
+
+
+def test_a_colocated_profile_the_user_names_is_the_one_used():
+    """Named, the published DistServe fit times the baseline; not named, the vLLM fit beside the
+    profile does, and its source says that it is the default and why."""
+    spec, published = PRESETS["opt-13b"], latency.PUBLISHED["distserve"]
+    named = latency.colocated_for_model(spec, published, None)
+    assert named.source == str(published)
+    assert named.at(1).prefill == latency.for_model(spec, published).at(1).prefill
+    default = latency.colocated_for_model(spec, None, published)
+    assert default.source.startswith(str(latency.PUBLISHED["vllm"]))
+    assert "by default" in default.source and "vLLM" in default.source
+    assert default.at(1).prefill == latency.for_model(spec, None, "vllm").at(1).prefill
+    assert default.at(1).prefill != named.at(1).prefill
