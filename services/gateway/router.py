@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -30,7 +29,7 @@ from services.common.slo import Slo
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
-from services.gateway.events import Done, Output
+from services.gateway.events import Done, Output, Tokens
 from services.gateway.handoff import Handoff
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.observe import RequestObserver
@@ -118,7 +117,7 @@ class Router:
                         return
                     if ids:
                         seen.tokens_out(len(ids))
-                        yield replace(out, text=delta)
+                        yield Tokens(ids, delta)
         except grpc.aio.AioRpcError as e:
             error = _remote(e)
             raise error from e
