@@ -27,7 +27,7 @@ def tiny_model(model_factory) -> Path:
     return model_factory("tiny")
 
 
-MESH_WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "8")
+MESH_WORKER_ARGS = ("--kv-cache-gib", "0.015625", "--max-num-seqs", "8")
 
 
 def start_mesh(model: Path, **kwargs):

@@ -236,7 +236,7 @@ BAD_BODIES = [
     ({"prompt": "x", "stop": [1, 2]}, "stop", "array of strings"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "at most"),
-    ({"prompt": "x", "max_tokens": 1023}, "max_tokens", "exceeds the model's context"),
+    ({"prompt": "x", "max_tokens": 1023}, "max_tokens", "exceeds max_model_len"),
     ({"prompt": "x", "temperature": -0.5}, "temperature", ">= 0"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"prompt": "x", "top_k": -3}, "top_k", "in [0, 4294967295]"),

@@ -109,7 +109,7 @@ def test_decode_killed_before_its_release_landed_frees_prefill_kv_long_before_th
         decode=2,
         prefill_args=("--lease-s", str(lease_s)),
         # More free KV: the least-loaded instance, so the request starts there.
-        per_worker_args={"decode-0": ("--kv-cache-mb", "32")},
+        per_worker_args={"decode-0": ("--kv-cache-gib", "0.03125")},
         command_prefix={"decode-0": (sys.executable, str(RELEASE_IN_FLIGHT))},
     )
     try:

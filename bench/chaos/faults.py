@@ -24,7 +24,7 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2_grpc,
 )
 
-WORKER_ARGS = ("--kv-cache-mb", "16", "--max-num-seqs", "16")
+WORKER_ARGS = ("--kv-cache-gib", "0.015625", "--max-num-seqs", "16")
 # A dead KV source is given up on fast: short chunk tries (a dropped chunk costs 1 s).
 DECODE_ARGS = ("--chunk-timeout-s", "1", "--chunk-attempts", "3")
 TRANSFER_FAULTS = ("drop", "corrupt", "delay", "close")

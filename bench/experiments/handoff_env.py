@@ -81,7 +81,7 @@ def main() -> None:
                 decode=1,
                 gateway_port=0,
                 pin=True,
-                worker_args=("--kv-cache-mb", "512", "--max-batch-tokens", "4096"),
+                worker_args=("--kv-cache-gib", "0.5", "--max-batch-tokens", "4096"),
                 env=env,
             )
             meshes[arm] = Mesh(spec).__enter__()

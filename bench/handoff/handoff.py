@@ -38,7 +38,7 @@ def start(model: Path, mode: str) -> Mesh:
         model=model,
         gateway_port=0,
         pin=True,
-        worker_args=("--kv-cache-mb", "512", "--max-num-seqs", "8"),
+        worker_args=("--kv-cache-gib", "0.5", "--max-num-seqs", "8"),
         gateway_args=("--kv-handoff", mode, "--layerwise-min-tokens", "0"),
     )
     mesh = Mesh(spec)

@@ -39,7 +39,7 @@ def start(model: Path, prefill_tp: int, decode_tp: int) -> Mesh:
     spec = MeshSpec(
         model=model,
         gateway_port=0,
-        worker_args=("--kv-cache-mb", "256", "--max-num-seqs", "8", "--threads", "1"),
+        worker_args=("--kv-cache-gib", "0.25", "--max-num-seqs", "8", "--threads", "1"),
         prefill_args=("--tensor-parallel-size", str(prefill_tp)),
         decode_args=("--tensor-parallel-size", str(decode_tp)),
         # Admission control off: long prompts on a busy 2-core host would be refused.

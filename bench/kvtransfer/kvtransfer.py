@@ -320,7 +320,7 @@ def main() -> None:
         decode=1,
         gateway_port=0,
         pin=True,
-        worker_args=("--kv-cache-mb", "1024", "--max-batch-tokens", "4096"),
+        worker_args=("--kv-cache-gib", "1", "--max-batch-tokens", "4096"),
     )
     with Mesh(spec) as mesh:
         p = next(w.ready["address"] for w in mesh.workers if w.name.startswith("prefill"))

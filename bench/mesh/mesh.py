@@ -200,7 +200,7 @@ def main() -> None:
         model=path,
         gateway_port=0,
         pin=True,
-        worker_args=("--kv-cache-mb", "64"),
+        worker_args=("--kv-cache-gib", "0.0625"),
         gateway_args=("--kv-handoff", args.kv_handoff),
         edge=edge,
     )

@@ -8,7 +8,7 @@ constants are stated, not fitted:
   `--max-inflight` (M = 1024) at once; each is at most the model's context C (4096 tokens,
   prompt + output) long. With admission off there is no M: no bound exists, and the baseline
   shows what that costs.
-* A worker's KV pool (`--kv-cache-mb`) is zero-filled, its pages faulted in, when the engine
+* A worker's KV pool (`--kv-cache-gib`) is zero-filled, its pages faulted in, when the engine
   starts (`services.engine.kv_cache.host_zeros`), so it is resident at idle already, as are the
   weights: no KV term. On top of idle a worker may hold: the activations of its largest step
   (prefill: one batch of `--max-batch-tokens` T tokens, T x (4 hidden + 3 intermediate + vocab)
@@ -103,10 +103,12 @@ def role_of(name: str) -> str:
     return "gateway" if name == "gateway" else name.split("-")[0]
 
 
-def engine_options(args: tuple[str, ...]) -> dict[str, int]:
-    """`--kv-cache-mb 384 --max-num-seqs 16 ...` as {"kv_cache_mb": 384, ...}."""
+def engine_options(args: tuple[str, ...]) -> dict[str, float]:
+    """`--kv-cache-gib 0.375 --max-num-seqs 16 ...` as {"kv_cache_gib": 0.375, ...}."""
     pairs = zip(args[::2], args[1::2], strict=True)
-    return {k.removeprefix("--").replace("-", "_"): int(v) for k, v in pairs}
+    return {
+        k.removeprefix("--").replace("-", "_"): float(v) if "." in v else int(v) for k, v in pairs
+    }
 
 
 def allowance(role: str, model: ModelConfig, engine: dict[str, int], max_inflight: int) -> dict:

@@ -7,8 +7,8 @@ each process's resident memory stays within a documented bound."
 What runs, in one invocation (every mesh: 1 prefill + 1 decode, `distserve.local_mesh.Mesh`,
 built by `distserve.loadgen.comparison.mesh_spec` exactly as `distserve bench goodput` builds its
 disaggregated mode: each worker pinned to its own core with one torch thread, engine options
-`distserve.loadgen.comparison.WORKER_ARGS` = `--kv-cache-mb 384 --max-num-seqs 16 --max-batch-tokens
-2048`; no Envoy; the load goes over gRPC straight to the gateway):
+`distserve.loadgen.comparison.WORKER_ARGS` = `--kv-cache-gib 0.375 --max-num-seqs 16
+--max-batch-tokens 2048`; no Envoy; the load goes over gRPC straight to the gateway):
 
 1. **Goodput.** A first mesh, admission off (so that a refusal never counts as a miss and the
    rate found is what the mesh serves), gets the SLO by `distserve bench goodput`'s rule

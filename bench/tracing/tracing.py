@@ -88,11 +88,12 @@ def bootstrap(values: list[float], q: float = 0.05, n: int = 2000) -> tuple[floa
 
 
 def start(model: Path, env: dict[str, str], kv_cache_mb: int) -> Mesh:
+    kv_gib = kv_cache_mb / 1024
     spec = MeshSpec(
         model=model,
         gateway_port=0,
         pin=True,
-        worker_args=("--kv-cache-mb", str(kv_cache_mb), "--max-num-seqs", "64"),
+        worker_args=("--kv-cache-gib", str(kv_gib), "--max-num-seqs", "64"),
         gateway_args=GATEWAY_ARGS,
         env=env,
     )

@@ -32,7 +32,7 @@ MODES = ("disaggregated", "colocated")
 # Engine options of every worker in both modes: a 384 MB KV pool (16k tokens of the `small`
 # model at 24 KB/token: 16 sequences of 1,000 tokens), 16 decode seats, 2048-token prefill
 # batches (L_m).
-WORKER_ARGS = ("--kv-cache-mb", "384", "--max-num-seqs", "16", "--max-batch-tokens", "2048")
+WORKER_ARGS = ("--kv-cache-gib", "0.375", "--max-num-seqs", "16", "--max-batch-tokens", "2048")
 # The gateway's admission off (goodput is the mesh's capacity, not what its admission, told
 # other SLOs than the bench's, lets in): no TTFT rule (which also skips the decode watermarks
 # and seats), no in-flight limit this load could reach, watermarks that never trigger.

@@ -86,8 +86,8 @@ def worker_args(model_dir: Path) -> tuple[str, ...]:
     limits above."""
     kv_mb = -(-KV_TOKENS * ModelConfig.from_dir(model_dir).kv_bytes_per_token(4) // 2**20)
     return (
-        "--kv-cache-mb",
-        str(kv_mb),
+        "--kv-cache-gib",
+        str(kv_mb / 1024),
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
         "--max-batch-tokens",

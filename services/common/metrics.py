@@ -155,6 +155,7 @@ _GAUGES = {
     "running_seqs": ("distserve_running_seqs", "Sequences in the running batch."),
     "free_kv_blocks": ("distserve_kv_blocks_free", "Free KV blocks."),
     "total_kv_blocks": ("distserve_kv_blocks_total", "KV blocks in the pool."),
+    "max_model_len": ("distserve_max_model_len", "Longest prompt + output served, tokens."),
     "pending_pulls": ("distserve_kv_pulls_pending", "Requests waiting for or pulling KV."),
     "held_kv_handles": ("distserve_kv_handles_held", "KV handles held for decode instances."),
 }
@@ -179,6 +180,11 @@ class StatsCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, getattr(load, field))
             yield g
+        capacity = GaugeMetricFamily(
+            "distserve_kv_capacity_tokens", "Tokens the KV pool holds.", labels=labels
+        )
+        capacity.add_metric(values, load.total_kv_blocks * load.kv_block_size)
+        yield capacity
         used = GaugeMetricFamily("distserve_kv_blocks_used", "KV blocks in use.", labels=labels)
         used.add_metric(values, load.total_kv_blocks - load.free_kv_blocks)
         yield used

@@ -59,6 +59,7 @@ def worker_load(worker: DecodeWorker) -> common_pb2.WorkerLoad:
         free_kv_blocks=load.free_blocks,
         total_kv_blocks=load.total_blocks,
         kv_block_size=worker.loop.engine.config.block_size,
+        max_model_len=worker.loop.engine.max_model_len,
         pending_pulls=worker.pulling,
         decode_step_ms=load.decode_step_ms,
     )

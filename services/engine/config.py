@@ -47,7 +47,10 @@ class EngineConfig:
     """How one engine instance runs its model.
 
     block_size: tokens per KV block. num_blocks: size of the KV pool; 0 sizes it from
-    kv_cache_bytes. max_batch_tokens is L_m, the prefill token budget per batch (a longer prompt
+    kv_cache_bytes, or (None) from the device: gpu_memory_utilization of a CUDA device (None:
+    0.9), a default share of the host's memory on CPU (services/engine/kv_sizing.py).
+    max_model_len: the longest prompt + output served; 0: the model's, capped by the pool.
+    max_batch_tokens is L_m, the prefill token budget per batch (a longer prompt
     runs alone); 0: DEFAULT_MAX_BATCH_TOKENS for the real engine, and for an emulated one its
     profile's saturation point at its tensor degree (as the planner sets it), so an instance
     started at another tp batches as that tp should. max_num_seqs bounds the decode batch. dtype
@@ -58,7 +61,9 @@ class EngineConfig:
 
     block_size: int = 16
     num_blocks: int = 0
-    kv_cache_bytes: int = 512 * 2**20
+    kv_cache_bytes: int | None = None  # None: sized from the device (above)
+    gpu_memory_utilization: float | None = None  # CUDA, and an emulated device; None: default
+    max_model_len: int = 0  # 0: the model's max_position_embeddings, capped by the pool
     max_batch_tokens: int = 0  # 0: auto (above)
     max_num_seqs: int = 64
     dtype: str = "auto"
@@ -72,8 +77,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequest(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks < 0 or self.kv_cache_bytes <= 0:
-            raise InvalidRequest("num_blocks must be >= 0 and kv_cache_bytes > 0")
+        if self.num_blocks < 0 or (self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0):
+            raise InvalidRequest("num_blocks must be >= 0 and the KV cache (--kv-cache-gib) > 0")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise InvalidRequest(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        if self.max_model_len < 0:
+            raise InvalidRequest("--max-model-len must be >= 0 (0: the model's, capped by KV)")
+        if self.emulation is not None and self.kv_cache_bytes is not None:
+            raise InvalidRequest(
+                "--kv-cache-gib sizes a real engine's pool; an emulated engine's KV is what its "
+                "modelled device leaves: set --gpu-memory-gib or --gpu-memory-utilization"
+            )
         if self.max_batch_tokens < 0 or self.max_num_seqs <= 0:
             raise InvalidRequest("max_batch_tokens must be >= 0 (0: auto), max_num_seqs positive")
         if self.dtype not in ("auto", *DTYPES):
@@ -86,17 +101,23 @@ class EngineConfig:
         """The options of `add_engine_args`; `profile_fit`: the published fit an emulated
         engine steps by unless --profile-fit names one."""
         emulation = None
+        utilization = {}
+        if args.gpu_memory_utilization is not None:
+            utilization["memory_utilization"] = args.gpu_memory_utilization
         if args.engine == "emulated":
             emulation = Emulation(
                 profile=args.profile,
                 profile_fit=args.profile_fit or profile_fit,
                 gpu_memory_gib=args.gpu_memory_gib,
+                **utilization,
                 tp=args.tensor_parallel_size,
                 link_gbs=args.link_gbs,
             )
         return cls(
             block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_mb * 2**20,
+            kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
             max_batch_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
             device=args.device,
@@ -116,7 +137,26 @@ def process_ranks(args: argparse.Namespace) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options every worker's command line takes."""
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="memory for the KV pool")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="memory for the KV pool, GiB (fractions allowed; per rank); default: on CUDA what "
+        "--gpu-memory-utilization leaves, on CPU min(4 GiB, 25%% of available memory)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="on CUDA, the fraction of the device's memory the engine may use: weights, the "
+        "activations of its largest batch, and the rest as KV (default 0.9; an emulated "
+        "engine: its modelled device's, default 0.92 as the planner's)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="longest prompt + output of one request (default: the model's, capped by what "
+        "one sequence can hold in the KV pool)",
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,

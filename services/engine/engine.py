@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from services.common.model_config import ModelConfig
 from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.engine import emulated
+from services.engine import emulated, kv_sizing
 from services.engine.block_pool import BlockPool, BlockTable
 from services.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from services.engine.decode_batch import DecodeBatch
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 
     from services.engine.model_runner import ModelRunner
     from services.engine.parallel import TensorParallel
+
+
+log = logging.getLogger("distserve.engine")
 
 
 @dataclass
@@ -95,6 +99,16 @@ class LLMEngine:
         check_tp(mc, tp.world_size if tp else 1)
         build = self._loaded if config.emulation is None else self._emulated
         self.runner, num_blocks, weights = build(mc, config)
+        self.capacity = kv_sizing.capacity(
+            num_blocks,
+            config.block_size,
+            mc.max_position_embeddings,
+            config.max_model_len,
+            raise_with=self._more_kv_option(config),
+        )
+        self.max_model_len = self.capacity.max_model_len
+        if tp is None or tp.rank == 0:
+            log.info("%s: %s", self.model_dir.name, self.capacity.describe())
         self.pool = BlockPool(num_blocks)
         self.block_size = config.block_size
         # What a cached block's KV depends on besides its tokens (the same on every rank).
@@ -141,22 +155,6 @@ class LLMEngine:
         self.gemm_forms: dict[tuple[int, int], dict[int, int]] = {}  # gemm.tune's plans
         if config.tune_gemm and self.device.type == "cpu":
             self.gemm_forms = gemm.tune(model, min(gemm.MAX_ROWS, config.max_num_seqs))
-        num_blocks = config.num_blocks or max(
-            1,
-            config.kv_cache_bytes
-            // KvCache.bytes_per_block(
-                mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, self.dtype
-            ),
-        )
-        cache = KvCache(
-            num_layers=mc.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
         backend = make_backend(
             config.attention,
             num_heads=num_heads,
@@ -166,8 +164,69 @@ class LLMEngine:
             device=self.device,
             dtype=self.dtype,
         )
-        runner = ModelRunner(model, cache, backend, config.max_num_seqs)
+
+        def cache(num_blocks: int) -> KvCache:
+            return KvCache(
+                num_layers=mc.num_layers,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=mc.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+
+        longest = config.max_model_len or mc.max_position_embeddings
+
+        def profile() -> None:  # the largest batches, on a pool of one block
+            tokens = max(config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS, longest)
+            ModelRunner(model, cache(1), backend, config.max_num_seqs).profile(tokens)
+
+        block_bytes = KvCache.bytes_per_block(
+            mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, self.dtype
+        )
+        # What the largest decode batch holds: max_num_seqs sequences of the longest context.
+        full_batch = config.max_num_seqs * -(-longest // config.block_size) * block_bytes
+        num_blocks = config.num_blocks or self._agreed(
+            self._kv_bytes(config, profile, full_batch) // block_bytes
+        )
+        runner = ModelRunner(model, cache(max(num_blocks, 1)), backend, config.max_num_seqs)
         return runner, num_blocks, fingerprint(self.model_dir)
+
+    def _kv_bytes(self, config: EngineConfig, profile: Callable[[], None], full_batch: int) -> int:
+        """This rank's KV budget (services/engine/kv_sizing.py): `--kv-cache-gib`, else what
+        `--gpu-memory-utilization` of a CUDA device leaves after `profile()`, else the CPU
+        default, at most `full_batch` bytes (the largest decode batch at the longest context)."""
+        utilization = config.gpu_memory_utilization
+        if config.kv_cache_bytes is not None:
+            if utilization is not None:
+                raise InvalidRequest(
+                    "give --kv-cache-gib or --gpu-memory-utilization, not both: the first sizes "
+                    "the KV pool exactly, the second from what the device has left"
+                )
+            return config.kv_cache_bytes
+        if self.device.type == "cuda":
+            utilization = utilization or kv_sizing.DEFAULT_GPU_MEMORY_UTILIZATION
+            return kv_sizing.measure_cuda(profile, self.device, utilization)
+        if utilization is not None:
+            raise InvalidRequest(
+                "--gpu-memory-utilization sizes the KV pool of a CUDA device, and this engine "
+                "runs on CPU: size it with --kv-cache-gib"
+            )
+        return kv_sizing.cpu_kv_bytes(kv_sizing.mem_available(), self.tp.world_size, full_batch)
+
+    def _agreed(self, num_blocks: int) -> int:
+        """The smallest of the group's ranks' pool sizes: every rank must hold the same blocks
+        (each rank measured its own device or host)."""
+        if self.tp.world_size == 1:
+            return num_blocks
+        import torch
+        import torch.distributed as dist
+
+        device = self.device if dist.get_backend(self.tp.group) == "nccl" else "cpu"
+        n = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(n.item())
 
     def _emulated(self, mc: ModelConfig, config: EngineConfig) -> tuple[EmulatedRunner, int, str]:
         """The emulated runner (no weights, modelled steps; services/engine/emulated.py), its
@@ -185,6 +244,16 @@ class LLMEngine:
         self.gemm_forms = {}
         runner, num_blocks = emulated.build(self.model_dir, mc, config, self.tokenizer.vocab_size)
         return runner, num_blocks, emulated.fingerprint(self.model_dir, mc)
+
+    def _more_kv_option(self, config: EngineConfig) -> str:
+        """The option that gives this engine's KV pool more room."""
+        if config.num_blocks:
+            return "num_blocks"
+        if config.emulation is not None:
+            return "--gpu-memory-gib or --gpu-memory-utilization"
+        if config.kv_cache_bytes is None and self.device.type == "cuda":
+            return "--gpu-memory-utilization (or give --kv-cache-gib)"
+        return "--kv-cache-gib"
 
     @property
     def emulated(self) -> bool:
@@ -217,7 +286,7 @@ class LLMEngine:
             ids,
             params,
             eos_token_ids=self.model_config.eos_token_ids,
-            max_context=self.model_config.max_position_embeddings,
+            max_context=self.max_model_len,
             tokenizer=self.tokenizer if (self.detokenize or params.stop) else None,
             default_seed=_stable_seed(self.config.seed, request_id),
         )
@@ -225,29 +294,21 @@ class LLMEngine:
         return seq
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        max_ctx = self.model_config.max_position_embeddings
+        max_len = self.max_model_len
         vocab = self.model_config.vocab_size
         if not ids:
             raise InvalidRequest("prompt is empty: give at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= max_ctx:
+        if len(ids) >= max_len:
             raise InvalidRequest(
-                f"prompt has {len(ids)} tokens; the model's context is {max_ctx} tokens, "
-                "shorten the prompt"
+                f"prompt has {len(ids)} tokens; this instance serves at most {max_len} tokens "
+                "(max_model_len) of prompt and output, shorten the prompt"
             )
-        if len(ids) + params.max_tokens > max_ctx:
+        if len(ids) + params.max_tokens > max_len:
             raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {max_ctx} tokens; set max_tokens <= {max_ctx - len(ids)}"
-            )
-        # A request must fit the whole pool on its own: then preemption always makes progress.
-        blocks = -(-(len(ids) + params.max_tokens) // self.config.block_size)
-        if blocks > self.pool.num_blocks:
-            most = self.pool.num_blocks * self.config.block_size
-            raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV "
-                f"blocks; this instance holds {self.pool.num_blocks} ({most} tokens) in all"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({max_len} tokens); set max_tokens <= {max_len - len(ids)}"
             )
 
     def abort(self, request_id: str) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from services.common.sampling import SamplingParams
 from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
 from services.engine.kv_cache import KvCache
 from services.engine.model import CausalLM
@@ -132,6 +133,31 @@ class ModelRunner:
             AttentionContext(self.cache, meta, self.backend),
         )
         return self.model.logits(hidden)
+
+    def profile(self, prefill_tokens: int) -> None:
+        """Run the engine's largest batches once, for the caller to measure their activation
+        peak (services/engine/kv_sizing.py): a prefill of `prefill_tokens` tokens and a decode
+        step of max_num_seqs sequences, each sampled with top-k and top-p. Every block id is 0
+        (the KV written is garbage, and the cache may be one block)."""
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+
+        def seq(tokens: int) -> Sequence:
+            s = Sequence(
+                "profile",
+                [0] * tokens,
+                params,
+                eos_token_ids=(),
+                max_context=tokens + 1,
+                tokenizer=None,
+                default_seed=0,
+            )
+            s.block_table.extend([0] * -(-tokens // self.block_size))
+            return s
+
+        prompt = [seq(prefill_tokens)]
+        self.sample(self.prefill(prompt), prompt)
+        batch = [seq(1) for _ in range(len(self._ids))]
+        self.sample(self.decode(batch), batch)
 
     def idle(self) -> None:
         """The engine waits for work (nothing to do here: a real step takes what it takes)."""

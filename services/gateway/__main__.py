@@ -210,7 +210,7 @@ async def serve(config: GatewayConfig) -> None:
     metrics.watch_admission(admission)
     layerwise_min = config.layerwise_min_tokens if config.layerwise_handoff else None
     router = Router(routing, tokenizer, served, metrics, feed, layerwise_min, admission)
-    limits = Limits.for_model(model, config.max_tokens)
+    limits = Limits.for_model(model, config.max_tokens, registry.max_model_len)
 
     def add(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(

@@ -137,6 +137,7 @@ class HttpApi:
             "created": self.created,
             "owned_by": owner,
             "distserve_engine": self.config.engine,
+            "max_model_len": self.limits.max_context,  # the workers' smallest (request.Limits)
         }
 
     def _served(self, name: str | None) -> str:

@@ -191,6 +191,7 @@ def openapi_document(model: str) -> dict:
             "object": {"const": "model"},
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer", "description": "longest prompt + output"},
         },
     }
     return {

@@ -8,11 +8,14 @@ request goes to is decided in gateway/routing.py.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.gateway.prefix_index import CachedBlocks
+
+log = logging.getLogger("distserve.gateway")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Load:
     held_kv_handles: int = 0
     decode_step_ms: float = 0.0
     kv_block_size: int = 16  # tokens per KV block
+    max_model_len: int = 0  # the longest prompt + output it serves; 0: not reported
 
     @property
     def free_kv_tokens(self) -> int:
@@ -141,7 +145,16 @@ class Registry:
     def register(
         self, worker_id: str, role: str, address: str, load: Load, cache: CachedBlocks | None = None
     ) -> None:
-        """A worker joins (or joins again: what was known of it is replaced)."""
+        """A worker joins (or joins again: what was known of it is replaced). One that serves
+        a shorter max_model_len than the others is logged: the mesh serves the smallest."""
+        served = self.max_model_len()
+        if served and load.max_model_len and load.max_model_len != served:
+            log.warning(
+                "%s serves max_model_len %d, other workers %d: the mesh serves the smaller",
+                worker_id,
+                load.max_model_len,
+                served,
+            )
         worker = Worker(worker_id, role, address, load, cache=cache or CachedBlocks())
         worker.cache.block_size = load.kv_block_size
         self._workers[worker_id] = worker
@@ -174,6 +187,12 @@ class Registry:
         one is back at its next heartbeat. Only that incarnation: a worker restarted under the
         same id (at another address) stays."""
         self.deregister(worker.worker_id, worker.address)
+
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output every live worker serves (the smallest of their
+        max_model_len: a request may go to any of them); None when none reports one."""
+        lengths = [w.load.max_model_len for w in self.live() if w.load.max_model_len]
+        return min(lengths) if lengths else None
 
     def live(self, role: str | None = None) -> list[Worker]:
         """Workers whose lease holds; lapsed ones are removed."""

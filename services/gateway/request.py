@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.convert import sampling_from_pb
@@ -67,19 +67,33 @@ class Request:
 
 @dataclass(frozen=True)
 class Limits:
-    """What this gateway accepts; defaults come from the model's context."""
+    """What this gateway accepts. The context is the model's max_position_embeddings, or less
+    where the workers serve less (`served`: their smallest max_model_len, None when unknown)."""
 
-    max_context: int
+    model_context: int
     vocab_size: int
     max_tokens: int  # largest max_tokens a request may ask for
+    served: Callable[[], int | None] = lambda: None
 
     @classmethod
-    def for_model(cls, model: ModelConfig, max_tokens: int | None = None) -> Limits:
+    def for_model(
+        cls,
+        model: ModelConfig,
+        max_tokens: int | None = None,
+        served: Callable[[], int | None] = lambda: None,
+    ) -> Limits:
         return cls(
-            max_context=model.max_position_embeddings,
+            model_context=model.max_position_embeddings,
             vocab_size=model.vocab_size,
             max_tokens=max_tokens or model.max_position_embeddings,
+            served=served,
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest prompt + output a request may have now (max_model_len)."""
+        served = self.served()
+        return min(served, self.model_context) if served else self.model_context
 
 
 async def validate(
@@ -154,9 +168,10 @@ async def build_request(
                 f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
                 param="prompt",
             )
-    if len(ids) >= limits.max_context:
+    max_context = limits.max_context
+    if len(ids) >= max_context:
         raise _too_long(len(ids), limits)
-    room = limits.max_context - len(ids)
+    room = max_context - len(ids)
     if fill_context:
         params = dataclasses.replace(params, max_tokens=min(room, limits.max_tokens))
     if params.max_tokens > limits.max_tokens:
@@ -166,8 +181,8 @@ async def build_request(
         )
     if params.max_tokens > room:
         raise InvalidRequest(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-            f"context of {limits.max_context} tokens; set max_tokens <= {room}",
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len ({max_context} tokens); set max_tokens <= {room}",
             param="max_tokens",
         )
     for t in params.stop_token_ids:
@@ -188,7 +203,7 @@ async def build_request(
 
 def _too_long(tokens: int, limits: Limits) -> InvalidRequest:
     return InvalidRequest(
-        f"prompt has {tokens} tokens; the model's context is {limits.max_context} tokens, "
-        "shorten the prompt",
+        f"prompt has {tokens} tokens; max_model_len is {limits.max_context} tokens of prompt "
+        "and output, shorten the prompt",
         param="prompt",
     )

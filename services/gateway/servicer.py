@@ -116,4 +116,5 @@ def _load(pb: common_pb2.WorkerLoad) -> Load:
         held_kv_handles=pb.held_kv_handles,
         decode_step_ms=pb.decode_step_ms,
         kv_block_size=pb.kv_block_size,
+        max_model_len=pb.max_model_len,
     )

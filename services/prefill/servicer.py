@@ -73,6 +73,7 @@ def worker_load(worker: PrefillWorker) -> common_pb2.WorkerLoad:
         free_kv_blocks=load.free_blocks,
         total_kv_blocks=load.total_blocks,
         kv_block_size=worker.loop.engine.config.block_size,
+        max_model_len=worker.loop.engine.max_model_len,
         held_kv_handles=len(worker.leases),
     )
 

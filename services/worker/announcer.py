@@ -139,10 +139,11 @@ async def serve_as_worker(
     **ready: object,
 ) -> None:
     """A worker's life after its server started: join the mesh (when a gateway is given), say
-    ready, serve until SIGINT or SIGTERM, then drain and leave: not serving, deregistered (the
-    gateway routes nothing new here), `drain(timeout)` (in-flight work finishes or is handed
-    off, held KV is released, new work is refused), the server stopped, and `stop()` for the
-    worker's own resources."""
+    ready (the ready line carries its KV capacity: blocks, tokens, max_model_len), serve until
+    SIGINT or SIGTERM, then drain and leave: not serving, deregistered (the gateway routes
+    nothing new here), `drain(timeout)` (in-flight work finishes or is handed off, held KV is
+    released, new work is refused), the server stopped, and `stop()` for the worker's own
+    resources."""
     from services.common.server import announce_ready, wait_for_signal
 
     announcer = None
@@ -157,7 +158,15 @@ async def serve_as_worker(
             prefix_cache=prefix_cache,
         )
         await announcer.start()
-    announce_ready(service, address=address, worker_id=worker_id, **ready)
+    start = load()
+    capacity = {
+        "kv_blocks": start.total_kv_blocks,
+        "kv_block_size": start.kv_block_size,
+        "kv_capacity_tokens": start.total_kv_blocks * start.kv_block_size,
+        "max_model_len": start.max_model_len,
+    }
+    log.info("%s: KV capacity %s", worker_id, capacity)
+    announce_ready(service, address=address, worker_id=worker_id, **capacity, **ready)
     await wait_for_signal()
     log.info("stopping %s: draining for up to %.0f s", worker_id, drain_timeout_s)
     await health.enter_graceful_shutdown()

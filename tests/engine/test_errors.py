@@ -27,7 +27,7 @@ def test_empty_prompt(engine):
 
 def test_prompt_longer_than_the_context(engine):
     ctx = engine.model_config.max_position_embeddings
-    with pytest.raises(InvalidRequest, match=f"context is {ctx} tokens"):
+    with pytest.raises(InvalidRequest, match=f"serves at most {ctx} tokens"):
         engine.add_request([5] * ctx, SamplingParams())
     with pytest.raises(InvalidRequest, match=r"set max_tokens <= 24"):
         engine.add_request([5] * (ctx - 24), SamplingParams(max_tokens=100))
@@ -143,10 +143,11 @@ def test_corrupt_config(tiny_model, tmp_path):
 
 
 def test_a_request_larger_than_the_whole_kv_pool_is_refused(tiny_model):
+    """The pool (4 blocks of 16 tokens) caps max_model_len below the model's 1024 tokens."""
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=4, block_size=16))
-    with pytest.raises(
-        InvalidRequest, match=r"needs 5 KV blocks; this instance holds 4 \(64 tokens\)"
-    ):
+    assert engine.max_model_len == 64
+    message = r"\(60 tokens\) \+ max_tokens \(10\) exceeds max_model_len \(64 tokens\); set max"
+    with pytest.raises(InvalidRequest, match=message):
         engine.add_request([5] * 60, SamplingParams(max_tokens=10))
     engine.add_request([5] * 54, SamplingParams(max_tokens=10))  # 64 tokens: fits exactly
 

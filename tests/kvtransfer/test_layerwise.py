@@ -23,7 +23,7 @@ from tests.test_mesh import kv_all_free, wait_until
 DEEP = {"num_hidden_layers": 12, "hidden_size": 256, "intermediate_size": 768}
 PROMPT = [5 + (i * 7) % 900 for i in range(900)]
 LAYERWISE_MIN = 100  # shorter prompts hand off after prefill even in layer-wise mode
-WORKER_ARGS = ("--kv-cache-mb", "64", "--max-num-seqs", "8")
+WORKER_ARGS = ("--kv-cache-gib", "0.0625", "--max-num-seqs", "8")
 
 
 @pytest.fixture(scope="module")
