@@ -47,9 +47,12 @@ class MeshSpec:
     gateway_port: int = 50051  # 0 picks a free port
     gateway_http_port: int = 0  # the gateway's own HTTP API (Envoy's upstream); 0: any free port
     pin: bool = False  # one CPU core and one torch thread per worker
-    worker_args: tuple[str, ...] = ()  # extra options for every worker (engine options)
+    # Extra options for every worker (engine options), then for each role's (these win where
+    # both give an option: they come after the launcher's own, last but `per_worker_args`).
+    worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    colocated_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     # Extra options for single workers by name ("prefill-0", "decode-1", ...).
     per_worker_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -195,14 +198,13 @@ class Mesh:
             f"{role}-{i}",
             "--drain-timeout-s",
             str(spec.drain_timeout_s),
-            *spec.worker_args,
-            *(spec.prefill_args if role == "prefill" else spec.decode_args),
             *self._clock_args,
         ]
         if spec.engine != "torch":
             args += ["--engine", spec.engine, *spec.emulation_args]
         if tp > 1:
             args += ["--tensor-parallel-size", str(tp)]
+        args += [*spec.worker_args, *getattr(spec, f"{role}_args")]
         args += spec.per_worker_args.get(f"{role}-{i}", ())
         if role != "prefill":
             args += ["--role", role]

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from distserve.local_mesh import add_emulation_options, emulated_mesh
+from distserve.role_args import add_role_args, role_args
 from services.common.errors import InvalidRequest
 from services.edge.options import add_edge_options
 
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         )
     add_edge_options(up.add_argument_group("edge (Envoy)"), port_flag="--edge-port")
     add_emulation_options(up)
+    add_role_args(up)
     up.set_defaults(func=_up)
 
 
@@ -67,6 +69,8 @@ def _up(args: argparse.Namespace) -> int:
     from services.edge.options import edge_config
 
     emulation = emulated_mesh(args)
+    engine = ("--engine", "emulated", *emulation["emulation_args"]) if emulation else ()
+    passed = role_args(args, engine)
     if args.model is None:
         from services.engine.presets import default_model
 
@@ -92,7 +96,11 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         gateway_port=args.port,
         gateway_http_port=args.gateway_http_port,
-        gateway_args=tuple(gateway_args),
+        worker_args=passed.worker,
+        prefill_args=passed.prefill,
+        decode_args=passed.decode,
+        colocated_args=passed.colocated,
+        gateway_args=(*gateway_args, *passed.gateway),
         pin=args.pin,
         edge=None if args.no_edge else edge_config(args, args.host),
         planner=args.planner or bool(args.budget),

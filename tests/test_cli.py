@@ -109,3 +109,48 @@ def test_run_turns_a_distserve_error_into_exit_status_2(capsys):
 
     assert run((register,), ["fail"], "a tool") == 2
     assert "distserve: error: --budget must be >= 1" in capsys.readouterr().err
+
+
+def _up_spec(monkeypatch, *argv: str):
+    """The MeshSpec `distserve up ARGV` would start (nothing is started)."""
+    import distserve.local_mesh
+    from distserve.cli import main
+
+    specs = []
+    monkeypatch.setattr(distserve.local_mesh, "run_until_signal", lambda s: specs.append(s) or 0)
+    assert main(["up", "--port", "0", *argv]) == 0
+    return specs[0]
+
+
+def test_up_passes_every_engine_and_gateway_option_per_role(monkeypatch, tiny_model):
+    spec = _up_spec(
+        monkeypatch,
+        "--model", str(tiny_model), "--max-tokens", "50",
+        "--worker-args", "--max-num-seqs 16 --kv-cache-gib 0.25",
+        "--prefill-args", "--max-batch-tokens 4096 --kv-cache-gib 0.5",
+        "--decode-args", "--max-model-len 512",
+        "--colocated-args=--no-prefix-cache",  # one option alone: the = form (argparse)
+        "--gateway-args", "--local-prefill-max-tokens 64 --routing load",
+    )  # fmt: skip
+    assert spec.worker_args == ("--max-num-seqs", "16", "--kv-cache-gib", "0.25")
+    assert spec.prefill_args == ("--max-batch-tokens", "4096", "--kv-cache-gib", "0.5")
+    assert spec.decode_args == ("--max-model-len", "512")
+    assert spec.colocated_args == ("--no-prefix-cache",)
+    # up's own gateway options first, the passed ones after them.
+    assert spec.gateway_args[-4:] == ("--local-prefill-max-tokens", "64", "--routing", "load")
+    assert "--max-tokens" in spec.gateway_args[:-4]
+
+
+def test_up_refuses_options_a_process_does_not_take_before_starting_anything(tiny_model):
+    for flag, value, message in [
+        ("--decode-args", "--kv-cache-mb 16", "--decode-args '--kv-cache-mb 16': unrecognized"),
+        ("--prefill-args", "--kv-cache-gib 0.5 --gpu-memory-utilization 1.5", "must be in (0, 1]"),
+        ("--decode-args", "--tensor-parallel-size 2", "--decode-tp/--colocated-tp"),
+        ("--colocated-args", "--role decode", "--role is set by the launcher"),
+        ("--gateway-args", "--model /elsewhere", "--model is set by the launcher"),
+        ("--gateway-args", "--local-prefill-max-tokens many", "invalid int value: 'many'"),
+    ]:
+        run = distserve("up", "--model", str(tiny_model), "--port", "0", flag, value)
+        assert run.returncode == 2, (flag, value, run.stdout)
+        assert f"distserve: error: {flag}" in run.stderr and message in run.stderr, run.stderr
+        assert "gateway" not in run.stdout  # nothing started

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from distserve.command import run
+from distserve.role_args import add_role_args, role_args
 from services.common.errors import InvalidRequest
 
 
@@ -66,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how long a worker may drain after SIGTERM",
     )
     r.add_argument("--cluster-domain", default=d.cluster_domain)
+    add_role_args(r)
     r.set_defaults(func=render_command)
     sc = deploy.add_parser(
         "scale",
@@ -108,6 +110,7 @@ def render_command(args: argparse.Namespace) -> int:
         rate_limit_rps=args.rate_limit,
         termination_grace_s=args.termination_grace_s,
         cluster_domain=args.cluster_domain,
+        passed=role_args(args, fixed_ports=True),
     )
     for path in write(render(plan, options), args.out):
         print(f"wrote {path}")

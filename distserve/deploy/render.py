@@ -22,10 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from distserve.deploy.pools import WORKER_ROLES, WorkerPool, select_placement, worker_pools
+from distserve.role_args import RoleArgs
 from services.common.errors import InvalidRequest
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy_config import envoy_config
@@ -64,6 +65,9 @@ class RenderOptions:
     rate_limit_rps: int = 100  # over each Envoy replica; 0 is off
     termination_grace_s: int = 60  # how long a worker may drain after SIGTERM
     cluster_domain: str = "cluster.local"
+    # Each process's own options, appended to its container's args (distserve/role_args.py:
+    # checked by `deploy render`'s command line before they get here).
+    passed: RoleArgs = field(default_factory=RoleArgs)
 
     def __post_init__(self) -> None:
         if not _DNS_LABEL.fullmatch(self.namespace):
@@ -236,6 +240,7 @@ def _gateway(o: RenderOptions, mesh: dict[str, str], mesh_hash: str) -> list[dic
         if key in mesh:
             args += [flag, f"$({key})"]
             env.append(_from_config(key))
+    args += o.passed.gateway
     ports = [("grpc", GATEWAY_GRPC_PORT), ("http", GATEWAY_HTTP_PORT), ("metrics", METRICS_PORT)]
     container = _container(
         "gateway",
@@ -312,6 +317,7 @@ def _worker(pool: WorkerPool, o: RenderOptions, mesh_hash: str) -> dict:
     args += ["--port", str(WORKER_PORT), "--worker-id", "$(POD_NAME)"]
     args += ["--metrics-port", str(METRICS_PORT), "--tensor-parallel-size", str(pool.tp)]
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]
+    args += o.passed.for_worker(pool.role)
     env = [
         _from_field("POD_IP", "status.podIP"),
         _from_field("POD_NAME", "metadata.name"),

@@ -330,3 +330,60 @@ def test_cli_reports_an_unusable_placement_as_an_error(tmp_path):
     assert done.returncode == 2
     assert "distserve: error: instance 0 (prefill, tp=2, pp=2)" in done.stderr
     assert not (tmp_path / "k").exists()
+
+
+def test_cli_passes_each_pools_and_the_gateways_own_options_into_their_containers(tmp_path):
+    out = tmp_path / "k8s"
+    done = run_cli(
+        "--placement", str(HERE / "plan_high_affinity.json"), "--out", str(out),
+        "--worker-args", "--max-num-seqs 32",
+        "--prefill-args", "--max-batch-tokens 4096 --kv-cache-gib 2.5",
+        "--decode-args", "--gpu-memory-utilization 0.85 --max-model-len 8192",
+        "--gateway-args", "--local-prefill-max-tokens 64",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifests = {
+        name.name: list(yaml.safe_load_all(name.read_text())) for name in out.glob("*.yaml")
+    }
+    (prefill,) = deployments(manifests, "prefill")
+    (decode,) = deployments(manifests, "decode")
+    (gateway,) = deployments(manifests, "gateway")
+    p, d, g = args(prefill, manifests), args(decode, manifests), args(gateway, manifests)
+    assert (p["--max-num-seqs"], p["--max-batch-tokens"], p["--kv-cache-gib"]) == (
+        "32",
+        "4096",
+        "2.5",
+    )
+    assert "--gpu-memory-utilization" not in p and "--max-model-len" not in p
+    assert (d["--max-num-seqs"], d["--gpu-memory-utilization"], d["--max-model-len"]) == (
+        "32",
+        "0.85",
+        "8192",
+    )
+    assert "--kv-cache-gib" not in d and "--max-batch-tokens" not in d
+    assert g["--local-prefill-max-tokens"] == "64" and "--max-num-seqs" not in g
+    for obj in objects(manifests):
+        kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--decode-args", "--kv-cache-gb 3", "--decode-args '--kv-cache-gb 3': unrecognized"),
+        ("--prefill-args", "--max-model-len x", "argument --max-model-len: invalid int value"),
+        ("--worker-args", "--port 7000", "--port is set by the launcher (a pod's ports are fixed)"),
+        ("--decode-args", "--tensor-parallel-size 4", "--tensor-parallel-size is set by the"),
+        ("--gateway-args", "--metrics-port 1234", "--metrics-port is set by the launcher"),
+        ("--gateway-args", "--bogus 1", "--gateway-args '--bogus 1': unrecognized arguments"),
+    ],
+)
+def test_cli_refuses_options_a_process_does_not_take_or_the_pod_sets(
+    tmp_path, flag, value, message
+):
+    out = tmp_path / "k"
+    done = run_cli(
+        "--placement", str(HERE / "plan_high_affinity.json"), "--out", str(out), flag, value
+    )
+    assert done.returncode == 2, done.stdout
+    assert message in done.stderr
+    assert not out.exists()
