@@ -267,6 +267,7 @@ def test_bad_input_is_invalid_argument_with_a_message(mesh_1p1d, request_fields,
 
 def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_path):
     argv = ["up", "--model", str(tiny_model), "--port", "0", "--edge-port", "0"]
+    argv += ["--decode-args", "--max-model-len 300", "--gateway-args", "--routing load"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "distserve.cli", *argv],
         stdout=subprocess.PIPE,
@@ -286,6 +287,9 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
         edge = next(ln.split("http://")[1].split()[0] for ln in lines if "edge (Envoy" in ln)
         ids, _, _ = asyncio.run(generate(edge, "Hello", 5))
         assert len(ids) == 5
+        # --decode-args reached the decode worker: the gateway serves its max_model_len.
+        with pytest.raises(grpc.RpcError, match=r"exceeds max_model_len \(300 tokens\)"):
+            asyncio.run(generate(gateway, "Hello", 299))
         children = children_of(proc.pid)
         assert len(children) == 4  # gateway, prefill, decode, envoy
         proc.send_signal(signal.SIGTERM)
@@ -495,3 +499,53 @@ def test_the_grpc_fallback_moves_the_same_kv(mesh_factory, tiny_model, prefill_a
     d = stats(addresses(mesh, "decode")[0], "decode")
     assert d.pulls_total == 1 and d.pull_bytes_total > 0
     wait_until(lambda: kv_all_free(mesh), what="KV blocks to be freed everywhere")
+
+
+def test_each_worker_reports_its_kv_capacity_and_the_gateway_serves_the_smallest(mesh_factory):
+    """Pools sized by --kv-cache-gib (the tiny model's KV: 8192 bytes a block of 16 tokens):
+    40 blocks on prefill, 25 on decode. Each worker's max_model_len is its pool's tokens (the
+    model's 1024 do not fit); the mesh serves the smaller, and refuses longer requests."""
+    import json
+    import urllib.request
+
+    block = 8192
+    mesh = mesh_factory(
+        prefill=1,
+        decode=1,
+        prefill_args=("--kv-cache-gib", str(40 * block / 2**30)),
+        decode_args=("--kv-cache-gib", str(25 * block / 2**30)),
+    )
+    want = {"prefill-0": (40, 640), "decode-0": (25, 400)}
+    for w in mesh.workers:
+        blocks, tokens = want[w.name]
+        assert (w.ready["kv_blocks"], w.ready["kv_block_size"]) == (blocks, 16)
+        assert w.ready["kv_capacity_tokens"] == tokens and w.ready["max_model_len"] == tokens
+        metrics = {m.name: m.value for m in w.metrics()}
+        assert metrics["distserve_kv_capacity_tokens"] == tokens
+        assert metrics["distserve_max_model_len"] == tokens
+    with grpc.insecure_channel(mesh.gateway_address) as channel:
+        listed = gateway_pb2_grpc.WorkerRegistryStub(channel).ListWorkers(
+            gateway_pb2.ListWorkersRequest(), timeout=5
+        )
+        loads = {w.worker_id: w.load for w in listed.workers}
+        assert {k: (v.total_kv_blocks, v.max_model_len) for k, v in loads.items()} == want
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for ids, max_tokens, message in [
+            (400, 1, "prompt has 400 tokens; max_model_len is 400 tokens"),
+            (390, 20, "(20) exceeds max_model_len (400 tokens); set max_tokens <= 10"),
+        ]:
+            request = gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(ids=[5] * ids),
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=[5] * 390),
+            sampling=common_pb2.SamplingParams(max_tokens=10, ignore_eos=True),
+        )
+        assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60)) == 10
+    with urllib.request.urlopen(f"http://{mesh.gateway_http_address}/v1/models", timeout=5) as r:
+        assert json.load(r)["data"][0]["max_model_len"] == 400
