@@ -4,6 +4,7 @@ too, which needs no device to check), and engines sized by it on CPU."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,16 @@ def test_the_profiling_run_works_on_a_tiny_pool(tiny_model):
     smallest pool an engine starts with)."""
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=2, max_num_seqs=4))
     engine.runner.profile(700)
+
+
+def _rank_pool(tp, model: str, out: str) -> None:
+    # Rank r is given (r + 1) x 20 blocks' worth (a rank's block holds its half of the heads).
+    engine = LLMEngine(model, EngineConfig(kv_cache_bytes=(tp.rank + 1) * 20 * 4096), tp=tp)
+    Path(out, f"rank{tp.rank}").write_text(f"{engine.pool.num_blocks} {engine.max_model_len}")
+
+
+def test_the_ranks_of_a_group_hold_the_smallest_pool_any_of_them_measured(tiny_model, tmp_path):
+    from services.engine.parallel import spawn_ranks
+
+    spawn_ranks(_rank_pool, 2, str(tiny_model), str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["20 320", "20 320"]
