@@ -9,9 +9,10 @@ starts from the longest cached prefix of its full blocks and computes only the r
 one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
 `kv_events` reports what was cached and evicted.
 
-Why one file (~520 lines): `LLMEngine` is the one object every worker drives (requests, the step,
-a prefill instance's held KV, a decode instance's pulled KV, the prefix cache's reports), and
-each of those sections is a few short methods over the same queues and pool.
+Why one file (~580 lines): `LLMEngine` is the one object every worker drives (its pool's sizing,
+requests, the step, a prefill instance's held KV, a decode instance's pulled KV, the prefix
+cache's reports), and each of those sections is a few short methods over the same queues and
+pool.
 """
 
 from __future__ import annotations
