@@ -1,18 +1,24 @@
 """The model a folder describes (its Hugging Face config.json), validated once, without torch.
 
-Shared by the engine and by services that must not load the model runtime (the gateway).
+Shared by the engine and by services that must not load the model runtime (the gateway, the
+planner). Each architecture we serve has a `Family` here: how its config.json names the shape
+every service needs (layers, heads, widths, context) and which of its options we refuse. What
+only the model code needs (soft-capping, expert counts, q/k norms) it reads from `raw` itself:
+services/engine/models/, one file per family.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from services.common.errors import ModelLoadError, UnsupportedModel
 
 ROPE_TYPES = ("default", "linear", "llama3")
+FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
 
 
 @dataclass(frozen=True)
@@ -34,29 +40,88 @@ class Biases:
     mlp: bool = False
 
 
+@dataclass(frozen=True)
+class Family:
+    """How one architecture's config.json reads.
+
+    model_type: its `model_type`; activations: the `hidden_act` values we implement (first: the
+    default); biases: which linears carry a bias; intermediate: the key of the MLP width;
+    tied: tie_word_embeddings when the file omits it; rotary: positions by rotary embedding
+    (else learned); sliding: which layers use `sliding_window` when the file gives no
+    `layer_types`; check: refusals of options we do not implement (raises UnsupportedModel).
+    """
+
+    model_type: str
+    activations: tuple[str, ...] = ("silu",)
+    biases: Callable[[dict], Biases] = lambda raw: Biases()
+    intermediate: str = "intermediate_size"
+    tied: bool = False
+    rotary: bool = True
+    sliding: Callable[[dict, int], bool] = lambda raw, layer: False
+    check: Callable[[dict], None] = lambda raw: None
+
+
 def _llama_biases(raw: dict) -> Biases:
     bias = bool(raw.get("attention_bias", False))
     return Biases(qkv=bias, o=bias, mlp=bool(raw.get("mlp_bias", False)))
 
 
-def _qwen2_biases(raw: dict) -> Biases:
-    return Biases(qkv=True)
+def _every_layer(raw: dict, layer: int) -> bool:
+    return True
 
 
-def _no_biases(raw: dict) -> Biases:
-    return Biases()
+def _qwen_sliding(raw: dict, layer: int) -> bool:
+    return bool(raw.get("use_sliding_window")) and layer >= int(raw.get("max_window_layers", 0))
+
+
+def _check_opt(raw: dict) -> None:
+    hidden = raw.get("hidden_size")
+    if raw.get("word_embed_proj_dim", hidden) != hidden:
+        raise UnsupportedModel(
+            "OPT with word_embed_proj_dim != hidden_size (opt-350m's projections) is not "
+            "implemented"
+        )
+    if not raw.get("do_layer_norm_before", True):
+        raise UnsupportedModel(
+            "OPT with do_layer_norm_before false (opt-350m's post-norm layers) is not implemented"
+        )
+    if not raw.get("layer_norm_elementwise_affine", True):
+        raise UnsupportedModel("OPT without layer_norm_elementwise_affine is not implemented")
+
+
+def _check_phi3(raw: dict) -> None:
+    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModel("Phi-3 with partial_rotary_factor != 1 is not implemented")
 
 
 # An emulated model's folder (`distserve model create --emulated`): a shape and a tokenizer, no
 # weights; only the emulated engine serves it (docs/engine.md).
 EMULATED = "EmulatedForCausalLM"
 
-# The architectures we build, and how each one's config says which linears carry a bias.
-ARCHITECTURES: dict[str, Callable[[dict], Biases]] = {
-    "LlamaForCausalLM": _llama_biases,
-    "Qwen2ForCausalLM": _qwen2_biases,
-    "MistralForCausalLM": _no_biases,
-    EMULATED: _no_biases,
+# The architectures we build (services/engine/models/ holds their code).
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", biases=_llama_biases),
+    "MistralForCausalLM": Family("mistral", sliding=_every_layer),
+    "Qwen2ForCausalLM": Family("qwen2", biases=lambda raw: Biases(qkv=True), sliding=_qwen_sliding),
+    "Qwen3ForCausalLM": Family("qwen3", biases=_llama_biases, sliding=_qwen_sliding),
+    "OPTForCausalLM": Family(
+        "opt",
+        activations=("relu",),
+        biases=lambda raw: Biases(*(3 * (bool(raw.get("enable_bias", True)),))),
+        intermediate="ffn_dim",
+        tied=True,
+        rotary=False,
+        check=_check_opt,
+    ),
+    "Phi3ForCausalLM": Family("phi3", sliding=_every_layer, check=_check_phi3),
+    "Gemma2ForCausalLM": Family(
+        "gemma2",
+        activations=("gelu_pytorch_tanh",),
+        biases=_llama_biases,
+        tied=True,
+        sliding=lambda raw, layer: layer % 2 == 0,
+    ),
+    EMULATED: Family("emulated", activations=("silu", "relu", "gelu", "gelu_pytorch_tanh")),
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,7 +129,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder as described by config.json, validated once."""
+    """A decoder-only model as described by config.json, validated once.
+
+    rope None: positions are learned (OPT). sliding_window: the window of the layers whose
+    `layer_types` entry is SLIDING (each token attends to itself and the window - 1 before it);
+    no layer slides when it is None. raw: the whole config.json, for what only the family's
+    model code reads.
+    """
 
     architecture: str
     vocab_size: int
@@ -74,15 +145,19 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float
     max_position_embeddings: int  # the longest context we serve (prompt + output)
-    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope: RopeConfig | None = field(default_factory=RopeConfig)
     biases: Biases = field(default_factory=Biases)
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # the dtype the weights are stored in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     emulated: str | None = None  # an emulated model's spec (e.g. opt-13b); None: real weights
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; (): every layer FULL
+    raw: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -116,33 +191,52 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
+                f"supported: {', '.join(a for a in ARCHITECTURES if a != EMULATED)}"
             )
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish") and arch != EMULATED:
-            raise UnsupportedModel(f"unsupported hidden_act {act!r}; supported: silu")
+        family = ARCHITECTURES[arch]
+        _refuse_quantized(raw)
+        act = (
+            raw.get("hidden_activation")
+            or raw.get("hidden_act")
+            or raw.get("activation_function")
+            or family.activations[0]
+        )
+        if act == "swish":
+            act = "silu"
+        if act not in family.activations:
+            raise UnsupportedModel(
+                f"unsupported hidden_act {act!r} for {arch}; supported: "
+                f"{', '.join(family.activations)}"
+            )
+        family.check(raw)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
-            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            layers = int(raw["num_hidden_layers"])
+            window = raw.get("sliding_window")
+            window = int(window) if window else None
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                intermediate_size=int(raw[family.intermediate]),
+                num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=kv_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=_max_context(raw),
-                rope=_rope(raw),
-                biases=ARCHITECTURES[arch](raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-5))),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rope=_rope(raw) if family.rotary else None,
+                biases=family.biases(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.tied)),
                 dtype=_dtype(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_ids(raw.get("eos_token_id")),
                 emulated=str(raw["distserve_emulated"]) if arch == EMULATED else None,
+                hidden_act=act,
+                sliding_window=window,
+                layer_types=_layer_types(raw, family, layers, window),
+                raw=MappingProxyType(dict(raw)),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from e
@@ -150,6 +244,12 @@ class ModelConfig:
             raise ModelLoadError(f"config.json has a field of the wrong type: {e}") from e
         cfg._check()
         return cfg
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
 
     def _check(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -201,15 +301,32 @@ def _rope(raw: dict) -> RopeConfig:
     )
 
 
-def _max_context(raw: dict) -> int:
-    n = int(raw.get("max_position_embeddings", 2048))
-    # We do not implement sliding-window attention; below the window it is full attention, so
-    # serve contexts up to the window and the outputs stay exact.
-    window = raw.get("sliding_window")
-    active = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
-    if window and active:
-        n = min(n, int(window))
-    return n
+def _layer_types(raw: dict, family: Family, layers: int, window: int | None) -> tuple[str, ...]:
+    """Which layers slide: config.json's `layer_types` (transformers >= 4.54 writes it), else
+    the family's rule; () when none does (no window: none can)."""
+    if window is None:
+        return ()
+    given = raw.get("layer_types")
+    if given is not None:
+        types = tuple(given)
+        if len(types) != layers or not set(types) <= {FULL, SLIDING}:
+            raise ModelLoadError(
+                f"config.json: layer_types must list {layers} entries, each {FULL!r} or {SLIDING!r}"
+            )
+    else:
+        types = tuple(SLIDING if family.sliding(raw, i) else FULL for i in range(layers))
+    return types if SLIDING in types else ()
+
+
+def _refuse_quantized(raw: dict) -> None:
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+        raise UnsupportedModel(
+            f"config.json has a quantization_config (quant_method {method!r}): quantized "
+            "checkpoints are not served; use the model's unquantized float32, bfloat16 or "
+            "float16 weights"
+        )
 
 
 def _dtype(raw: dict) -> str:

@@ -9,12 +9,16 @@ their queries attend over the whole context, read back from the cache (`kv_slots
 the mask aligned bottom-right (query i of L sees keys up to S - L + i of S). The torch backend
 builds that mask; flash-attn's varlen kernel aligns a causal mask bottom-right itself when
 seqlen_q != seqlen_k (flash-attn >= 2.1).
+
+What differs between model families is one `AttentionSpec` per layer: the score scale, a
+sliding window (each query sees itself and the window - 1 keys before it) and a soft cap of the
+scores (cap * tanh(score / cap), Gemma 2). The KV cache keeps every token either way; a
+sliding layer only reads the window's part of it.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +26,16 @@ import torch.nn.functional as F
 
 from services.common.errors import InvalidRequest
 from services.engine.kv_cache import KvCache
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends: scores scaled by `scale`, a sliding `window` (None: the whole
+    context), scores soft-capped at `softcap` (None: not capped)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass
@@ -54,14 +68,18 @@ class TorchAttention:
     name = "torch"
     needs_block_tables = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
-        self.scale = 1.0 / math.sqrt(head_dim)
 
     def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """q (T, H, D), packed prompts; k and v (S, KV, D), their keys (S = T, or each
         sequence's whole context with a cached prefix: cu_seqlens_k) -> (T, H, D)."""
@@ -71,25 +89,37 @@ class TorchAttention:
         gqa = self.group > 1
         for (a, b), (ka, kb) in zip(itertools.pairwise(cu), itertools.pairwise(cu_k), strict=True):
             L, S = b - a, kb - ka
-            # Causal from the end: query i (position S - L + i) sees keys 0 .. S - L + i.
+            # Causal from the end: query i (position S - L + i) sees keys 0 .. S - L + i, and
+            # with a window only the last `window` of them.
             mask = None
-            if L != S:
+            if L != S or (spec.window is not None and spec.window < S) or spec.softcap:
                 mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
-            # 4-D inputs: with 3-D ones torch picks the slow math kernel on CPU.
-            o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None],  # (1, H, L, D)
-                k[ka:kb].transpose(0, 1)[None],  # (1, KV, S, D)
-                v[ka:kb].transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=gqa,
-            )[0]
+                if spec.window is not None:
+                    mask &= torch.ones_like(mask).triu(S - L - spec.window + 1)
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[a:b], k[ka:kb], v[ka:kb]))
+            if spec.softcap:
+                o = _capped(qs, ks, vs, mask, spec, self.group)[0]
+            else:
+                # 4-D inputs: with 3-D ones torch picks the slow math kernel on CPU.
+                o = F.scaled_dot_product_attention(
+                    qs,  # (1, H, L, D)
+                    ks,  # (1, KV, S, D)
+                    vs,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=spec.scale,
+                    enable_gqa=gqa,
+                )[0]
             out[a:b] = o.transpose(0, 1)
         return out
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """q (B, H, D), one token per sequence; k_cache, v_cache (slots, KV, D) -> (B, H, D).
 
@@ -98,20 +128,27 @@ class TorchAttention:
         matmul per run serves the whole group.
         """
         B = q.shape[0]
-        qg = (q * self.scale).view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
+        qg = (q * spec.scale).view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
         out = torch.empty_like(qg)
         exact = q.dtype == torch.float32  # else softmax in float32, then back
+        cap = spec.softcap
         # Few ops per sequence: this loop runs layers x sequences times per step.
         for i, spans in enumerate(meta.spans):
+            if spec.window is not None:
+                spans = _last(spans, spec.window)
             if len(spans) == 1:
                 a, n = spans[0]
                 s = torch.bmm(qg[i], k_cache[a : a + n].permute(1, 2, 0))  # (KV, G, L)
+                if cap:
+                    s = torch.tanh(s / cap) * cap
                 p = torch.softmax(s, -1) if exact else _softmax32(s)
                 torch.bmm(p, v_cache[a : a + n].transpose(0, 1), out=out[i])  # (KV, G, D)
             else:
                 s = torch.cat(
                     [torch.bmm(qg[i], k_cache[a : a + n].permute(1, 2, 0)) for a, n in spans], -1
                 )
+                if cap:
+                    s = torch.tanh(s / cap) * cap
                 p = torch.softmax(s, -1) if exact else _softmax32(s)
                 o = out[i].zero_()
                 off = 0
@@ -130,8 +167,8 @@ class FlashAttention(TorchAttention):
 
     name = "flash"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
@@ -140,7 +177,12 @@ class FlashAttention(TorchAttention):
         self.needs_block_tables = block_size % 256 == 0
 
     def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         return self._varlen(
             q,
@@ -150,15 +192,22 @@ class FlashAttention(TorchAttention):
             cu_seqlens_k=meta.cu_seqlens_t if meta.kv_slots is None else meta.cu_seqlens_k_t,
             max_seqlen_q=meta.max_seqlen,
             max_seqlen_k=meta.max_seqlen if meta.kv_slots is None else meta.max_seqlen_k,
-            softmax_scale=self.scale,
+            softmax_scale=spec.scale,
             causal=True,  # bottom-right aligned where a cached prefix makes seqlen_k longer
+            window_size=_flash_window(spec),
+            softcap=spec.softcap or 0.0,
         )
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         if not self.needs_block_tables:
-            return super().decode(q, k_cache, v_cache, meta)
+            return super().decode(q, k_cache, v_cache, meta, spec)
         shape = (-1, self.block_size, *k_cache.shape[1:])  # (num_blocks, block_size, KV, D)
         out = self._paged(
             q[:, None],
@@ -166,14 +215,51 @@ class FlashAttention(TorchAttention):
             v_cache.view(shape),
             cache_seqlens=meta.context_lens,
             block_table=meta.block_tables,
-            softmax_scale=self.scale,
+            softmax_scale=spec.scale,
             causal=True,
+            window_size=_flash_window(spec),
+            softcap=spec.softcap or 0.0,
         )
         return out[:, 0]
 
 
 def _softmax32(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
+
+
+def _capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    spec: AttentionSpec,
+    group: int,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: q (1, H, L, D), k and v
+    (1, KV, S, D), mask (L, S) True where a key is seen -> (1, H, L, D)."""
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    s = torch.tanh(s / spec.softcap) * spec.softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, -1) if q.dtype == torch.float32 else _softmax32(s)
+    return torch.matmul(p, v)
+
+
+def _last(spans: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
+    """The part of a context's (first slot, length) runs holding its last `window` tokens."""
+    out: list[tuple[int, int]] = []
+    for a, n in reversed(spans):
+        if window <= 0:
+            break
+        take = min(n, window)
+        out.append((a + n - take, take))
+        window -= take
+    return out[::-1]
+
+
+def _flash_window(spec: AttentionSpec) -> tuple[int, int]:
+    return (-1, -1) if spec.window is None else (spec.window - 1, 0)
 
 
 def flash_available(device: torch.device) -> bool:
@@ -191,7 +277,6 @@ def make_backend(
     *,
     num_heads: int,
     num_kv_heads: int,
-    head_dim: int,
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
@@ -203,17 +288,25 @@ def make_backend(
         choice == "auto" and flash_available(device) and dtype in (torch.float16, torch.bfloat16)
     )
     if use_flash:
-        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
-    return TorchAttention(num_heads, num_kv_heads, head_dim)
+        return FlashAttention(num_heads, num_kv_heads, block_size)
+    return TorchAttention(num_heads, num_kv_heads)
 
 
 class AttentionContext:
-    """What every attention layer of one forward pass needs: cache, metadata, backend."""
+    """What every attention layer of one forward pass needs: cache, metadata, backend, and each
+    layer's AttentionSpec."""
 
-    def __init__(self, cache: KvCache, meta: AttentionMetadata, backend: TorchAttention) -> None:
+    def __init__(
+        self,
+        cache: KvCache,
+        meta: AttentionMetadata,
+        backend: TorchAttention,
+        specs: list[AttentionSpec],
+    ) -> None:
         self.cache = cache
         self.meta = meta
         self.backend = backend
+        self.specs = specs
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -226,5 +319,5 @@ class AttentionContext:
             if self.meta.kv_slots is not None:  # the keys include a cached prefix
                 k = k_cache.index_select(0, self.meta.kv_slots)
                 v = v_cache.index_select(0, self.meta.kv_slots)
-            return self.backend.prefill(q, k, v, self.meta)
-        return self.backend.decode(q, k_cache, v_cache, self.meta)
+            return self.backend.prefill(q, k, v, self.meta, self.specs[layer])
+        return self.backend.decode(q, k_cache, v_cache, self.meta, self.specs[layer])

@@ -160,7 +160,6 @@ class LLMEngine:
             config.attention,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=mc.head_dim,
             block_size=config.block_size,
             device=self.device,
             dtype=self.dtype,

@@ -16,7 +16,7 @@ import torch
 from services.common.sampling import SamplingParams
 from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
 from services.engine.kv_cache import KvCache
-from services.engine.model import CausalLM
+from services.engine.models.base import CausalLM
 from services.engine.sampler import SamplingBatch, sample
 from services.engine.sequence import Sequence
 
@@ -89,7 +89,7 @@ class ModelRunner:
         hidden = self.model(
             self._to_device(np.asarray(ids, dtype=np.int64)),
             self._to_device(np.concatenate(positions)),
-            AttentionContext(self.cache, meta, self.backend),
+            AttentionContext(self.cache, meta, self.backend, self.model.attention_specs),
             on_layer,
         )
         last = torch.tensor([b - 1 for b in cu[1:]], device=self.device)
@@ -130,7 +130,7 @@ class ModelRunner:
         hidden = self.model(
             self._to_device(self._ids[:B]),
             self._to_device(self._pos[:B]),
-            AttentionContext(self.cache, meta, self.backend),
+            AttentionContext(self.cache, meta, self.backend, self.model.attention_specs),
         )
         return self.model.logits(hidden)
 

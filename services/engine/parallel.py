@@ -1,14 +1,9 @@
-"""Tensor parallelism (Megatron-style) as a pass that rewrites a built model into one rank's shard.
+"""Tensor parallelism (Megatron-style): one rank's place in its group, its collectives, and
+starting the ranks.
 
-In every layer the fused `qkv_proj` and `gate_up_proj` are column-parallel: rank r holds its
-query heads, its KV heads and its MLP columns, each part of the fused weight split on its own.
-`o_proj` and `down_proj` are row-parallel: each rank multiplies its slice of the input features,
-the partial outputs are summed by an all-reduce, and the bias is added once, after the sum. The
-embedding and lm_head are vocab-parallel: each rank holds ceil(vocab / tp) rows (the last rank's
-tail is zero padding); the embedding sums its ranks' lookups with an all-reduce, lm_head gathers
-every rank's logits. Two all-reduces per layer, one for the embedding and one all-gather per step.
-
-With tp == 1 nothing is rewritten and nothing is called: the model is the plain one.
+The layers built as one rank's share are services/engine/models/layers.py: two all-reduces
+per layer, one for the embedding and one all-gather of the logits per step. With tp == 1 no
+collective is called.
 An engine with tp > 1 is driven SPMD: every rank runs the same LLMEngine with the same calls in
 the same order (see docs/engine.md, "Tensor parallelism").
 """
@@ -23,12 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from services.common.model_config import ModelConfig
-from services.engine.gemm import Linear, rows_linear
-from services.engine.shards import check_rank, check_tp, vocab_rows_of
+from services.engine.shards import check_rank
 
 TIMEOUT = timedelta(minutes=10)  # longest a rank waits for the others (start-up, collectives)
 
@@ -138,77 +129,6 @@ class TensorParallel:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r @ W_r^T) + b: rank r holds its slice of the input features (columns
-    of W); the bias is replicated and added once, after the sum."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.tp = tp
-        self.gemm_plan: dict[int, int] = {}  # see services.engine.gemm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(rows_linear(x, self.weight, self.gemm_plan))  # (T, out)
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows vocab_rows_of(r) (padded to ceil(vocab / tp)); ids outside them give
-    zeros, and the all-reduce sums one real row with zeros, exactly."""
-
-    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
-        super().__init__()
-        rows = vocab_rows_of(tp.rank, tp.world_size, vocab_size)
-        self.start, self.num_rows = rows.start, len(rows)
-        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
-        self.tp = tp
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.num_rows)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (T, dim)
-        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
-
-
-class VocabParallelLMHead(nn.Module):
-    """Rank r computes the logits of its vocabulary rows; an all-gather gives every rank all."""
-
-    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.world_size), dim))
-        self.tp = tp
-        self.gemm_plan: dict[int, int] = {}  # see services.engine.gemm
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(rows_linear(hidden, self.weight, self.gemm_plan))
-        return logits[:, : self.vocab_size]  # drop the padding rows
-
-
-def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
-    """Rewrite a CausalLM, as built (on the meta device, before loading), into rank tp.rank's
-    shard. Call it under `torch.device("meta")`; the loader then fills only this rank's part."""
-    cfg: ModelConfig = model.config
-    check_tp(cfg, tp.world_size)
-    n = tp.world_size
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        attn.num_heads, attn.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
-        attn.q_size = attn.num_heads * attn.head_dim
-        attn.kv_size = attn.num_kv_heads * attn.head_dim
-        attn.qkv_proj = Linear(cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=cfg.biases.qkv)
-        attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.biases.o, tp)
-        mlp = layer.mlp
-        mlp.intermediate = cfg.intermediate_size // n
-        mlp.gate_up_proj = Linear(cfg.hidden_size, 2 * mlp.intermediate, bias=cfg.biases.mlp)
-        mlp.down_proj = RowParallelLinear(mlp.intermediate, cfg.hidden_size, cfg.biases.mlp, tp)
-    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-    model.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-    return model
 
 
 # -- starting ranks --------------------------------------------------------------------------------

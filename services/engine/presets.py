@@ -110,39 +110,26 @@ def model_config(
 
 
 def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread.
-    (torch is imported here: making an emulated model's folder, or reading a preset, needs
-    none.)"""
+    """Hugging Face-named tensors, each normal(0, 1/sqrt(fan_in)) so logits are well spread;
+    norm scales near 1, biases small. (torch is imported here: making an emulated model's
+    folder, or reading a preset, needs none.)"""
     import torch
 
     from services.common.model_config import ModelConfig
-    from services.engine.weights import checkpoint_names
+    from services.engine.weights import checkpoint_shapes
 
     mc = ModelConfig.from_dict(cfg)
     gen = torch.Generator().manual_seed(seed)
-    h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    shapes = {
-        "q_proj": (mc.num_heads * d, h),
-        "k_proj": (mc.num_kv_heads * d, h),
-        "v_proj": (mc.num_kv_heads * d, h),
-        "o_proj": (h, mc.num_heads * d),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
     out: dict[str, torch.Tensor] = {}
-    for name in checkpoint_names(mc):
-        parts = name.split(".")
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            shape = (mc.vocab_size, h)
-            t = torch.randn(shape, generator=gen) * (1.0 if "embed" in name else h**-0.5)
-        elif parts[-2].endswith("norm"):
-            t = 1.0 + 0.1 * torch.randn((h,), generator=gen)
-        elif parts[-1] == "bias":
-            t = 0.1 * torch.randn((shapes[parts[-2]][0],), generator=gen)
+    for name, shape in checkpoint_shapes(mc).items():
+        if "embed" in name:
+            t = torch.randn(shape, generator=gen)
+        elif "norm" in name.rsplit(".", 2)[-2]:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:
+            t = 0.1 * torch.randn(shape, generator=gen)
         else:
-            shape = shapes[parts[-2]]
-            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+            t = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
         out[name] = t.to(getattr(torch, mc.dtype)).contiguous()
     return out
 

@@ -5,8 +5,10 @@ device, and every checkpoint tensor read from its file straight into (a slice of
 no second copy of the weights, no memory map holding file pages. Tensors stored in another dtype
 pass through a buffer of one tensor's size.
 
-With tensor parallelism (`tp`), the model is first rewritten into this rank's shard and each
-rank reads only its slice of each checkpoint tensor: rows are read straight from the file,
+The model says where each checkpoint tensor goes (`CausalLM.checkpoint_map`: our parameter,
+and which part of a fused one) and how each parameter is split between tensor-parallel ranks
+(the layers' `splits`, services/engine/models/layers.py); nothing here knows a family. With
+tensor parallelism each rank reads only its share of each tensor: rows straight from the file,
 columns (o_proj, down_proj) through a buffer of one tensor's size.
 """
 
@@ -22,22 +24,12 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.common.model_config import ModelConfig
-from services.engine.model import CausalLM
-from services.engine.parallel import TensorParallel, shard_model
-from services.engine.rope import inverse_frequencies
-from services.engine.shards import columns_of, heads_of, kv_heads_of, vocab_rows_of
+from services.engine import models
+from services.engine.models.base import CausalLM, Target
+from services.engine.parallel import TensorParallel
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _MAX_HEADER = 100 * 2**20
-
-# Checkpoint projections that we hold fused: name -> (fused module, shard index).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 @dataclass(frozen=True)
@@ -56,17 +48,6 @@ class TensorEntry:
         return TensorEntry(
             self.file, self.dtype, (n, *self.shape[1:]), self.start + start * row, n * row
         )
-
-
-@dataclass(frozen=True)
-class Shard:
-    """The slice of a checkpoint tensor one tensor-parallel rank holds: `length` entries from
-    `start` along `dim`, of `full`."""
-
-    dim: int
-    start: int
-    length: int
-    full: int
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
@@ -160,132 +141,101 @@ def load_model(
     device: torch.device,
     tp: TensorParallel | None = None,
 ) -> CausalLM:
-    """Build the model for `cfg` (this rank's shard of it, with `tp`) and fill it from the
+    """Build the model for `cfg` (this rank's share of it, with `tp`) and fill it from the
     checkpoint in `path`."""
     path = Path(path)
-    tp = tp or TensorParallel()
     entries = checkpoint_index(path)
     with torch.device("meta"):
-        model = CausalLM(cfg)
-        if tp.world_size > 1:
-            shard_model(model, tp)
-        model = model.to(dtype)
+        model = models.build(cfg, tp).to(dtype)
     model.to_empty(device=device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)
-    params = dict(model.named_parameters())
-    missing = [n for n in checkpoint_names(cfg) if n not in entries]
+    model.init_buffers(device)
+    for ours, shared in model.tied():
+        _set_param(model, ours, model.get_parameter(shared))
+    targets = model.checkpoint_map()
+    missing = [n for n in targets if n not in entries]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"checkpoint in {path} lacks {', '.join(missing[:3])}{more}")
     staging_ok = device.type == "cpu"
-    for name, entry in entries.items():
-        target = _target(name, params, model, tp.world_size)
-        if target is None:
-            continue  # not ours: e.g. rotary_emb.inv_freq, or lm_head of a tied model
-        _, dest = target
-        shard = _shard(name, cfg, tp)
-        expected = list(dest.shape)
-        if shard is not None:
-            expected[shard.dim] = shard.full
-        if list(entry.shape) != expected:
-            raise ModelLoadError(
-                f"tensor {name!r} has shape {list(entry.shape)}, config.json implies {expected}"
-            )
-        with torch.no_grad():
-            if shard is not None and dest.shape[shard.dim] > shard.length:  # vocab padding
-                dest.narrow(shard.dim, shard.length, dest.shape[shard.dim] - shard.length).zero_()
-                dest = dest.narrow(shard.dim, 0, shard.length)
-            if shard is not None and shard.dim == 0:
-                entry = entry.rows(shard.start, shard.length)
-                shard = None
-            if shard is None and staging_ok and entry.dtype == dtype:
-                _read_into(entry, dest)
-            else:
-                buf = torch.empty(entry.shape, dtype=entry.dtype)
-                _read_into(entry, buf)
-                dest.copy_(
-                    buf if shard is None else buf.narrow(shard.dim, shard.start, shard.length)
-                )
+    with torch.no_grad():
+        for name, entry in entries.items():
+            target = targets.get(name)
+            if target is None:
+                continue  # not ours: e.g. rotary_emb.inv_freq, or lm_head of a tied model
+            for src, columns, dest in _pieces(name, entry, target, model):
+                if columns is None and src.dtype == dtype and staging_ok:
+                    _read_into(src, dest)
+                    continue
+                buf = torch.empty(src.shape, dtype=src.dtype)
+                _read_into(src, buf)
+                dest.copy_(buf if columns is None else buf.narrow(*columns))
     return model.eval()
 
 
-def checkpoint_names(cfg: ModelConfig) -> list[str]:
-    """The tensor names a Hugging Face checkpoint of this config holds."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(f"{p}self_attn.{proj}.weight")
-            has_bias = cfg.biases.o if proj == "o_proj" else cfg.biases.qkv
-            if has_bias:
-                names.append(f"{p}self_attn.{proj}.bias")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names.append(f"{p}mlp.{proj}.weight")
-            if cfg.biases.mlp:
-                names.append(f"{p}mlp.{proj}.bias")
-    return names
+def _pieces(
+    name: str, entry: TensorEntry, target: Target, model: CausalLM
+) -> list[tuple[TensorEntry, tuple[int, int, int] | None, torch.Tensor]]:
+    """(what to read of checkpoint tensor `name`, the (dim, start, length) of it to keep when
+    the share is not a run of rows (None: all of it), where it goes) for each part it fills.
+    Rows are read straight from the file; padding rows of this rank's share are zeroed."""
+    param = model.get_parameter(target.param)
+    module_name, _, attr = target.param.rpartition(".")
+    split = getattr(model.get_submodule(module_name), "splits", {}).get(attr)
+    dest = param.data if target.index is None else param.data[target.index]
+    if split is None:  # every rank holds all of it
+        if list(entry.shape) != list(dest.shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {list(entry.shape)}, config.json implies "
+                f"{list(dest.shape)}"
+            )
+        return [(entry, None, dest)]
+    parts = range(len(split.parts)) if target.part is None else [target.part]
+    expected = list(dest.shape)
+    expected[split.dim] = sum(split.parts[p] for p in parts)
+    if list(entry.shape) != expected:
+        raise ModelLoadError(
+            f"tensor {name!r} has shape {list(entry.shape)}, config.json implies {expected}"
+        )
+    pieces = []
+    source_offset = 0
+    for p in parts:
+        start, length = split.held(p)
+        own = dest.narrow(split.dim, split.offset(p), split.per(p))
+        if length < split.per(p):  # the vocabulary's padding rows
+            own.narrow(split.dim, length, split.per(p) - length).zero_()
+        if length:
+            at = source_offset + start
+            own = own.narrow(split.dim, 0, length)
+            if length == entry.shape[split.dim]:  # all of it (tp == 1, one part)
+                pieces.append((entry, None, own))
+            elif split.dim == 0:
+                pieces.append((entry.rows(at, length), None, own))
+            else:
+                pieces.append((entry, (split.dim, at, length), own))
+        source_offset += split.parts[p]
+    return pieces
 
 
-def _target(
-    name: str, params: dict[str, torch.nn.Parameter], model: CausalLM, tp: int = 1
-) -> tuple[str, torch.Tensor] | None:
-    """Our parameter (and the rows of it) that checkpoint tensor `name` fills."""
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
-        param_name = ".".join([*parts[:-2], fused, parts[-1]])
-        param = params.get(param_name)
-        if param is None:
-            return None
-        sizes = _shard_sizes(model, fused, tp)
-        start = sum(sizes[:shard])
-        return param_name, param.data[start : start + sizes[shard]]
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return None
-    param = params.get(name)
-    return (name, param.data) if param is not None else None
+def _set_param(model: CausalLM, name: str, param: torch.nn.Parameter) -> None:
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, param)
 
 
-def _shard_sizes(model: CausalLM, fused: str, tp: int = 1) -> list[int]:
-    """Rows of each part of a fused projection, on one rank of `tp`."""
-    cfg = model.config
-    if fused == "qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim // tp, cfg.num_kv_heads * cfg.head_dim // tp
-        return [q, kv, kv]
-    return [cfg.intermediate_size // tp] * 2
-
-
-def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
-    """The slice of checkpoint tensor `name` that rank tp.rank holds; None: all of it."""
-    if tp.world_size == 1:
-        return None
-    r, n, d = tp.rank, tp.world_size, cfg.head_dim
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        rows = vocab_rows_of(r, n, cfg.vocab_size)
-        return Shard(0, rows.start, len(rows), cfg.vocab_size)
-    parts = name.split(".")
-    proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-    if proj == "q_proj":  # column-parallel: this rank's output rows, bias alike
-        heads = heads_of(r, n, cfg.num_heads)
-        return Shard(0, heads.start * d, len(heads) * d, cfg.num_heads * d)
-    if proj in ("k_proj", "v_proj"):
-        kv = kv_heads_of(r, n, cfg.num_kv_heads)
-        return Shard(0, kv.start * d, len(kv) * d, cfg.num_kv_heads * d)
-    if proj in ("gate_proj", "up_proj"):
-        cols = columns_of(r, n, cfg.intermediate_size)
-        return Shard(0, cols.start, len(cols), cfg.intermediate_size)
-    if proj == "o_proj" and kind == "weight":  # row-parallel: input columns; bias replicated
-        heads = heads_of(r, n, cfg.num_heads)
-        return Shard(1, heads.start * d, len(heads) * d, cfg.num_heads * d)
-    if proj == "down_proj" and kind == "weight":
-        cols = columns_of(r, n, cfg.intermediate_size)
-        return Shard(1, cols.start, len(cols), cfg.intermediate_size)
-    return None
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a Hugging Face checkpoint of this config holds, with their shapes."""
+    with torch.device("meta"):
+        model = models.build(cfg)
+    shapes = {}
+    for name, target in model.checkpoint_map().items():
+        module_name, _, attr = target.param.rpartition(".")
+        split = getattr(model.get_submodule(module_name), "splits", {}).get(attr)
+        shape = list(model.get_parameter(target.param).shape)
+        if target.index is not None:
+            shape = shape[1:]
+        if split is not None and target.part is not None:
+            shape[split.dim] = split.parts[target.part]
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 def fingerprint(path: Path) -> str:

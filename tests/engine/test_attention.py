@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention import AttentionMetadata, TorchAttention, flash_available
+from services.engine.attention import (
+    AttentionMetadata,
+    AttentionSpec,
+    TorchAttention,
+    flash_available,
+)
 
 H, KV, D, BS = 6, 2, 16, 4
 
@@ -41,7 +46,7 @@ def test_decode_reads_single_and_multi_run_contexts_like_sdpa(dtype):
     ]
     q = torch.randn(len(spans), H, D, generator=gen).to(dtype)
     meta = AttentionMetadata(slots=torch.zeros(0, dtype=torch.long), is_prefill=False, spans=spans)
-    got = TorchAttention(H, KV, D).decode(q, k_cache, v_cache, meta)
+    got = TorchAttention(H, KV).decode(q, k_cache, v_cache, meta, AttentionSpec(D**-0.5))
     want = reference(q.float(), k_cache.float(), v_cache.float(), spans)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.float() - want).abs().max().item() < tol
