@@ -59,7 +59,7 @@ def test_a_folder_without_tokenizer_json_is_refused_naming_what_it_holds(tiny_mo
     shutil.copytree(tiny_model, folder)
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.model").write_bytes(b"sentencepiece")
-    with pytest.raises(ModelLoadError, match="has no tokenizer.json") as err:
+    with pytest.raises(ModelLoadError, match=r"has no tokenizer\.json") as err:
         Tokenizer.from_dir(folder)
     assert "tokenizer.model" in str(err.value) and "save_pretrained" in str(err.value)
 
@@ -68,7 +68,7 @@ def test_an_unreadable_tokenizer_json_is_refused(tiny_model, tmp_path):
     folder = tmp_path / "bad"
     shutil.copytree(tiny_model, folder)
     (folder / "tokenizer.json").write_text('{"version": "1.0"}')
-    with pytest.raises(ModelLoadError, match="tokenizer.json cannot be read"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json cannot be read"):
         Tokenizer.from_dir(folder)
 
 
