@@ -242,3 +242,34 @@ def test_a_model_without_a_chat_template_refuses_chat_with_a_400(tiny_model, tmp
     finally:
         gateway.kill()
         gateway.wait()
+
+
+def test_generation_defaults_are_read_and_checked(tiny_model, tmp_path):
+    from services.common.errors import ModelLoadError
+    from services.common.model_config import GenerationDefaults
+
+    assert GenerationDefaults.from_dir(tiny_model) == GenerationDefaults()  # EOS ids only
+    folder = copy_model(tiny_model, tmp_path / "m", temperature=0.6, top_p=0.9, top_k=20)
+    assert GenerationDefaults.from_dir(folder) == GenerationDefaults(0.6, 0.9, 20, None)
+    for bad, words in (({"top_p": 0}, "top_p"), ({"top_k": "many"}, "top_k must be an integer")):
+        folder = copy_model(tiny_model, tmp_path / f"bad{len(words)}", **bad)
+        with pytest.raises(ModelLoadError, match=words):
+            GenerationDefaults.from_dir(folder)
+
+
+def test_a_requests_own_sampling_values_win_over_the_models_defaults():
+    from services.common.model_config import GenerationDefaults
+    from services.gateway.openai_protocol import COMPLETIONS, parse
+
+    defaults = GenerationDefaults(temperature=0.0, top_p=0.5, top_k=7, max_tokens=5)
+    implicit = parse(COMPLETIONS, {"prompt": "x"}, None, defaults)
+    assert (implicit.params.temperature, implicit.params.top_p, implicit.params.top_k) == (
+        0,
+        0.5,
+        7,
+    )
+    assert implicit.fill_context  # up to max_new_tokens (Limits.default_max_tokens)
+    body = {"prompt": "x", "temperature": 1.0, "top_p": 1, "top_k": -1, "max_tokens": 9}
+    explicit = parse(COMPLETIONS, body, None, defaults)
+    assert (explicit.params.temperature, explicit.params.top_p, explicit.params.top_k) == (1, 1, 0)
+    assert not explicit.fill_context and explicit.params.max_tokens == 9
