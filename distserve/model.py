@@ -1,5 +1,7 @@
 """`distserve model create`: writes a model folder (tiny random weights, or an emulated model's
-shape with no weights) to serve or test with."""
+shape with no weights) to serve or test with. `distserve model fetch`: stages a Hugging Face Hub
+model (the files the mesh reads) ahead of time, e.g. in an init container or on a machine with
+network for one without."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `model create` to a subparsers object."""
-    model = sub.add_parser("model", help="create embedded models").add_subparsers(
+    """Add `model create` and `model fetch` to a subparsers object."""
+    model = sub.add_parser("model", help="create embedded models, fetch Hub models").add_subparsers(
         dest="model_command", required=True
     )
     create = model.add_parser("create", help="write a Hugging Face-format model folder")
@@ -29,6 +31,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "opt-66b, opt-175b or a model folder), served only by --engine emulated",
     )
     create.set_defaults(func=_model_create)
+    fetch = model.add_parser(
+        "fetch",
+        help="download a Hugging Face Hub model's config, tokenizer and safetensors weights; "
+        "prints the folder to pass as --model",
+    )
+    fetch.add_argument("model_id", metavar="ID", help="Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct")
+    fetch.add_argument(
+        "--to",
+        type=Path,
+        metavar="DIR",
+        help="a plain folder to write (default: the Hugging Face cache, HF_HOME)",
+    )
+    fetch.add_argument("--revision", help="branch, tag or commit (default: main)")
+    fetch.set_defaults(func=_model_fetch)
 
 
 def _model_create(args: argparse.Namespace) -> int:
@@ -43,4 +59,14 @@ def _model_create(args: argparse.Namespace) -> int:
         args.preset, args.out, seed=args.seed, architecture=args.architecture, dtype=args.dtype
     )
     print(out)
+    return 0
+
+
+def _model_fetch(args: argparse.Namespace) -> int:
+    from services.common.errors import InvalidRequest
+    from services.common.hub import fetch_model, is_hub_id
+
+    if not is_hub_id(args.model_id):
+        raise InvalidRequest(f"{args.model_id!r} is not a Hugging Face Hub id (org/name)")
+    print(fetch_model(args.model_id, revision=args.revision, to=args.to))
     return 0

@@ -15,7 +15,25 @@ from services.edge.options import add_edge_options
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `up` to a subparsers object."""
     up = sub.add_parser("up", help="start the mesh (gateway and workers) on this host")
-    up.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    up.add_argument(
+        "--model",
+        help="model folder, or Hugging Face Hub id (org/name) fetched once into the HF cache "
+        "and served from there by every process (default: the embedded tiny model)",
+    )
+    up.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
+    up.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template replacing the model's (a model without one refuses chat)",
+    )
+    up.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto: the model's generation_config.json sampling defaults apply to requests "
+        "that omit them; vllm: ignore the file",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill instances")
     up.add_argument("--decode", type=int, default=1, help="decode instances")
     up.add_argument("--colocated", type=int, default=0, help="colocated instances")
@@ -66,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from distserve.local_mesh import MeshSpec, run_until_signal
+    from services.common.hub import resolve_model
     from services.edge.options import edge_config
 
     emulation = emulated_mesh(args)
@@ -75,9 +94,18 @@ def _up(args: argparse.Namespace) -> int:
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
+    # Resolved here, once: every process gets the same folder and none downloads.
+    folder = resolve_model(args.model, args.revision)
+    served = args.served_model_name or (
+        None if folder == Path(args.model).expanduser() else str(args.model)
+    )
+    args.model = folder
     gateway_args = ["--max-body-bytes", str(args.max_body_bytes)]
-    if args.served_model_name:
-        gateway_args += ["--served-model-name", args.served_model_name]
+    gateway_args += ["--generation-config", args.generation_config]
+    if served:
+        gateway_args += ["--served-model-name", served]
+    if args.chat_template:
+        gateway_args += ["--chat-template", str(args.chat_template.resolve())]
     if args.max_tokens:
         gateway_args += ["--max-tokens", str(args.max_tokens)]
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.common.gen.distserve.v1 import common_pb2
+from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -15,18 +16,29 @@ _FINISH_TO_PB = {
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated SamplingParams (InvalidRequest on bad values); unset fields take defaults."""
+def sampling_from_pb(
+    pb: common_pb2.SamplingParams, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequest on bad values). Unset fields take `defaults`
+    (the model's generation_config.json, at the gateway) where it sets them, else the
+    contract's: greedy, top_p 1, top_k off."""
+    d = defaults or GenerationDefaults()
     return SamplingParams(
         max_tokens=pb.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=pb.temperature,
-        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
-        top_k=pb.top_k,
+        temperature=_given(pb, "temperature", d.temperature, 0.0),
+        top_p=_given(pb, "top_p", d.top_p, 1.0),
+        top_k=_given(pb, "top_k", d.top_k, 0),
         seed=pb.seed if pb.HasField("seed") else None,
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
     )
+
+
+def _given(pb: common_pb2.SamplingParams, name: str, default: float | None, neutral: float):
+    if pb.HasField(name):
+        return getattr(pb, name)
+    return neutral if default is None else default
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:

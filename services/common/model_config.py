@@ -186,6 +186,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
+        _refuse_quantized(raw)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -194,7 +195,6 @@ class ModelConfig:
                 f"supported: {', '.join(a for a in ARCHITECTURES if a != EMULATED)}"
             )
         family = ARCHITECTURES[arch]
-        _refuse_quantized(raw)
         act = (
             raw.get("hidden_activation")
             or raw.get("hidden_act")
@@ -273,6 +273,79 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def _refuse_quantized(raw: dict) -> None:
+    """A quantised checkpoint (GPTQ, AWQ, bitsandbytes, FP8 ...) stores packed integers and
+    scales our layers do not read: refuse it by name rather than fail on a tensor's dtype."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+    raise UnsupportedModel(
+        f"config.json has a quantization_config (quant_method {method!r}): quantised "
+        "checkpoints are not supported; serve the unquantised weights (float32, bfloat16 or "
+        "float16)"
+    )
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling defaults a model's generation_config.json sets, applied to a request that
+    gives none of its own (as vLLM's `--generation-config auto`); None: not set."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None  # its max_new_tokens
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> GenerationDefaults:
+        """Read generation_config.json of a model folder (none: no defaults). A value of the
+        wrong type or range is a ModelLoadError naming it: every request would inherit it."""
+        file = Path(path) / "generation_config.json"
+        if not file.exists():
+            return cls()
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{file} must hold a JSON object")
+        # As vLLM: the values set are the defaults, do_sample aside.
+        out = cls(
+            temperature=_number(raw, "temperature", file),
+            top_p=_number(raw, "top_p", file),
+            top_k=_integer(raw, "top_k", file),
+            max_tokens=_integer(raw, "max_new_tokens", file),
+        )
+        if out.temperature is not None and out.temperature < 0:
+            raise ModelLoadError(f"{file}: temperature must be >= 0, got {out.temperature}")
+        if out.top_p is not None and not 0 < out.top_p <= 1:
+            raise ModelLoadError(f"{file}: top_p must be in (0, 1], got {out.top_p}")
+        if out.top_k is not None and out.top_k < 0:
+            raise ModelLoadError(f"{file}: top_k must be >= 0, got {out.top_k}")
+        if out.max_tokens is not None and out.max_tokens < 1:
+            raise ModelLoadError(f"{file}: max_new_tokens must be >= 1, got {out.max_tokens}")
+        return out
+
+
+def _number(raw: dict, key: str, file: Path) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelLoadError(f"{file}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(raw: dict, key: str, file: Path) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{file}: {key} must be an integer, got {value!r}")
+    return value
+
+
 def _rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
     params = dict(raw.get("rope_parameters") or {})
@@ -316,17 +389,6 @@ def _layer_types(raw: dict, family: Family, layers: int, window: int | None) -> 
     else:
         types = tuple(SLIDING if family.sliding(raw, i) else FULL for i in range(layers))
     return types if SLIDING in types else ()
-
-
-def _refuse_quantized(raw: dict) -> None:
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
-        raise UnsupportedModel(
-            f"config.json has a quantization_config (quant_method {method!r}): quantized "
-            "checkpoints are not served; use the model's unquantized float32, bfloat16 or "
-            "float16 weights"
-        )
 
 
 def _dtype(raw: dict) -> str:

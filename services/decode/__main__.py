@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from services.common import clock, telemetry
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
+from services.common.hub import refuse_at_start, resolve_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
@@ -29,7 +29,11 @@ log = logging.getLogger("distserve.decode")
 
 def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m services.decode", description=__doc__)
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    p.add_argument(
+        "--model",
+        help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
+    )
+    p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
     p.add_argument("--gateway", help="gateway host:port to register with")
     p.add_argument("--role", choices=ROLES, default="decode")
     p.add_argument("--host", default="127.0.0.1")
@@ -64,6 +68,8 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
+    else:
+        args.model = resolve_model(args.model, args.revision)
     config = DecodeConfig(
         model=args.model,
         gateway=args.gateway,
@@ -128,12 +134,13 @@ async def serve(config: DecodeConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    config, args = parse(argv)
-    configure_process(args)
-    configure_ucx(args)
-    clock.setup_from_args(args)
-    telemetry.setup(config.role, config.worker_id, engine=args.engine)
-    run(serve(config))
+    with refuse_at_start("decode"):
+        config, args = parse(argv)
+        configure_process(args)
+        configure_ucx(args)
+        clock.setup_from_args(args)
+        telemetry.setup(config.role, config.worker_id, engine=args.engine)
+        run(serve(config))
 
 
 if __name__ == "__main__":

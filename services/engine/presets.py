@@ -26,7 +26,17 @@ if TYPE_CHECKING:
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 1
 TOKENIZER_VOCAB = 1024
-PRESET_VERSION = 1  # bump when a preset's files change, so cached copies are made anew
+PRESET_VERSION = 2  # bump when a preset's files change, so cached copies are made anew
+# The embedded models' chat template: ChatML (as Qwen2 ships it) after BOS. <|im_end|> ends the
+# assistant's turn, so generation_config.json lists it beside <|end_of_text|> as an EOS id.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+END_OF_TURN_ID = 3  # <|im_end|>
 
 PRESETS: dict[str, dict] = {
     "tiny": {
@@ -154,20 +164,10 @@ def create_model(
     tok.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, indent=2) + "\n"
-    )
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": SPECIAL_TOKENS[BOS_ID],
-                "eos_token": SPECIAL_TOKENS[EOS_ID],
-                "model_max_length": cfg["max_position_embeddings"],
-            },
-            indent=2,
-        )
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_OF_TURN_ID]}, indent=2)
         + "\n"
     )
+    _write_tokenizer_config(out, cfg["max_position_embeddings"])
     from safetensors.torch import save_file
 
     tensors = random_weights(cfg, seed)
@@ -220,7 +220,21 @@ def create_emulated(spec: ModelSpec, out: str | Path) -> Path:
     }
     tok.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    _write_tokenizer_config(out, spec.max_context)
     return out
+
+
+def _write_tokenizer_config(out: Path, max_length: int) -> None:
+    """tokenizer_config.json as transformers writes it: the special tokens and the chat
+    template, so the embedded models chat as a Hub model does."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def emulated_model(spec: ModelSpec) -> Path:

@@ -13,9 +13,10 @@ from aiohttp import web
 
 from services.common import clock, mesh_tls, telemetry
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.hub import refuse_at_start, resolve_model
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
-from services.common.model_config import ModelConfig
+from services.common.model_config import GenerationDefaults, ModelConfig
 from services.common.server import (
     announce_ready,
     run,
@@ -26,6 +27,7 @@ from services.common.server import (
 from services.common.slo import Slo
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission, AdmissionConfig
+from services.gateway.chat_template import ChatTemplate
 from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
 from services.gateway.metrics import GatewayMetrics
@@ -42,6 +44,7 @@ log = logging.getLogger("distserve.gateway")
 @dataclass(frozen=True)
 class GatewayConfig:
     model: Path  # the model folder: tokenizer and limits (the gateway never loads weights)
+    model_id: str | None = None  # the Hub id `model` was resolved from; None: a local folder
     host: str = "127.0.0.1"
     port: int = 50051
     # A worker that does not heartbeat this long is dropped (a dead one sooner: a call that
@@ -49,7 +52,9 @@ class GatewayConfig:
     worker_lease_s: float = 6.0
     max_tokens: int | None = None  # largest max_tokens accepted; default: the model's context
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0: any free port; None: off
-    served_model_name: str | None = None  # the model's name in the HTTP API; default: folder name
+    served_model_name: str | None = None  # name in the HTTP API; default: Hub id, else folder
+    chat_template: Path | None = None  # a template file replacing the model folder's
+    generation_config: bool = True  # apply generation_config.json's sampling defaults (auto)
     max_body_bytes: int = 8 * 2**20  # largest HTTP request body
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
@@ -66,7 +71,27 @@ class GatewayConfig:
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, help="model folder (tokenizer, limits)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model folder, or Hugging Face Hub id (org/name) fetched into the HF cache "
+        "(tokenizer, chat template, limits: the gateway loads no weights)",
+    )
+    p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template replacing the model folder's (chat_template.jinja, else "
+        "tokenizer_config.json's); a model with neither refuses chat without it",
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto: generation_config.json's temperature, top_p, top_k and max_new_tokens are "
+        "the defaults of requests that omit them; vllm: ignore the file (the API's defaults)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--worker-lease-s", type=float, default=6.0)
@@ -74,7 +99,9 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 any free, -1 off"
     )
-    p.add_argument("--served-model-name", help="model name in the HTTP API (default: folder name)")
+    p.add_argument(
+        "--served-model-name", help="model name in the HTTP API (default: Hub id, else folder)"
+    )
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest HTTP body")
     add_metrics_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO (metrics)")
@@ -148,8 +175,12 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         p.error("--layerwise-min-tokens must be >= 0")
     if min(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_window_s) <= 0:
         p.error("SLOs and their window must be positive")
+    model = resolve_model(a.model, a.revision)
     return GatewayConfig(
-        model=a.model,
+        model=model,
+        model_id=None if model == Path(a.model).expanduser() else a.model,
+        chat_template=a.chat_template,
+        generation_config=a.generation_config == "auto",
         host=a.host,
         port=a.port,
         worker_lease_s=a.worker_lease_s,
@@ -189,8 +220,11 @@ async def serve(config: GatewayConfig) -> None:
     engine = "emulated" if model.emulated else "torch"
     telemetry.setup("gateway", engine=engine)
     tokenizer = Tokenizer.from_dir(config.model)
+    chat = ChatTemplate.from_file(tokenizer, config.chat_template, model=str(config.model))
+    defaults = GenerationDefaults.from_dir(config.model) if config.generation_config else None
+    defaults = defaults or GenerationDefaults()
     registry = Registry(config.worker_lease_s)
-    served = config.served_model_name or config.model.resolve().name
+    served = config.served_model_name or config.model_id or config.model.resolve().name
     if model.emulated and "emulated" not in served:
         served += "-emulated"  # an emulated model is never mistaken for a real one
     local = _local_prefill(config, model)
@@ -210,11 +244,13 @@ async def serve(config: GatewayConfig) -> None:
     metrics.watch_admission(admission)
     layerwise_min = config.layerwise_min_tokens if config.layerwise_handoff else None
     router = Router(routing, tokenizer, served, metrics, feed, layerwise_min, admission)
-    limits = Limits.for_model(model, config.max_tokens, registry.max_model_len)
+    limits = Limits.for_model(
+        model, config.max_tokens, registry.max_model_len, default_max_tokens=defaults.max_tokens
+    )
 
     def add(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayServicer(router, tokenizer, limits), server
+            GatewayServicer(router, tokenizer, limits, defaults), server
         )
         gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(RegistryServicer(registry), server)
 
@@ -233,11 +269,13 @@ async def serve(config: GatewayConfig) -> None:
                 model_names=(served,),
                 max_body_bytes=config.max_body_bytes,
                 engine=engine,
+                generation=defaults,
             ),
             router,
             routing,
             tokenizer,
             limits,
+            chat,
         )
         # handler_cancellation: a client that disconnects cancels its request downstream.
         http = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
@@ -275,9 +313,10 @@ def _local_prefill(config: GatewayConfig, model: ModelConfig) -> LocalPrefill | 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    config = parse(argv)
-    clock.setup(config.time_scale, config.time_epoch)
-    run(serve(config))
+    with refuse_at_start("gateway"):
+        config = parse(argv)
+        clock.setup(config.time_scale, config.time_epoch)
+        run(serve(config))
 
 
 if __name__ == "__main__":

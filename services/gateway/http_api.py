@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -30,6 +30,7 @@ from services.common.errors import (
     RemoteError,
     Unavailable,
 )
+from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
 from services.gateway import openai_protocol as oai
@@ -73,6 +74,8 @@ class HttpApiConfig:
     model_names: tuple[str, ...]  # names a request's `model` may use; the first is listed first
     max_body_bytes: int = 8 * 2**20
     engine: str = "torch"  # "emulated": the workers model their steps (said in /v1/models)
+    # Sampling defaults of a request that sets none (generation_config.json, --generation-config)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 class HttpApi:
@@ -85,13 +88,14 @@ class HttpApi:
         routing: Routing,
         tokenizer: Tokenizer,
         limits: Limits,
+        chat_template: ChatTemplate,
     ) -> None:
         self.config = config
         self.router = router
         self.routing = routing
         self.tokenizer = tokenizer
         self.limits = limits
-        self.chat_template = ChatTemplate(tokenizer)
+        self.chat_template = chat_template
         self.created = int(time.time())
         self._openapi = json.dumps(openapi_document(config.model_names[0]), indent=1)
 
@@ -158,7 +162,7 @@ class HttpApi:
         except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
         oai.check_unicode(body)
-        call = oai.parse(endpoint, body, self.chat_template.render)
+        call = oai.parse(endpoint, body, self.chat_template.render, self.config.generation)
         model = self._served(call.model)
         req = await build_request(
             call.prompt,

@@ -17,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
+from services.common.model_config import GenerationDefaults
 from services.common.sampling import MAX_TOP_K, FinishReason, SamplingParams
 from services.gateway.chat_template import ROLES
 
 COMPLETIONS, CHAT = "completions", "chat"
 BOTH = (COMPLETIONS, CHAT)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
 
 
 @dataclass(frozen=True)
@@ -269,11 +271,18 @@ def check_unicode(body: object) -> None:
                 ) from None
 
 
-def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> CompletionCall:
+def parse(
+    endpoint: str,
+    body: object,
+    render_chat: Callable | None = None,
+    defaults: GenerationDefaults = NO_DEFAULTS,
+) -> CompletionCall:
     """Check a request body against PARAMETERS and UNSUPPORTED and build the call.
 
-    `render_chat(messages) -> ChatPrompt` renders chat messages (CHAT only). Raises
-    InvalidRequest, naming the parameter, for anything that is off.
+    `render_chat(messages) -> ChatPrompt` renders chat messages (CHAT only). `defaults` (the
+    model's generation_config.json) stand in for sampling fields the body leaves out; its
+    max_tokens caps a request that names none. Raises InvalidRequest, naming the parameter,
+    for anything that is off.
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -320,12 +329,12 @@ def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> C
     else:
         prompt = _prompt(values["prompt"])
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
-    fill_context = max_tokens is None and endpoint == CHAT
-    top_k = values.get("top_k", 0)
+    fill_context = max_tokens is None and (endpoint == CHAT or defaults.max_tokens is not None)
+    top_k = values.get("top_k", _default(defaults.top_k, 0))
     params = SamplingParams(
         max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-        temperature=values.get("temperature", 1.0),
-        top_p=values.get("top_p", 1.0),
+        temperature=values.get("temperature", _default(defaults.temperature, 1.0)),
+        top_p=values.get("top_p", _default(defaults.top_p, 1.0)),
         top_k=0 if top_k == -1 else top_k,
         seed=values.get("seed"),
         stop=stop,
@@ -343,6 +352,10 @@ def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> C
         include_usage=include_usage,
         user=values.get("user"),
     )
+
+
+def _default(value: float | None, fallback: float) -> float:
+    return fallback if value is None else value
 
 
 def _prompt(value: str | list) -> str | list[int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.common.convert import sampling_from_pb
 from services.common.errors import DeadlineExceeded, InvalidRequest
-from services.common.model_config import ModelConfig
+from services.common.model_config import GenerationDefaults, ModelConfig
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 
@@ -74,6 +74,9 @@ class Limits:
     vocab_size: int
     max_tokens: int  # largest max_tokens a request may ask for
     served: Callable[[], int | None] = lambda: None
+    # At most this many tokens for a request that names no max_tokens (generation_config.json's
+    # max_new_tokens, as vLLM); None: the context's room.
+    default_max_tokens: int | None = None
 
     @classmethod
     def for_model(
@@ -81,12 +84,14 @@ class Limits:
         model: ModelConfig,
         max_tokens: int | None = None,
         served: Callable[[], int | None] = lambda: None,
+        default_max_tokens: int | None = None,
     ) -> Limits:
         return cls(
             model_context=model.max_position_embeddings,
             vocab_size=model.vocab_size,
             max_tokens=max_tokens or model.max_position_embeddings,
             served=served,
+            default_max_tokens=default_max_tokens,
         )
 
     @property
@@ -102,10 +107,12 @@ async def validate(
     limits: Limits,
     grpc_remaining: float | None,
     default_request_id: str = "",
+    defaults: GenerationDefaults | None = None,
 ) -> Request:
     """Check a gRPC GenerateRequest; InvalidRequest with an actionable message if anything is
     off. The checks themselves are `build_request`'s, shared with the HTTP API.
-    `default_request_id` (e.g. Envoy's x-request-id) is used when the request names none."""
+    `default_request_id` (e.g. Envoy's x-request-id) is used when the request names none;
+    `defaults` (generation_config.json) fill the sampling fields it leaves unset."""
     kind = pb.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("give a prompt: `text` or `token_ids`", param="prompt")
@@ -113,11 +120,12 @@ async def validate(
     budgets = (grpc_remaining, pb.timeout_ms / 1000 if pb.timeout_ms else None)
     return await build_request(
         prompt,
-        sampling_from_pb(pb.sampling),
+        sampling_from_pb(pb.sampling, defaults),
         tokenizer,
         limits,
         request_id=pb.request_id or default_request_id,
         budgets=budgets,
+        fill_context=not pb.sampling.max_tokens and limits.default_max_tokens is not None,
     )
 
 
@@ -137,7 +145,8 @@ async def build_request(
 
     `prompt` is text or token ids. `budgets` are time limits in seconds (the earliest wins; None
     or 0 is no limit). `fill_context`: the caller did not choose max_tokens, so generate up to
-    the context (capped by the server's limit) instead of `params.max_tokens`.
+    the context (capped by the server's limit and the model's default) instead of
+    `params.max_tokens`.
     `add_special_tokens`: add what the tokenizer adds to text (e.g. BOS); a chat template that
     renders its own special tokens turns it off. A long text is tokenized on a worker thread,
     so the event loop keeps serving everyone else meanwhile.
@@ -173,7 +182,8 @@ async def build_request(
         raise _too_long(len(ids), limits)
     room = max_context - len(ids)
     if fill_context:
-        params = dataclasses.replace(params, max_tokens=min(room, limits.max_tokens))
+        most = min(room, limits.max_tokens, limits.default_max_tokens or room)
+        params = dataclasses.replace(params, max_tokens=most)
     if params.max_tokens > limits.max_tokens:
         raise InvalidRequest(
             f"max_tokens is {params.max_tokens}; this server allows at most {limits.max_tokens}",

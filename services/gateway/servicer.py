@@ -10,6 +10,7 @@ from services.common.gen.distserve.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
+from services.common.model_config import GenerationDefaults
 from services.common.tokenizer import Tokenizer
 from services.gateway.events import Done
 from services.gateway.prefix_index import CachedBlocks
@@ -30,17 +31,24 @@ TIME_SCALE_HEADER = "x-distserve-time-scale"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, router: Router, tokenizer: Tokenizer, limits: Limits) -> None:
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        defaults: GenerationDefaults | None = None,
+    ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.limits = limits
+        self.defaults = defaults  # generation_config.json's, for fields a request leaves unset
 
     async def Generate(self, request, context):
         received = clock.monotonic()
         # Behind Envoy, its x-request-id names the request (as in its access log).
         edge_id = dict(context.invocation_metadata() or ()).get("x-request-id", "")
         req = await validate(
-            request, self.tokenizer, self.limits, context.time_remaining(), edge_id
+            request, self.tokenizer, self.limits, context.time_remaining(), edge_id, self.defaults
         )
         if clock.scale() != 1.0:  # an emulated mesh: the client reports latencies in its time
             await context.send_initial_metadata(((TIME_SCALE_HEADER, repr(clock.scale())),))

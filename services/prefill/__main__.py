@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from services.common import clock, telemetry
 from services.common.gen.distserve.v1 import (
@@ -14,6 +13,7 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.common.hub import refuse_at_start, resolve_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
@@ -35,7 +35,11 @@ log = logging.getLogger("distserve.prefill")
 
 def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
-    p.add_argument("--model", type=Path, help="model folder (default: the embedded tiny model)")
+    p.add_argument(
+        "--model",
+        help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
+    )
+    p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
     p.add_argument("--gateway", help="gateway host:port to register with")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -54,6 +58,8 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
+    else:
+        args.model = resolve_model(args.model, args.revision)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     config = PrefillConfig(
         model=args.model,
@@ -121,12 +127,13 @@ async def serve(config: PrefillConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    config, args = parse(argv)
-    configure_process(args)
-    configure_ucx(args)
-    clock.setup_from_args(args)
-    telemetry.setup("prefill", config.worker_id, engine=args.engine)
-    run(serve(config))
+    with refuse_at_start("prefill"):
+        config, args = parse(argv)
+        configure_process(args)
+        configure_ucx(args)
+        clock.setup_from_args(args)
+        telemetry.setup("prefill", config.worker_id, engine=args.engine)
+        run(serve(config))
 
 
 if __name__ == "__main__":

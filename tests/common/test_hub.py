@@ -1,0 +1,197 @@
+"""`--model` as a Hugging Face Hub id, resolved offline from a cache laid out as huggingface_hub
+lays it out (no network here: HF_HUB_OFFLINE=1 and the cache a test fills)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidRequest, ModelLoadError
+from services.common.hub import is_hub_id, resolve_model
+
+REPO = "distserve-test/tiny-chat"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fill_hf_cache(hf_home: Path, repo: str, folder: Path, commit: str = COMMIT) -> Path:
+    """Put `folder`'s files into the cache under HF_HOME as huggingface_hub stores a download:
+    hub/models--{org}--{name}/blobs/<sha256> holding the bytes, snapshots/<commit>/<file> a
+    relative symlink to its blob, refs/main naming the commit. Returns the snapshot folder."""
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(folder.iterdir()):
+        data = file.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def offline_env(hf_home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def distserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "distserve.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def hf_home(tmp_path, tiny_model) -> Path:
+    home = tmp_path / "hf"
+    fill_hf_cache(home, REPO, tiny_model)
+    return home
+
+
+def test_the_cache_the_tests_fill_is_the_layout_huggingface_hub_reads(hf_home):
+    code = (
+        "from huggingface_hub import scan_cache_dir, snapshot_download\n"
+        f"repo = next(r for r in scan_cache_dir().repos if r.repo_id == {REPO!r})\n"
+        "print(sorted(r.commit_hash for r in repo.revisions))\n"
+        f"print(snapshot_download({REPO!r}, local_files_only=True))\n"
+    )
+    run = run_python(code, offline_env(hf_home))
+    assert run.returncode == 0, run.stderr
+    commits, snapshot = run.stdout.split("\n")[:2]
+    assert commits == f"['{COMMIT}']"
+    assert (
+        Path(snapshot)
+        == hf_home / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    )
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_offline(hf_home, tiny_model):
+    code = f"from services.common.hub import resolve_model; print(resolve_model({REPO!r}))"
+    run = run_python(code, offline_env(hf_home))
+    assert run.returncode == 0, run.stderr
+    folder = Path(run.stdout.strip())
+    assert folder.name == COMMIT
+    assert (folder / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
+
+
+def test_model_fetch_prints_the_folder_to_serve(hf_home):
+    run = distserve("model", "fetch", REPO, env=offline_env(hf_home))
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()).name == COMMIT
+
+
+def test_an_unknown_id_offline_names_it_and_how_to_stage_it(hf_home):
+    run = distserve("model", "fetch", "nobody/nothing", env=offline_env(hf_home))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    message = run.stderr.strip()
+    assert len(message.splitlines()) == 1
+    assert "nobody/nothing" in message and "HF_HUB_OFFLINE is set" in message
+    assert "distserve model fetch nobody/nothing" in message
+
+
+def test_an_unreachable_hub_is_named_as_such(tmp_path):
+    env = {**offline_env(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens
+    del env["HF_HUB_OFFLINE"]
+    code = "from services.common.hub import resolve_model; resolve_model('nobody/nothing')"
+    run = run_python(code, env)
+    assert "ModelLoadError" in run.stderr and "offline or unreachable (no connection)" in run.stderr
+
+
+def test_a_local_folder_is_used_as_it_is(tiny_model):
+    assert resolve_model(str(tiny_model)) == tiny_model
+    with pytest.raises(InvalidRequest, match="--revision v1 is for a Hugging Face Hub id"):
+        resolve_model(tiny_model, revision="v1")
+
+
+def test_a_path_that_is_no_folder_and_no_hub_id_says_the_folder_is_missing(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(tmp_path / "nothing" / "here")
+
+
+@pytest.mark.parametrize(
+    ("name", "hub"),
+    [
+        ("Qwen/Qwen2.5-0.5B", True),
+        ("gpt2", True),
+        ("./gpt2", False),
+        ("/models/llama", False),
+        ("a/b/c", False),
+        ("~/m", False),
+        ("bad name/x", False),
+    ],
+)
+def test_hub_ids_are_told_from_paths(name, hub):
+    assert is_hub_id(name) is hub
+
+
+def test_the_workers_and_gateway_take_a_hub_id_and_resolve_it_themselves(hf_home, tmp_path):
+    """Started on their own (a pod, not `distserve up`), each process resolves the id
+    (tests/test_model_loading.py serves from an id end to end)."""
+    for service in ("services.gateway", "services.prefill"):
+        code = (
+            f"import sys; from {service}.__main__ import parse\n"
+            f"out = parse(['--model', {REPO!r}])\n"
+            "config = out[0] if isinstance(out, tuple) else out\n"
+            "print(config.model)\n"
+        )
+        run = run_python(code, offline_env(hf_home))
+        assert run.returncode == 0, run.stderr
+        assert Path(run.stdout.strip()).name == COMMIT
+
+
+def test_only_the_files_the_mesh_reads_are_fetched():
+    """MODEL_FILES through huggingface_hub's own filter (what snapshot_download applies to a
+    repository's file list), on the files of a typical Hub repository."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from services.common.hub import MODEL_FILES
+
+    repo = [
+        ".gitattributes",
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "consolidated.safetensors",
+        "original/consolidated.00.pth",
+        "original/model.safetensors",
+        "pytorch_model.bin",
+        "tf_model.h5",
+        "onnx/model.onnx",
+        "model.gguf",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ]
+    fetched = set(filter_repo_objects(repo, allow_patterns=list(MODEL_FILES)))
+    assert fetched == {
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    }
