@@ -233,6 +233,7 @@ async def serve(config: GatewayConfig) -> None:
                 model_names=(served,),
                 max_body_bytes=config.max_body_bytes,
                 engine=engine,
+                serve_metrics=config.metrics_port >= 0,
             ),
             router,
             routing,

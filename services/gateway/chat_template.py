@@ -71,13 +71,15 @@ class ChatTemplate:
         else:  # the model's own EOS ends its turn (the engine stops there)
             self._stop_ids, self._stop = (), ()
 
-    def render(self, messages: Sequence[dict]) -> ChatPrompt:
+    def render(self, messages: Sequence[dict], extra: dict | None = None) -> ChatPrompt:
         """The prompt for the assistant's next turn. Messages are dicts with a `role` and a
-        string `content` (the HTTP layer has checked and flattened them)."""
+        string `content` (the HTTP layer has checked and flattened them). `extra` are more
+        variables for the template (e.g. `add_generation_prompt`, `documents`, a request's
+        chat_template_kwargs), as transformers' apply_chat_template passes its kwargs; the
+        caller keeps them off `messages` and the special tokens."""
+        variables = {"add_generation_prompt": True, **self._specials, **(extra or {})}
         try:
-            text = self._template.render(
-                messages=list(messages), add_generation_prompt=True, **self._specials
-            )
+            text = self._template.render(messages=list(messages), **variables)
         except InvalidRequest:
             raise
         except jinja2.TemplateError as e:

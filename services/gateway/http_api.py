@@ -12,7 +12,9 @@ router's stream and cancels the request everywhere downstream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import clock, telemetry
 from services.common.errors import (
@@ -32,11 +35,18 @@ from services.common.errors import (
 )
 from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
+from services.gateway import openai_fields as fields
 from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.events import Done, Output
 from services.gateway.openapi import openapi_document
-from services.gateway.request import Limits, Request, build_request
+from services.gateway.request import (
+    MAX_PROMPT_CHARS,
+    THREAD_TOKENIZE_CHARS,
+    Limits,
+    Request,
+    build_request,
+)
 from services.gateway.router import Router
 from services.gateway.routing import Routing
 
@@ -66,6 +76,13 @@ ERROR_TYPE = {
 }
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)  # --max-body-bytes, for the 413 message
+# OpenAI's paths this server does not serve, each with a 404 that says so (not "no such path").
+NOT_SERVED = {
+    "/v1/embeddings": "embeddings",
+    "/v1/audio/{rest:.*}": "audio (speech, transcriptions, translations)",
+    "/v1/images/{rest:.*}": "images",
+    "/v1/responses": "OpenAI's Responses API",
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class HttpApiConfig:
     model_names: tuple[str, ...]  # names a request's `model` may use; the first is listed first
     max_body_bytes: int = 8 * 2**20
     engine: str = "torch"  # "emulated": the workers model their steps (said in /v1/models)
+    serve_metrics: bool = True  # GET /metrics: the gateway's Prometheus metrics
 
 
 class HttpApi:
@@ -104,6 +122,13 @@ class HttpApi:
         app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold slashes
         app.router.add_get("/health", self.health)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+        if self.config.serve_metrics:
+            app.router.add_get("/metrics", self.metrics)
+        for path, what in NOT_SERVED.items():
+            app.router.add_route("*", path, _not_served(what))
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -128,6 +153,38 @@ class HttpApi:
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(text=self._openapi, content_type="application/json")
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt tokenized as /v1/completions does, or messages rendered
+        and tokenized as /v1/chat/completions does; no context limit applies (it counts)."""
+        call = oai.parse_tokenize(await _body(request), self.chat_template.render)
+        self._served(call.model)
+        ids = await self._encode(call.prompt, call.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": self.limits.max_context, "tokens": ids}
+        if call.return_token_strs:
+            out["token_strs"] = [self.tokenizer.token(t) for t in ids]
+        return _json(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        values = fields.checked(fields.DETOKENIZE, await _body(request))
+        self._served(values.get("model"))
+        ids = values["tokens"]
+        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})",
+                param="tokens",
+            )
+        return _json({"prompt": self.tokenizer.decode(ids)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": importlib.metadata.version("distserve-mesh")})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The gateway's Prometheus metrics (the same registry as its --metrics-port), so the
+        edge can route /metrics to them."""
+        body = generate_latest(self.router.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     def _model(self, name: str) -> dict:
         engine = self.config.engine
         owner = "distserve" if engine == "torch" else f"distserve ({engine})"
@@ -136,8 +193,35 @@ class HttpApi:
             "object": "model",
             "created": self.created,
             "owned_by": owner,
+            "max_model_len": self.limits.max_context,
             "distserve_engine": self.config.engine,
         }
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text, on a worker thread when it is long."""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(
+                f"prompt text is longer than {MAX_PROMPT_CHARS} characters", param="prompt"
+            )
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def _prompt(self, call: oai.CompletionCall) -> str | list[int]:
+        """The prompt build_request gets: with truncate_prompt_tokens, the last k token ids."""
+        k, prompt = call.truncate_prompt_tokens, call.prompt
+        if k is None or not prompt:
+            return prompt
+        ids = (
+            await self._encode(prompt, call.add_special_tokens)
+            if isinstance(prompt, str)
+            else prompt
+        )
+        if k == -1:  # as many as fit the context with max_tokens (or one token, filling it)
+            k = max(
+                1, self.limits.max_context - (1 if call.fill_context else call.params.max_tokens)
+            )
+        return ids[-k:]
 
     def _served(self, name: str | None) -> str:
         if name is None:
@@ -152,26 +236,24 @@ class HttpApi:
 
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         received = clock.monotonic()
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
-            raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
-        oai.check_unicode(body)
-        call = oai.parse(endpoint, body, self.chat_template.render)
+        call = oai.parse(endpoint, await _body(request), self.chat_template.render)
         model = self._served(call.model)
         req = await build_request(
-            call.prompt,
+            await self._prompt(call),
             call.params,
             self.tokenizer,
             self.limits,
-            request_id=request.headers.get("x-request-id", ""),
+            request_id=call.request_id or request.headers.get("x-request-id", ""),
             fill_context=call.fill_context,
             add_special_tokens=call.add_special_tokens,
         )
         prefix = "chatcmpl-" if endpoint == oai.CHAT else "cmpl-"
-        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model)
+        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model, req.prompt_ids)
+        echo = self._echo(call, req)
         if call.user:
             log.info("request %s from user %r", req.request_id, call.user)
+        if call.safety_identifier:
+            log.info("request %s from safety identifier %r", req.request_id, call.safety_identifier)
         events = self.router.generate(
             req,
             telemetry.from_headers(request.headers),
@@ -183,34 +265,52 @@ class HttpApi:
             # a refused request) get their own HTTP status.
             first = await anext(events)
             if call.stream:
-                return await self._stream(request, req, reply, first, events)
-            text, used, last = [first.text], len(first.token_ids), first
+                return await self._stream(request, req, reply, echo, first, events)
+            text, ids, last = [echo, first.text], list(first.token_ids), first
             async for out in events:
                 text.append(out.text)
-                used += len(out.token_ids)
+                ids += out.token_ids
                 last = out
-            total = oai.usage(len(req.prompt_ids), used)
-            return _json(reply.whole("".join(text), _reason(last), total), req)
+            total = oai.usage(len(req.prompt_ids), len(ids))
+            return _json(reply.whole("".join(text), _reason(last), total, ids), req)
+
+    def _echo(self, call: oai.CompletionCall, req: Request) -> str:
+        """What echo puts before the answer: the prompt as sent (its text; token ids or a
+        truncated prompt: the text of the ids served), or the continued assistant message."""
+        if not call.echo:
+            return ""
+        if call.endpoint == oai.CHAT:
+            return call.continued
+        if isinstance(call.prompt, str) and call.truncate_prompt_tokens is None:
+            return call.prompt
+        return self.tokenizer.decode(req.prompt_ids)
 
     async def _stream(
         self,
         request: web.Request,
         req: Request,
         reply: oai.Reply,
+        echo: str,
         first: Output,
         events: AsyncIterator[Output],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
-        chat = reply.call.endpoint == oai.CHAT
-        await _event(response, reply.chunk(first.text, _reason(first), first=chat))
+        prompt = len(req.prompt_ids)
         used, last = len(first.token_ids), first
+        chunk = reply.chunk(
+            echo + first.text, _reason(first), first.token_ids, oai.usage(prompt, used), first=True
+        )
+        await _event(response, chunk)
         try:
             async for out in events:
                 used += len(out.token_ids)
                 last = out
-                if out.text or isinstance(out, Done):
-                    await _event(response, reply.chunk(out.text, _reason(out)))
+                if out.text or isinstance(out, Done) or reply.call.return_token_ids:
+                    chunk = reply.chunk(
+                        out.text, _reason(out), out.token_ids, oai.usage(prompt, used)
+                    )
+                    await _event(response, chunk)
         except DistServeError as e:
             # Too late for a status: the error becomes the stream's last event.
             await _event(response, error_body(e)[1])
@@ -219,10 +319,31 @@ class HttpApi:
             if not isinstance(last, Done):
                 log.warning("request %s ended without a finish reason", req.request_id)
             if reply.call.include_usage:
-                await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used)))
+                await _event(response, reply.usage_chunk(oai.usage(prompt, used)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _body(request: web.Request) -> object:
+    """The request's JSON body, its strings checked to be Unicode text."""
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+    oai.check_unicode(body)
+    return body
+
+
+def _not_served(what: str):
+    async def handler(request: web.Request) -> web.Response:
+        message = (
+            f"this server does not serve {what} ({request.path}): it serves text generation, "
+            "POST /v1/completions and /v1/chat/completions"
+        )
+        return _plain_error(404, message, "not_served")
+
+    return handler
 
 
 def _reason(out: Output) -> FinishReason | None:
