@@ -2,8 +2,8 @@
 
 Handlers are thin: parse the body (openai_protocol), build the Request through the same
 validation as gRPC (request.build_request), stream Router.generate's events back as JSON or
-server-sent events. `_errors` is the one place where exceptions become HTTP statuses and
-OpenAI-shaped error bodies. Errors before the first token get their status; an error after the
+server-sent events. Exceptions become HTTP statuses and OpenAI-shaped error bodies in one
+place (http_errors.py). Errors before the first token get their status; an error after the
 stream has started is sent as a last `data: {"error": ...}` event (the status line is gone).
 
 A client that disconnects cancels its handler (handler_cancellation), which closes the
@@ -17,7 +17,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,19 +25,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import clock, telemetry
-from services.common.errors import (
-    DistServeError,
-    InvalidRequest,
-    NotFound,
-    RemoteError,
-    Unavailable,
-)
+from services.common.errors import DistServeError, InvalidRequest, NotFound
 from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
 from services.gateway import openai_fields as fields
 from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.events import Done, Output
+from services.gateway.http_errors import (
+    MAX_BODY_BYTES,
+    error_body,
+    errors_middleware,
+    json_response,
+    plain_error,
+)
 from services.gateway.openapi import openapi_document
 from services.gateway.request import (
     MAX_PROMPT_CHARS,
@@ -52,30 +52,7 @@ from services.gateway.routing import Routing
 
 log = logging.getLogger("distserve.gateway.http")
 
-# gRPC status (DistServeError.status) -> HTTP status. Anything else is a 500 with a safe message.
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "NOT_FOUND": 404,
-    "RESOURCE_EXHAUSTED": 429,
-    "FAILED_PRECONDITION": 500,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
-# What a worker answers NOT_FOUND or PERMISSION_DENIED to (a KV handle that lapsed, a wrong
-# access token) is the mesh's own state, not the caller's input: 503, worth a retry.
-WORKER_STATE_LOST = {"NOT_FOUND", "PERMISSION_DENIED"}
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)  # --max-body-bytes, for the 413 message
 # OpenAI's paths this server does not serve, each with a 404 that says so (not "no such path").
 NOT_SERVED = {
     "/v1/embeddings": "embeddings",
@@ -114,7 +91,9 @@ class HttpApi:
         self._openapi = json.dumps(openapi_document(config.model_names[0]), indent=1)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[errors_middleware]
+        )
         app[MAX_BODY_BYTES] = self.config.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -341,7 +320,7 @@ def _not_served(what: str):
             f"this server does not serve {what} ({request.path}): it serves text generation, "
             "POST /v1/completions and /v1/chat/completions"
         )
-        return _plain_error(404, message, "not_served")
+        return plain_error(404, message, "not_served")
 
     return handler
 
@@ -357,67 +336,4 @@ async def _event(response: web.StreamResponse, payload: dict) -> None:
 
 def _json(payload: dict, req: Request | None = None, status: int = 200) -> web.Response:
     headers = {"x-request-id": req.request_id} if req is not None else None
-    return web.json_response(
-        payload,
-        status=status,
-        headers=headers,
-        dumps=lambda x: json.dumps(x, ensure_ascii=False, separators=(",", ":")),
-    )
-
-
-def error_body(e: DistServeError) -> tuple[int, dict]:
-    """The HTTP status and OpenAI-shaped body of an error: the one mapping of the HTTP API."""
-    if isinstance(e, RemoteError) and e.status in WORKER_STATE_LOST:
-        e = Unavailable(f"the mesh lost this request's state ({e}); retry it")
-    status = HTTP_STATUS.get(e.status, 500)
-    message = str(e) if e.status in HTTP_STATUS else "internal error"
-    code = "model_not_found" if status == 404 and getattr(e, "param", None) == "model" else None
-    error = {
-        "message": message,
-        "type": ERROR_TYPE.get(status, "server_error"),
-        "param": getattr(e, "param", None),
-        "code": code,
-    }
-    return status, {"error": error}
-
-
-def _plain_error(status: int, message: str, code: str | None = None) -> web.Response:
-    error = {
-        "message": message,
-        "type": ERROR_TYPE.get(status, "server_error"),
-        "param": None,
-        "code": code,
-    }
-    return _json({"error": error}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
-    """The one place where exceptions become HTTP statuses with OpenAI-shaped bodies."""
-    try:
-        return await handler(request)
-    except DistServeError as e:
-        status, body = error_body(e)
-        if status >= 500:
-            log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
-        response = _json(body, status=status)
-        retry_after_s = getattr(e, "retry_after_s", None)
-        if retry_after_s:
-            response.headers["retry-after"] = str(math.ceil(retry_after_s))
-        return response
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY_BYTES]
-        return _plain_error(
-            413, f"the request body is larger than {limit} bytes", "request_too_large"
-        )
-    except web.HTTPNotFound:
-        return _plain_error(404, f"no such path: {request.path}", "not_found")
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
-        message = f"{request.method} is not allowed on {request.path}; use {allowed}"
-        return _plain_error(405, message)
-    except (web.HTTPException, ConnectionResetError):
-        raise  # aiohttp's own answers; a client that went away needs none
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        return _plain_error(500, "internal error")
+    return json_response(payload, status=status, headers=headers)

@@ -293,6 +293,9 @@ def effect_of(name: str, walk: Walk, value) -> None:
         assert text(e, walk.ok(**{name: value})) == text(e, walk.ref)  # an id, not a change
     elif name == "echo" and e == C:
         assert text(e, walk.ok(echo=value)) == PROMPT + text(e, walk.ref)
+        status, chunks = walk.send(echo=value, stream=True)
+        assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + text(e, walk.ref)
     elif name == "echo":
         reply = walk.ok(messages=CONTINUED, continue_final_message=True, echo=value)
         assert text(e, reply).startswith("Prefill runs")
@@ -307,6 +310,9 @@ def effect_of(name: str, walk: Walk, value) -> None:
         else:
             want = walk.template_ids(MESSAGES, add_generation_prompt=True)
         assert walk.prompt_ids(walk.ref) == want
+        status, chunks = walk.send(return_token_ids=value, stream=True)
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+        assert walk.prompt_ids(chunks[0]) == want
     elif name == "request_id":
         assert walk.ok(request_id=value)["id"] == ("cmpl-" if e == C else "chatcmpl-") + value
     elif name == "add_special_tokens":
