@@ -17,7 +17,7 @@ from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb
 from services.common.tokenizer import Tokenizer
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy import Envoy
-from services.gateway import openai_protocol
+from services.gateway import openai_fields
 from services.gateway.chat_template import ChatTemplate
 from tests.certs import self_signed
 from tests.conftest import start_mesh
@@ -209,15 +209,19 @@ def test_models_health_and_the_openapi_document_describe_what_is_served(mesh):
         "/v1/models/{model}",
         "/health",
         "/openapi.json",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/metrics",
     }
     schemas = doc["components"]["schemas"]
-    for endpoint, name in ((openai_protocol.COMPLETIONS, "CompletionRequest"),
-                           (openai_protocol.CHAT, "ChatCompletionRequest")):  # fmt: skip
+    for endpoint, name in ((openai_fields.COMPLETIONS, "CompletionRequest"),
+                           (openai_fields.CHAT, "ChatCompletionRequest")):  # fmt: skip
         documented = set(schemas[name]["properties"])
-        accepted = {p.name for p in openai_protocol.PARAMETERS if endpoint in p.endpoints}
-        assert documented == accepted
+        assert documented == set(openai_fields.BY_ENDPOINT[endpoint])  # honoured and refused
     # Every documented GET path answers (the others are exercised by the tests around).
-    for path in ("/v1/models", f"/v1/models/{model_name(mesh)}", "/health", "/openapi.json"):
+    for path in ("/v1/models", f"/v1/models/{model_name(mesh)}", "/health", "/openapi.json",
+                 "/version", "/metrics"):  # fmt: skip
         assert request(mesh.edge_address, "GET", path)[0] == 200
 
 
@@ -242,7 +246,9 @@ BAD_BODIES = [
     ({"prompt": "x", "top_k": -3}, "top_k", "in [0, 4294967295]"),
     ({"prompt": "x", "seed": -1}, "seed", "[0, 2**63)"),
     ({"prompt": "x", "seed": 2**64}, "seed", "[0, 2**63)"),
-    ({"prompt": "x", "n": 2}, "n", "must be 1"),
+    ({"prompt": "x", "n": 2}, "n", "one choice per request"),
+    ({"prompt": "x", "temprature": 0}, "temprature", "did you mean 'temperature'?"),
+    ({"prompt": "x", "guided_json": {}}, "guided_json", "structured output"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16"),
     ({"prompt": ""}, "prompt", "prompt is empty"),
@@ -263,7 +269,8 @@ BAD_CHAT_BODIES = [
         "messages",
         "only text parts",
     ),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "must be 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "one choice per request"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools", "tool calling"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "supported"),
     (
         {
@@ -294,11 +301,16 @@ def test_bad_input_gets_an_openai_shaped_400_naming_the_parameter(mesh, path, bo
     assert message in reply["error"]["message"]
 
 
-def test_unknown_parameters_are_ignored(mesh):
+def test_unknown_parameters_are_refused_and_refused_ones_pass_only_at_their_default(mesh):
     c = client(mesh.edge_address)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(
+            model=model_name(mesh), prompt="x", max_tokens=3, extra_body={"frobnicate": {"a": 1}}
+        )
+    assert err.value.body["param"] == "frobnicate"
     out = c.completions.create(
         model=model_name(mesh), prompt="x", max_tokens=3,
-        extra_body={"frobnicate": {"a": 1}, "presence_penalty": 0, "best_of": 1},
+        extra_body={"frobnicate": None, "presence_penalty": 0, "best_of": 1},
     )  # fmt: skip
     assert out.usage.completion_tokens <= 3
 
@@ -397,6 +409,23 @@ def test_with_api_keys_a_request_needs_a_valid_key(mesh):
                 stub.Generate(req, timeout=30, metadata=[("authorization", "Bearer sk-two")])
             )
         assert replies[-1].usage.completion_tokens <= 2
+
+
+def test_metrics_through_the_edge_need_a_key_when_keys_are_on_unless_public(mesh):
+    upstream = [Upstream(mesh.gateway_address, mesh.gateway_http_address)]
+    status, headers, text = request(mesh.edge_address, "GET", "/metrics")  # no keys: open
+    assert status == 200 and "gen_ai_server_time_to_first_token_seconds" in text
+    assert headers["content-type"].startswith("text/plain")
+    edge = EdgeConfig(port=0, api_keys=("sk-one",), access_log="")
+    with Envoy(edge, upstream) as envoy:
+        assert request(envoy.address, "GET", "/metrics")[0] == 401
+        auth = {"Authorization": "Bearer sk-one"}
+        assert request(envoy.address, "GET", "/metrics", headers=auth)[0] == 200
+    edge = EdgeConfig(port=0, api_keys=("sk-one",), public_metrics=True, access_log="")
+    with Envoy(edge, upstream) as envoy:
+        status, _, text = request(envoy.address, "GET", "/metrics")
+        assert status == 200 and "gen_ai_server_time_to_first_token_seconds" in text
+        assert request(envoy.address, "GET", "/v1/models")[0] == 401  # the rest still needs one
 
 
 def test_with_tls_a_tls_client_succeeds_and_plain_http_is_refused(mesh, tmp_path):

@@ -29,6 +29,7 @@ class EdgeConfig:
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, TLS is on
     tls_key: Path | None = None
     api_keys: tuple[str, ...] = ()  # when set, every request but /health needs one
+    public_metrics: bool = False  # with api_keys: GET /metrics needs no key either
     max_request_bytes: int = 8 * 2**20  # larger bodies get 413
     rate_limit_rps: int = 100  # requests per second over the whole edge; 0 is off
     rate_limit_burst: int = 200  # the token bucket's size

@@ -230,6 +230,19 @@ def _routes(config: EdgeConfig) -> list[dict]:
     }
     if no_keys_no_limit:
         health["typed_per_filter_config"] = no_keys_no_limit
+    # The gateway's Prometheus metrics are routed like any HTTP path (a key when keys are on),
+    # unless public_metrics lets a scraper in without one.
+    public_metrics = []
+    if config.api_keys and config.public_metrics:
+        no_keys = {RBAC: _typed("config.route.v3.FilterConfig", disabled=True)}
+        public_metrics.append(
+            {
+                "name": "metrics",
+                "match": {"path": "/metrics"},
+                "route": {"cluster": HTTP_CLUSTER, "timeout": "10s"},
+                "typed_per_filter_config": no_keys,
+            }
+        )
     return [
         {
             "name": "grpc",
@@ -244,6 +257,7 @@ def _routes(config: EdgeConfig) -> list[dict]:
             "request_headers_to_remove": ["authorization"],  # keys stop at the edge
         },
         {"name": "health", **health},
+        *public_metrics,
         {
             "name": "http",
             "match": {"prefix": "/"},

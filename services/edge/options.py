@@ -20,6 +20,11 @@ def add_edge_options(p: argparse.ArgumentParser, port_flag: str = "--port") -> N
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     p.add_argument("--api-key-file", type=Path, help="require one of these keys (one per line)")
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with API keys: serve the gateway's /metrics without a key (Prometheus scrapes)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=d.max_request_bytes)
     p.add_argument(
         "--rate-limit", type=int, default=d.rate_limit_rps, help="requests/s over the edge; 0 off"
@@ -38,6 +43,7 @@ def edge_config(a: argparse.Namespace, host: str) -> EdgeConfig:
         tls_cert=a.tls_cert,
         tls_key=a.tls_key,
         api_keys=keys,
+        public_metrics=a.public_metrics,
         max_request_bytes=a.max_body_bytes,
         rate_limit_rps=a.rate_limit,
         rate_limit_burst=a.rate_limit_burst or 2 * a.rate_limit,

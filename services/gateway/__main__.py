@@ -270,6 +270,7 @@ async def serve(config: GatewayConfig) -> None:
                 max_body_bytes=config.max_body_bytes,
                 engine=engine,
                 generation=defaults,
+                serve_metrics=config.metrics_port >= 0,
             ),
             router,
             routing,

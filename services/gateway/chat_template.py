@@ -83,9 +83,12 @@ class ChatTemplate:
             raise ModelLoadError(f"--chat-template {file} cannot be read: {e}") from e
         return cls(tokenizer, source, model=model, origin=f"--chat-template {file}")
 
-    def render(self, messages: Sequence[dict]) -> ChatPrompt:
+    def render(self, messages: Sequence[dict], extra: dict | None = None) -> ChatPrompt:
         """The prompt for the assistant's next turn. Messages are dicts with a `role` and a
-        string `content` (the HTTP layer has checked and flattened them)."""
+        string `content` (the HTTP layer has checked and flattened them). `extra` are more
+        variables for the template (e.g. `add_generation_prompt`, `documents`, a request's
+        chat_template_kwargs), as transformers' apply_chat_template passes its kwargs; the
+        caller keeps them off `messages` and the special tokens."""
         if self._template is None:
             where = f"the model folder {self._model}" if self._model else "the model folder"
             raise InvalidRequest(
@@ -94,14 +97,15 @@ class ChatTemplate:
                 "you format yourself, or start the gateway with --chat-template FILE",
                 param="messages",
             )
+        variables = {
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": True,
+            **self._specials,
+            **(extra or {}),
+        }
         try:
-            text = self._template.render(
-                messages=list(messages),
-                tools=None,
-                documents=None,
-                add_generation_prompt=True,
-                **self._specials,
-            )
+            text = self._template.render(messages=list(messages), **variables)
         except InvalidRequest:
             raise
         except jinja2.TemplateError as e:

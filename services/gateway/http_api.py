@@ -2,8 +2,8 @@
 
 Handlers are thin: parse the body (openai_protocol), build the Request through the same
 validation as gRPC (request.build_request), stream Router.generate's events back as JSON or
-server-sent events. `_errors` is the one place where exceptions become HTTP statuses and
-OpenAI-shaped error bodies. Errors before the first token get their status; an error after the
+server-sent events. Exceptions become HTTP statuses and OpenAI-shaped error bodies in one
+place (http_errors.py). Errors before the first token get their status; an error after the
 stream has started is sent as a last `data: {"error": ...}` event (the status line is gone).
 
 A client that disconnects cancels its handler (handler_cancellation), which closes the
@@ -12,61 +12,55 @@ router's stream and cancels the request everywhere downstream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import clock, telemetry
-from services.common.errors import (
-    DistServeError,
-    InvalidRequest,
-    NotFound,
-    RemoteError,
-    Unavailable,
-)
+from services.common.errors import DistServeError, InvalidRequest, NotFound
 from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
+from services.gateway import openai_fields as fields
 from services.gateway import openai_protocol as oai
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.events import Done, Output
+from services.gateway.http_errors import (
+    MAX_BODY_BYTES,
+    error_body,
+    errors_middleware,
+    json_response,
+    plain_error,
+)
 from services.gateway.openapi import openapi_document
-from services.gateway.request import Limits, Request, build_request
+from services.gateway.request import (
+    MAX_PROMPT_CHARS,
+    THREAD_TOKENIZE_CHARS,
+    Limits,
+    Request,
+    build_request,
+)
 from services.gateway.router import Router
 from services.gateway.routing import Routing
 
 log = logging.getLogger("distserve.gateway.http")
 
-# gRPC status (DistServeError.status) -> HTTP status. Anything else is a 500 with a safe message.
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "NOT_FOUND": 404,
-    "RESOURCE_EXHAUSTED": 429,
-    "FAILED_PRECONDITION": 500,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
-# What a worker answers NOT_FOUND or PERMISSION_DENIED to (a KV handle that lapsed, a wrong
-# access token) is the mesh's own state, not the caller's input: 503, worth a retry.
-WORKER_STATE_LOST = {"NOT_FOUND", "PERMISSION_DENIED"}
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)  # --max-body-bytes, for the 413 message
+# OpenAI's paths this server does not serve, each with a 404 that says so (not "no such path").
+NOT_SERVED = {
+    "/v1/embeddings": "embeddings",
+    "/v1/audio/{rest:.*}": "audio (speech, transcriptions, translations)",
+    "/v1/images/{rest:.*}": "images",
+    "/v1/responses": "OpenAI's Responses API",
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +70,7 @@ class HttpApiConfig:
     engine: str = "torch"  # "emulated": the workers model their steps (said in /v1/models)
     # Sampling defaults of a request that sets none (generation_config.json, --generation-config)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    serve_metrics: bool = True  # GET /metrics: the gateway's Prometheus metrics
 
 
 class HttpApi:
@@ -100,7 +95,9 @@ class HttpApi:
         self._openapi = json.dumps(openapi_document(config.model_names[0]), indent=1)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[errors_middleware]
+        )
         app[MAX_BODY_BYTES] = self.config.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -108,6 +105,13 @@ class HttpApi:
         app.router.add_get("/v1/models/{model:.+}", self.model)  # names may hold slashes
         app.router.add_get("/health", self.health)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+        if self.config.serve_metrics:
+            app.router.add_get("/metrics", self.metrics)
+        for path, what in NOT_SERVED.items():
+            app.router.add_route("*", path, _not_served(what))
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -132,6 +136,38 @@ class HttpApi:
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(text=self._openapi, content_type="application/json")
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt tokenized as /v1/completions does, or messages rendered
+        and tokenized as /v1/chat/completions does; no context limit applies (it counts)."""
+        call = oai.parse_tokenize(await _body(request), self.chat_template.render)
+        self._served(call.model)
+        ids = await self._encode(call.prompt, call.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": self.limits.max_context, "tokens": ids}
+        if call.return_token_strs:
+            out["token_strs"] = [self.tokenizer.token(t) for t in ids]
+        return _json(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        values = fields.checked(fields.DETOKENIZE, await _body(request))
+        self._served(values.get("model"))
+        ids = values["tokens"]
+        bad = next((t for t in ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})",
+                param="tokens",
+            )
+        return _json({"prompt": self.tokenizer.decode(ids)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": importlib.metadata.version("distserve-mesh")})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The gateway's Prometheus metrics (the same registry as its --metrics-port), so the
+        edge can route /metrics to them."""
+        body = generate_latest(self.router.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     def _model(self, name: str) -> dict:
         engine = self.config.engine
         owner = "distserve" if engine == "torch" else f"distserve ({engine})"
@@ -140,9 +176,36 @@ class HttpApi:
             "object": "model",
             "created": self.created,
             "owned_by": owner,
+            "max_model_len": self.limits.max_context,
             "distserve_engine": self.config.engine,
             "max_model_len": self.limits.max_context,  # the workers' smallest (request.Limits)
         }
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text, on a worker thread when it is long."""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(
+                f"prompt text is longer than {MAX_PROMPT_CHARS} characters", param="prompt"
+            )
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def _prompt(self, call: oai.CompletionCall) -> str | list[int]:
+        """The prompt build_request gets: with truncate_prompt_tokens, the last k token ids."""
+        k, prompt = call.truncate_prompt_tokens, call.prompt
+        if k is None or not prompt:
+            return prompt
+        ids = (
+            await self._encode(prompt, call.add_special_tokens)
+            if isinstance(prompt, str)
+            else prompt
+        )
+        if k == -1:  # as many as fit the context with max_tokens (or one token, filling it)
+            k = max(
+                1, self.limits.max_context - (1 if call.fill_context else call.params.max_tokens)
+            )
+        return ids[-k:]
 
     def _served(self, name: str | None) -> str:
         if name is None:
@@ -157,26 +220,26 @@ class HttpApi:
 
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         received = clock.monotonic()
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
-            raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
-        oai.check_unicode(body)
-        call = oai.parse(endpoint, body, self.chat_template.render, self.config.generation)
+        call = oai.parse(
+            endpoint, await _body(request), self.chat_template.render, self.config.generation
+        )
         model = self._served(call.model)
         req = await build_request(
-            call.prompt,
+            await self._prompt(call),
             call.params,
             self.tokenizer,
             self.limits,
-            request_id=request.headers.get("x-request-id", ""),
+            request_id=call.request_id or request.headers.get("x-request-id", ""),
             fill_context=call.fill_context,
             add_special_tokens=call.add_special_tokens,
         )
         prefix = "chatcmpl-" if endpoint == oai.CHAT else "cmpl-"
-        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model)
+        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model, req.prompt_ids)
+        echo = self._echo(call, req)
         if call.user:
             log.info("request %s from user %r", req.request_id, call.user)
+        if call.safety_identifier:
+            log.info("request %s from safety identifier %r", req.request_id, call.safety_identifier)
         events = self.router.generate(
             req,
             telemetry.from_headers(request.headers),
@@ -188,34 +251,52 @@ class HttpApi:
             # a refused request) get their own HTTP status.
             first = await anext(events)
             if call.stream:
-                return await self._stream(request, req, reply, first, events)
-            text, used, last = [first.text], len(first.token_ids), first
+                return await self._stream(request, req, reply, echo, first, events)
+            text, ids, last = [echo, first.text], list(first.token_ids), first
             async for out in events:
                 text.append(out.text)
-                used += len(out.token_ids)
+                ids += out.token_ids
                 last = out
-            total = oai.usage(len(req.prompt_ids), used)
-            return _json(reply.whole("".join(text), _reason(last), total), req)
+            total = oai.usage(len(req.prompt_ids), len(ids))
+            return _json(reply.whole("".join(text), _reason(last), total, ids), req)
+
+    def _echo(self, call: oai.CompletionCall, req: Request) -> str:
+        """What echo puts before the answer: the prompt as sent (its text; token ids or a
+        truncated prompt: the text of the ids served), or the continued assistant message."""
+        if not call.echo:
+            return ""
+        if call.endpoint == oai.CHAT:
+            return call.continued
+        if isinstance(call.prompt, str) and call.truncate_prompt_tokens is None:
+            return call.prompt
+        return self.tokenizer.decode(req.prompt_ids)
 
     async def _stream(
         self,
         request: web.Request,
         req: Request,
         reply: oai.Reply,
+        echo: str,
         first: Output,
         events: AsyncIterator[Output],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
-        chat = reply.call.endpoint == oai.CHAT
-        await _event(response, reply.chunk(first.text, _reason(first), first=chat))
+        prompt = len(req.prompt_ids)
         used, last = len(first.token_ids), first
+        chunk = reply.chunk(
+            echo + first.text, _reason(first), first.token_ids, oai.usage(prompt, used), first=True
+        )
+        await _event(response, chunk)
         try:
             async for out in events:
                 used += len(out.token_ids)
                 last = out
-                if out.text or isinstance(out, Done):
-                    await _event(response, reply.chunk(out.text, _reason(out)))
+                if out.text or isinstance(out, Done) or reply.call.return_token_ids:
+                    chunk = reply.chunk(
+                        out.text, _reason(out), out.token_ids, oai.usage(prompt, used)
+                    )
+                    await _event(response, chunk)
         except DistServeError as e:
             # Too late for a status: the error becomes the stream's last event.
             await _event(response, error_body(e)[1])
@@ -224,10 +305,31 @@ class HttpApi:
             if not isinstance(last, Done):
                 log.warning("request %s ended without a finish reason", req.request_id)
             if reply.call.include_usage:
-                await _event(response, reply.usage_chunk(oai.usage(len(req.prompt_ids), used)))
+                await _event(response, reply.usage_chunk(oai.usage(prompt, used)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _body(request: web.Request) -> object:
+    """The request's JSON body, its strings checked to be Unicode text."""
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+    oai.check_unicode(body)
+    return body
+
+
+def _not_served(what: str):
+    async def handler(request: web.Request) -> web.Response:
+        message = (
+            f"this server does not serve {what} ({request.path}): it serves text generation, "
+            "POST /v1/completions and /v1/chat/completions"
+        )
+        return plain_error(404, message, "not_served")
+
+    return handler
 
 
 def _reason(out: Output) -> FinishReason | None:
@@ -241,67 +343,4 @@ async def _event(response: web.StreamResponse, payload: dict) -> None:
 
 def _json(payload: dict, req: Request | None = None, status: int = 200) -> web.Response:
     headers = {"x-request-id": req.request_id} if req is not None else None
-    return web.json_response(
-        payload,
-        status=status,
-        headers=headers,
-        dumps=lambda x: json.dumps(x, ensure_ascii=False, separators=(",", ":")),
-    )
-
-
-def error_body(e: DistServeError) -> tuple[int, dict]:
-    """The HTTP status and OpenAI-shaped body of an error: the one mapping of the HTTP API."""
-    if isinstance(e, RemoteError) and e.status in WORKER_STATE_LOST:
-        e = Unavailable(f"the mesh lost this request's state ({e}); retry it")
-    status = HTTP_STATUS.get(e.status, 500)
-    message = str(e) if e.status in HTTP_STATUS else "internal error"
-    code = "model_not_found" if status == 404 and getattr(e, "param", None) == "model" else None
-    error = {
-        "message": message,
-        "type": ERROR_TYPE.get(status, "server_error"),
-        "param": getattr(e, "param", None),
-        "code": code,
-    }
-    return status, {"error": error}
-
-
-def _plain_error(status: int, message: str, code: str | None = None) -> web.Response:
-    error = {
-        "message": message,
-        "type": ERROR_TYPE.get(status, "server_error"),
-        "param": None,
-        "code": code,
-    }
-    return _json({"error": error}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
-    """The one place where exceptions become HTTP statuses with OpenAI-shaped bodies."""
-    try:
-        return await handler(request)
-    except DistServeError as e:
-        status, body = error_body(e)
-        if status >= 500:
-            log.warning("%s %s: %s: %s", request.method, request.path, e.status, e)
-        response = _json(body, status=status)
-        retry_after_s = getattr(e, "retry_after_s", None)
-        if retry_after_s:
-            response.headers["retry-after"] = str(math.ceil(retry_after_s))
-        return response
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY_BYTES]
-        return _plain_error(
-            413, f"the request body is larger than {limit} bytes", "request_too_large"
-        )
-    except web.HTTPNotFound:
-        return _plain_error(404, f"no such path: {request.path}", "not_found")
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
-        message = f"{request.method} is not allowed on {request.path}; use {allowed}"
-        return _plain_error(405, message)
-    except (web.HTTPException, ConnectionResetError):
-        raise  # aiohttp's own answers; a client that went away needs none
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        return _plain_error(500, "internal error")
+    return json_response(payload, status=status, headers=headers)

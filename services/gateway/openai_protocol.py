@@ -1,235 +1,45 @@
 """The OpenAI-compatible protocol: JSON bodies in, domain objects out, and the JSON replies.
 
-Pure functions, no web framework here. PARAMETERS is the one table of accepted request fields:
-the parser checks types with it and the OpenAPI document (openapi.py) is written from it, so
-the two cannot drift. Value ranges are SamplingParams' and build_request's checks, shared with
-the gRPC API. Fields not in the table are ignored, as OpenAI servers do; fields of OpenAI's API
-that this server cannot honour are refused with a 400 when set to anything but their default
-(UNSUPPORTED), rather than silently ignored.
+Pure functions, no web framework here. Which fields exist, and which are honoured or refused, is
+openai_fields.FIELDS (checked there); this module turns the honoured ones into a call: the
+sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
+API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~470 lines): the parameter table, its validation and the response shapes are
-one contract; split, the table and the code reading it would drift.
+Why one file (~400 lines): a request's fields and the reply they shape are one contract (echo,
+return_token_ids and stream_options are read on both sides); split, they would drift.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
 from services.common.model_config import GenerationDefaults
-from services.common.sampling import MAX_TOP_K, FinishReason, SamplingParams
-from services.gateway.chat_template import ROLES
+from services.common.sampling import FinishReason, SamplingParams
+from services.gateway.chat_template import ROLES, ChatPrompt
+from services.gateway.openai_fields import CHAT as CHAT
+from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
+from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
 
-COMPLETIONS, CHAT = "completions", "chat"
-BOTH = (COMPLETIONS, CHAT)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
-
-
-@dataclass(frozen=True)
-class Kind:
-    """A JSON type a field may have: its check and its JSON schema (for OpenAPI)."""
-
-    check: Callable[[object], bool]
-    schema: dict
-    words: str  # for error messages: "must be {words}"
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _is_token_ids(x: object) -> bool:
-    return isinstance(x, list) and all(_is_int(t) for t in x)
-
-
-def _is_prompt(x: object) -> bool:
-    return (
-        isinstance(x, str)
-        or _is_token_ids(x)
-        or (isinstance(x, list) and all(isinstance(p, str) or _is_token_ids(p) for p in x))
-    )
-
-
-INT = Kind(_is_int, {"type": "integer"}, "an integer")
-NUMBER = Kind(_is_number, {"type": "number"}, "a number")
-BOOL = Kind(lambda x: isinstance(x, bool), {"type": "boolean"}, "true or false")
-STRING = Kind(lambda x: isinstance(x, str), {"type": "string"}, "a string")
-OBJECT = Kind(lambda x: isinstance(x, dict), {"type": "object"}, "an object")
-STOP = Kind(
-    lambda x: isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
-    {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "a string or an array of strings",
-)
-TOKEN_IDS = Kind(
-    _is_token_ids, {"type": "array", "items": {"type": "integer"}}, "an array of integers"
-)
-PROMPT = Kind(
-    _is_prompt,
-    {
-        "oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "integer"}},
-            {"type": "array", "items": {"type": "string"}, "maxItems": 1},
-            {
-                "type": "array",
-                "items": {"type": "array", "items": {"type": "integer"}},
-                "maxItems": 1,
-            },
-        ]
-    },
-    "a string, an array of token ids, or an array holding one of those",
-)
-MESSAGES = Kind(
-    lambda x: isinstance(x, list),
-    {
-        "type": "array",
-        "minItems": 1,
-        "items": {
-            "type": "object",
-            "required": ["role"],
-            "properties": {
-                "role": {"type": "string", "enum": list(ROLES)},
-                "content": {
-                    "oneOf": [
-                        {"type": "string"},
-                        {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": ["type", "text"],
-                                "properties": {
-                                    "type": {"const": "text"},
-                                    "text": {"type": "string"},
-                                },
-                            },
-                        },
-                        {"type": "null"},
-                    ]
-                },
-                "name": {"type": ["string", "null"]},
-            },
-        },
-    },
-    "an array of message objects",
-)
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kind: Kind
-    description: str
-    endpoints: tuple[str, ...] = BOTH
-    required: bool = False
-    extra: dict | None = None  # more JSON schema (ranges, defaults) for the document
-
-
-PARAMETERS: tuple[Param, ...] = (
-    Param("model", STRING, "A model from GET /v1/models; omitted: the served model."),
-    Param(
-        "prompt",
-        PROMPT,
-        "The prompt: text, or token ids. One prompt per request.",
-        (COMPLETIONS,),
-        required=True,
-    ),
-    Param(
-        "messages",
-        MESSAGES,
-        "The conversation, rendered with the model's chat template (text content only).",
-        (CHAT,),
-        required=True,
-    ),
-    Param(
-        "max_tokens",
-        INT,
-        "Most tokens to generate. Default: 16 for completions; for chat, the rest of the context.",
-        extra={"minimum": 1},
-    ),
-    Param(
-        "max_completion_tokens",
-        INT,
-        "The same as max_tokens (OpenAI's newer name); wins when both are set.",
-        extra={"minimum": 1},
-    ),
-    Param(
-        "temperature",
-        NUMBER,
-        "0 is greedy; higher samples more freely.",
-        extra={"minimum": 0, "default": 1},
-    ),
-    Param(
-        "top_p",
-        NUMBER,
-        "Nucleus sampling: keep the most likely tokens up to this probability mass.",
-        extra={"exclusiveMinimum": 0, "maximum": 1, "default": 1},
-    ),
-    Param(
-        "top_k",
-        INT,
-        "Extension: keep only the k most likely tokens; 0 or -1 is off.",
-        extra={"minimum": -1, "maximum": MAX_TOP_K, "default": 0},
-    ),
-    Param(
-        "seed",
-        INT,
-        "Reproducible sampling: same prompt, parameters and seed give the same tokens.",
-        extra={"minimum": 0, "maximum": 2**63 - 1},
-    ),
-    Param(
-        "stop",
-        STOP,
-        "Up to 16 strings (each up to 256 characters) that end generation; "
-        "the returned text stops before the first one.",
-    ),
-    Param("n", INT, "Choices per request: only 1 is supported.", extra={"enum": [1]}),
-    Param("stream", BOOL, "Stream server-sent events, ending with `data: [DONE]`."),
-    Param(
-        "stream_options",
-        OBJECT,
-        '`{"include_usage": true}` adds a last chunk with `usage` (and `usage: null` on '
-        "the others).",
-    ),
-    Param("user", STRING, "An end-user id, written to the gateway's log."),
-    Param("ignore_eos", BOOL, "Extension: keep generating past the end-of-sequence token."),
-    Param(
-        "stop_token_ids",
-        TOKEN_IDS,
-        "Extension: token ids that end generation (up to 64).",
-    ),
-)
-PARAMETERS_BY_NAME = {p.name: p for p in PARAMETERS}
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    name: str
-    is_default: Callable[[object], bool]
-    endpoints: tuple[str, ...] = BOTH
-
-
-UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("logprobs", lambda v: v in (None, False, 0)),
-    Unsupported("top_logprobs", lambda v: v in (None, 0), (CHAT,)),
-    Unsupported("echo", lambda v: v in (None, False), (COMPLETIONS,)),
-    Unsupported("suffix", lambda v: v in (None, ""), (COMPLETIONS,)),
-    Unsupported("best_of", lambda v: v in (None, 1), (COMPLETIONS,)),
-    Unsupported("presence_penalty", lambda v: v in (None, 0)),
-    Unsupported("frequency_penalty", lambda v: v in (None, 0)),
-    Unsupported("logit_bias", lambda v: v in (None, {})),
-    Unsupported(
-        "response_format",
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        (CHAT,),
-    ),
-    Unsupported("tool_choice", lambda v: v in (None, "none", "auto"), (CHAT,)),
-)
+# Variables the chat template gets from the request's own fields or the tokenizer: never from
+# chat_template_kwargs (value: where they come from).
+TEMPLATE_OWN = {
+    "messages": "the request's messages",
+    "add_generation_prompt": "the request's add_generation_prompt",
+    "continue_final_message": "the request's continue_final_message",
+    "documents": "the request's documents",
+    "tools": "the request's tools",
+    "bos_token": "the model's tokenizer",
+    "eos_token": "the model's tokenizer",
+    "raise_exception": "the server",
+    "strftime_now": "the server",
+}
+# render_chat(messages, variables) -> ChatPrompt: the chat template (chat_template.py).
+RenderChat = Callable[[Sequence[dict], dict], ChatPrompt]
 
 
 @dataclass(frozen=True)
@@ -241,10 +51,27 @@ class CompletionCall:
     prompt: str | list[int]
     params: SamplingParams
     fill_context: bool  # max_tokens not given: generate up to the context
-    add_special_tokens: bool  # False for chat (the template writes them)
+    add_special_tokens: bool  # default False for chat (the template writes them)
     stream: bool
     include_usage: bool
-    user: str | None
+    continuous_usage: bool  # usage on every streamed chunk
+    user: str | None  # end-user ids, for the gateway's log
+    safety_identifier: str | None
+    echo: bool  # prepend the prompt (completions) or `continued` (chat) to the answer
+    continued: str  # chat: the content of the assistant's last message, echoed
+    return_token_ids: bool
+    request_id: str | None  # the body's request_id; None: the header's, or a new one
+    truncate_prompt_tokens: int | None  # keep the prompt's last k tokens (-1: as fit)
+
+
+@dataclass(frozen=True)
+class TokenizeCall:
+    """A parsed /tokenize request: a prompt, or messages rendered to one."""
+
+    model: str | None
+    prompt: str
+    add_special_tokens: bool
+    return_token_strs: bool
 
 
 def check_unicode(body: object) -> None:
@@ -274,58 +101,35 @@ def check_unicode(body: object) -> None:
 def parse(
     endpoint: str,
     body: object,
-    render_chat: Callable | None = None,
+    render_chat: RenderChat | None = None,
     defaults: GenerationDefaults = NO_DEFAULTS,
 ) -> CompletionCall:
-    """Check a request body against PARAMETERS and UNSUPPORTED and build the call.
-
-    `render_chat(messages) -> ChatPrompt` renders chat messages (CHAT only). `defaults` (the
-    model's generation_config.json) stand in for sampling fields the body leaves out; its
-    max_tokens caps a request that names none. Raises InvalidRequest, naming the parameter,
-    for anything that is off.
-    """
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    values = {}
-    for p in PARAMETERS:
-        if endpoint not in p.endpoints:
-            continue
-        value = body.get(p.name)
-        if value is None:
-            if p.required:
-                raise InvalidRequest(f"'{p.name}' is required", param=p.name)
-            continue
-        if not p.kind.check(value):
-            raise InvalidRequest(
-                f"'{p.name}' must be {p.kind.words}, got {_show(value)}", param=p.name
-            )
-        values[p.name] = value
-    for u in UNSUPPORTED:
-        if endpoint in u.endpoints and not u.is_default(body.get(u.name)):
-            raise InvalidRequest(
-                f"'{u.name}' is not supported by this server; leave it unset", param=u.name
-            )
-    if values.get("n", 1) != 1:
-        raise InvalidRequest(
-            f"'n' must be 1: this server returns one choice per request, got {values['n']}; "
-            "send several requests instead",
-            param="n",
-        )
-    stream_options = values.get("stream_options") or {}
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise InvalidRequest(
-            "'stream_options.include_usage' must be true or false", param="stream_options"
-        )
-
+    """Check a request body against openai_fields.FIELDS and build the call. `render_chat`
+    renders chat messages (CHAT only). `defaults` (the model's generation_config.json) stand in
+    for sampling fields the body leaves out; its max_tokens caps a request that names none.
+    Raises InvalidRequest, naming the field, for anything that is off."""
+    values = checked(endpoint, body)
+    stream = values.get("stream", False)
+    include_usage, continuous_usage = _stream_options(values.get("stream_options"), stream)
     stop = values.get("stop", ())
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     stop_token_ids = tuple(values.get("stop_token_ids", ()))
+    echo = values.get("echo", False)
+    continued = ""
     if endpoint == CHAT:
-        chat = render_chat(_messages(values["messages"]))
+        messages = _messages(values["messages"])
+        chat = render(values, messages, render_chat)
         prompt: str | list[int] = chat.text
         stop += chat.stop
         stop_token_ids += chat.stop_token_ids
+        if echo:
+            if messages[-1]["role"] != "assistant":
+                raise InvalidRequest(
+                    "'echo' prepends the assistant's last message to the answer, and the last "
+                    "message is not the assistant's; drop echo or end with the reply to continue",
+                    param="echo",
+                )
+            continued = messages[-1]["content"]
     else:
         prompt = _prompt(values["prompt"])
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
@@ -341,16 +145,29 @@ def parse(
         stop_token_ids=stop_token_ids,
         ignore_eos=values.get("ignore_eos", False),
     )
+    truncate = values.get("truncate_prompt_tokens")
+    if truncate is not None and truncate != -1 and truncate < 1:
+        raise InvalidRequest(
+            f"'truncate_prompt_tokens' must be -1 (as many as fit) or >= 1, got {truncate}",
+            param="truncate_prompt_tokens",
+        )
     return CompletionCall(
         endpoint=endpoint,
         model=values.get("model"),
         prompt=prompt,
         params=params,
         fill_context=fill_context,
-        add_special_tokens=endpoint != CHAT,
-        stream=values.get("stream", False),
+        add_special_tokens=values.get("add_special_tokens", endpoint != CHAT),
+        stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=values.get("user"),
+        safety_identifier=values.get("safety_identifier"),
+        echo=echo,
+        continued=continued,
+        return_token_ids=values.get("return_token_ids", False),
+        request_id=values.get("request_id"),
+        truncate_prompt_tokens=truncate,
     )
 
 
@@ -358,8 +175,106 @@ def _default(value: float | None, fallback: float) -> float:
     return fallback if value is None else value
 
 
+def parse_tokenize(body: object, render_chat: RenderChat) -> TokenizeCall:
+    """A /tokenize body: `prompt` (as /v1/completions tokenizes it) or `messages` (rendered
+    as /v1/chat/completions renders them)."""
+    chat = isinstance(body, dict) and body.get("messages") is not None
+    values = checked(TOKENIZE_CHAT if chat else TOKENIZE, body)
+    if chat:
+        prompt = render(values, _messages(values["messages"]), render_chat).text
+    else:
+        prompt = values["prompt"]
+    return TokenizeCall(
+        model=values.get("model"),
+        prompt=prompt,
+        add_special_tokens=values.get("add_special_tokens", not chat),
+        return_token_strs=values.get("return_token_strs", False),
+    )
+
+
+def render(values: dict, messages: list[dict], render_chat: RenderChat) -> ChatPrompt:
+    """The chat prompt of checked `values`: the template gets add_generation_prompt, documents
+    and chat_template_kwargs as variables; continue_final_message cuts the text after the last
+    message's content, as transformers' apply_chat_template does."""
+    variables = dict(_template_kwargs(values.get("chat_template_kwargs", {})))
+    cont = values.get("continue_final_message", False)
+    generation = values.get("add_generation_prompt", not cont)
+    if cont and generation:
+        raise InvalidRequest(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true: "
+            "continuing the last message opens no new turn",
+            param="continue_final_message",
+        )
+    variables["add_generation_prompt"] = generation
+    if "documents" in values:
+        variables["documents"] = values["documents"]
+    chat = render_chat(messages, variables)
+    if not cont:
+        return chat
+    final = messages[-1]["content"].strip()
+    if not final or final not in chat.text:
+        raise InvalidRequest(
+            "'continue_final_message' needs a last message whose content the chat template "
+            "writes out; this one is empty or the template does not show it",
+            param="continue_final_message",
+        )
+    return dataclasses.replace(chat, text=chat.text[: chat.text.rindex(final) + len(final)])
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    for name in kwargs:
+        if name in TEMPLATE_OWN:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set '{name}': the template gets it from "
+                f"{TEMPLATE_OWN[name]}",
+                param="chat_template_kwargs",
+            )
+    return kwargs
+
+
+def _stream_options(options: dict | None, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options, every key checked."""
+    if options is None:
+        return False, False
+    if not stream:
+        raise InvalidRequest(
+            "'stream_options' applies to streamed replies only: set stream to true, or drop "
+            "it (a whole reply always carries its usage)",
+            param="stream_options",
+        )
+    flags = {"include_usage": False, "continuous_usage_stats": False}
+    for key, value in options.items():
+        if key in flags and (value is None or isinstance(value, bool)):
+            flags[key] = bool(value)
+        elif key in flags:
+            raise InvalidRequest(
+                f"'stream_options.{key}' must be true or false, got {show(value)}",
+                param="stream_options",
+            )
+        elif key == "include_obfuscation" and (value is None or value is False):
+            continue
+        elif key == "include_obfuscation":
+            raise InvalidRequest(
+                "'stream_options.include_obfuscation' is not supported: this server pads no "
+                "stream events; leave it unset or send false",
+                param="stream_options",
+            )
+        else:
+            raise InvalidRequest(
+                f"'stream_options.{key}' is not an option: include_usage and "
+                "continuous_usage_stats are",
+                param="stream_options",
+            )
+    if flags["continuous_usage_stats"] and not flags["include_usage"]:
+        raise InvalidRequest(
+            "'stream_options.continuous_usage_stats' needs include_usage: true",
+            param="stream_options",
+        )
+    return flags["include_usage"], flags["continuous_usage_stats"]
+
+
 def _prompt(value: str | list) -> str | list[int]:
-    if isinstance(value, list) and value and not _is_int(value[0]):
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
         if len(value) != 1:
             raise InvalidRequest(
                 f"'prompt' holds {len(value)} prompts; this server takes one prompt per "
@@ -408,17 +323,20 @@ def _messages(messages: list) -> list[dict]:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidRequest(
-                f"messages[{i}].name must be a string, got {_show(name)}", param="messages"
+                f"messages[{i}].name must be a string, got {show(name)}", param="messages"
             )
         if name is not None:
             message["name"] = name
+        for key, value in m.items():
+            if key not in ("role", "content", "name") and value not in (None, [], {}, ""):
+                raise InvalidRequest(
+                    f"messages[{i}].{key} is not supported: this server gives the chat template "
+                    "a message's role, content and name (tool calls in messages are not "
+                    "supported yet)",
+                    param="messages",
+                )
         out.append(message)
     return out
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # Replies ------------------------------------------------------------------------------------
@@ -438,32 +356,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 @dataclass(frozen=True)
 class Reply:
-    """Writes the JSON replies of one call: its id, creation time and model are fixed."""
+    """Writes the JSON replies of one call: its id, creation time and model are fixed. Token
+    ids are added only when the call asked for them (return_token_ids)."""
 
     call: CompletionCall
     id: str
     created: int
     model: str
+    prompt_ids: list[int]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reason: FinishReason | None, used: dict) -> dict:
+    def whole(
+        self, text: str, reason: FinishReason | None, used: dict, token_ids: list[int]
+    ) -> dict:
         """The non-streaming reply."""
+        ids = self.call.return_token_ids
         if self.call.endpoint == CHAT:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": finish_reason(reason),
+                **({"token_ids": token_ids} if ids else {}),
             }
-            return {**self._head("chat.completion"), "choices": [choice], "usage": used}
+            out = {**self._head("chat.completion"), "choices": [choice], "usage": used}
+            return {**out, "prompt_token_ids": self.prompt_ids} if ids else out
         choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason(reason)
+        if ids:
+            choice.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
         return {**self._head("text_completion"), "choices": [choice], "usage": used}
 
-    def chunk(self, text: str, reason: FinishReason | None, *, first: bool = False) -> dict:
-        """One streamed chunk; `first` adds the assistant role (chat)."""
+    def chunk(
+        self,
+        text: str,
+        reason: FinishReason | None,
+        token_ids: list[int],
+        used: dict,
+        *,
+        first: bool = False,
+    ) -> dict:
+        """One streamed chunk; `first` adds the assistant role (chat) and the prompt's ids
+        (return_token_ids); `used` is the usage so far (sent with continuous_usage_stats)."""
+        ids = self.call.return_token_ids
         if self.call.endpoint == CHAT:
             delta: dict = {"role": "assistant", "content": text} if first else {}
             if text and not first:
@@ -473,14 +410,21 @@ class Reply:
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish_reason(reason),
+                **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            if ids and first:
+                out["prompt_token_ids"] = self.prompt_ids
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
             choice["finish_reason"] = finish_reason(reason)
+            if ids:
+                choice["token_ids"] = token_ids
+                if first:
+                    choice["prompt_token_ids"] = self.prompt_ids
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.call.include_usage:
-            out["usage"] = None
+            out["usage"] = used if self.call.continuous_usage else None
         return out
 
     def usage_chunk(self, used: dict) -> dict:

@@ -1,11 +1,16 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /openapi.json.
 
-Request schemas are written from openai_protocol.PARAMETERS (the table the parser checks), so
-the document describes what the server accepts; tests check the routes and the behaviour.
+Request schemas are written from openai_fields.FIELDS (the table the parser checks), so the
+document describes what the server accepts, and what it refuses: a refused field's schema admits
+only the values that change nothing, and a field of no schema only as null. Tests check the
+routes and the behaviour.
 """
 
 from __future__ import annotations
 
+import json
+
+from services.gateway import openai_fields as fields
 from services.gateway import openai_protocol as oai
 
 _ERROR = {
@@ -49,23 +54,28 @@ _ERRORS = {
 
 def _request_schema(endpoint: str) -> dict:
     props, required = {}, []
-    for p in oai.PARAMETERS:
-        if endpoint not in p.endpoints:
-            continue
-        schema = {**p.kind.schema, **(p.extra or {})}
-        if p.required:
-            required.append(p.name)
+    for f in fields.BY_ENDPOINT[endpoint].values():
+        if f.honoured:
+            schema = {**f.kind.schema, **(f.extra or {})}
+            about = f.about
+        else:
+            schema = {"enum": list(f.defaults)} if f.defaults else {"type": "null"}
+            only = " or ".join(json.dumps(d) for d in f.defaults)
+            about = f"Refused ({f.origin}): {f.about}." + (
+                f" Accepted only as {only}." * bool(only)
+            )
+        if f.required:
+            required.append(f.name)
         else:  # null is the same as unset, as with OpenAI's API
             schema = {"anyOf": [schema, {"type": "null"}]}
-        props[p.name] = {**schema, "description": p.description}
-    unsupported = [u.name for u in oai.UNSUPPORTED if endpoint in u.endpoints]
+        props[f.name] = {**schema, "description": about}
     return {
         "type": "object",
         "required": required,
         "properties": props,
-        "additionalProperties": True,
-        "description": "Other fields are ignored, except these, refused with a 400 when set to "
-        "anything but their default: " + ", ".join(unsupported) + ".",
+        "additionalProperties": {"type": "null"},
+        "description": "Every field this server knows, honoured or refused. Any other field is "
+        "refused with a 400 naming it, unless null.",
     }
 
 
@@ -144,6 +154,57 @@ def _event(chat: bool) -> dict:
     }
 
 
+_TOKENIZED = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": "array", "items": {"type": ["string", "null"]}},
+    },
+}
+_DETOKENIZED = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+_VERSION = {
+    "type": "object",
+    "required": ["version"],
+    "properties": {"version": {"type": "string"}},
+}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _post(summary: str, request: dict, reply: dict) -> dict:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {
+                "200": {"description": "OK", "content": {"application/json": {"schema": reply}}},
+                **_errors("400", "401", "404", "413", "429"),
+            },
+        }
+    }
+
+
+def _get(summary: str, reply: dict) -> dict:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": {"application/json": {"schema": reply}}},
+                **_errors("401"),
+            },
+        }
+    }
+
+
 def _errors(*codes: str) -> dict:
     return {
         c: {
@@ -191,7 +252,10 @@ def openapi_document(model: str) -> dict:
             "object": {"const": "model"},
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
-            "max_model_len": {"type": "integer", "description": "longest prompt + output"},
+            "max_model_len": {
+                "type": "integer",
+                "description": "The longest prompt + output a request may have (tokens)",
+            },
         },
     }
     return {
@@ -259,11 +323,34 @@ def openapi_document(model: str) -> dict:
                     "responses": {"200": {"description": "OpenAPI 3.1"}},
                 }
             },
+            "/tokenize": _post(
+                "Tokenize a prompt as /v1/completions does, or messages as /v1/chat/completions "
+                "renders them (vLLM's shape; no context limit applies)",
+                {"oneOf": [_ref("TokenizeRequest"), _ref("TokenizeChatRequest")]},
+                _TOKENIZED,
+            ),
+            "/detokenize": _post("Token ids to text", _ref("DetokenizeRequest"), _DETOKENIZED),
+            "/version": _get("The server's version", _VERSION),
+            "/metrics": {
+                "get": {
+                    "summary": "The gateway's Prometheus metrics (404 when its metrics are off)",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
+                        **_errors("401", "404"),
+                    },
+                }
+            },
         },
         "components": {
             "schemas": {
                 "CompletionRequest": _request_schema(oai.COMPLETIONS),
                 "ChatCompletionRequest": _request_schema(oai.CHAT),
+                "TokenizeRequest": _request_schema(fields.TOKENIZE),
+                "TokenizeChatRequest": _request_schema(fields.TOKENIZE_CHAT),
+                "DetokenizeRequest": _request_schema(fields.DETOKENIZE),
                 "Completion": _completion_reply(chat=False),
                 "ChatCompletion": _completion_reply(chat=True),
                 "CompletionChunk": _chunk(chat=False),

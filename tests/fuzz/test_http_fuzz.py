@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from services.common.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from services.gateway import openai_protocol as oai
+from services.gateway import openai_fields as oai_fields
 from services.gateway.chat_template import ROLES
 from services.gateway.openapi import openapi_document
 from services.gateway.request import MAX_PROMPT_CHARS
@@ -273,7 +273,8 @@ HOSTILE = {
     "user": strings,
     "ignore_eos": scalars,
     "stop_token_ids": token_ids,
-    **{u.name: scalars for u in oai.UNSUPPORTED},
+    **{f.name: scalars for f in oai_fields.FIELDS if not f.honoured},
+    "temprature": numbers,  # unknown fields are refused, naming the field meant
 }
 # Valid requests (short ones), for the hostile values to be mixed into.
 plain_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)

@@ -13,7 +13,7 @@ from services.common.errors import (
     RemoteError,
     Unavailable,
 )
-from services.gateway.http_api import error_body
+from services.gateway.http_errors import error_body
 
 
 @pytest.mark.parametrize(

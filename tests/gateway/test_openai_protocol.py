@@ -6,11 +6,15 @@ import pytest
 
 from services.common.errors import InvalidRequest
 from services.gateway.chat_template import ChatPrompt
-from services.gateway.openai_protocol import CHAT, COMPLETIONS, Reply, parse
+from services.gateway.openai_protocol import CHAT, COMPLETIONS, Reply, parse, parse_tokenize
+
+HI = [{"role": "user", "content": "hi"}]
 
 
-def render(messages):
-    return ChatPrompt("|".join(f"{m['role']}:{m['content']}" for m in messages), (3,), ("END",))
+def render(messages, variables):
+    """A stand-in template that shows what it was given: messages, then its variables."""
+    text = "|".join(f"{m['role']}:{m['content']}" for m in messages)
+    return ChatPrompt(f"{text}#{sorted(variables.items())}", (3,), ("END",))
 
 
 def test_defaults_follow_openai():
@@ -41,7 +45,8 @@ def test_fields_become_sampling_parameters():
             "user": "u1",
             "ignore_eos": True,
             "stop_token_ids": [9],
-            "unknown_field": {"ignored": True},
+            "presence_penalty": 0.0,  # a refused field at its default changes nothing
+            "unknown_field": None,  # null is unset, for any field
         },
     )
     p = call.params
@@ -68,7 +73,7 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
         },
         render,
     )  # fmt: skip
-    assert call.prompt == "developer:a\nb|assistant:|user:c"
+    assert call.prompt == "developer:a\nb|assistant:|user:c#[('add_generation_prompt', True)]"
     assert call.params.stop == ("x", "END") and call.params.stop_token_ids == (3,)
 
 
@@ -76,12 +81,34 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
     ("endpoint", "body", "param"),
     [
         (COMPLETIONS, {"prompt": "x", "n": 2}, "n"),
-        (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+        (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"usage": True}},
+         "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "stream": True,
+                       "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        (COMPLETIONS, {"prompt": "x", "messages": HI}, "messages"),
+        (CHAT, {"messages": HI, "suffix": "s"}, "suffix"),
+        (CHAT, {"messages": HI, "echo": True}, "echo"),
+        (CHAT, {"messages": HI, "chat_template_kwargs": {"messages": []}},
+         "chat_template_kwargs"),
+        (CHAT, {"messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}},
+         "chat_template_kwargs"),
+        (CHAT, {"messages": HI, "chat_template_kwargs": ["enable_thinking"]},
+         "chat_template_kwargs"),
+        (CHAT, {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+         "continue_final_message"),
+        (CHAT, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
+         "messages"),
         (COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of"),
         (COMPLETIONS, {"prompt": "x", "suffix": "s"}, "suffix"),
         (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
-        (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options"),
+        (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+         "stream_options"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "seed": 1.5}, "seed"),
         (COMPLETIONS, {"prompt": "x", "temperature": float("nan")}, "temperature"),
@@ -98,22 +125,103 @@ def test_invalid_or_unsupported_fields_are_refused_by_name(endpoint, body, param
     assert err.value.param == param
 
 
+def test_unknown_fields_are_refused_naming_the_field_meant():
+    with pytest.raises(InvalidRequest) as err:
+        parse(CHAT, {"messages": HI, "temprature": 0.5}, render)
+    assert err.value.param == "temprature" and "did you mean 'temperature'?" in str(err.value)
+    with pytest.raises(InvalidRequest) as err:
+        parse(COMPLETIONS, {"prompt": "x", "frobnicate": {"a": 1}})
+    assert err.value.param == "frobnicate" and "refuses fields it does not know" in str(err.value)
+
+
+def test_a_refused_field_says_why_and_what_to_send_instead():
+    with pytest.raises(InvalidRequest) as err:
+        parse(COMPLETIONS, {"prompt": "x", "n": 3})
+    assert str(err.value) == (
+        "'n' = 3 is not supported: this server returns one choice per request; send several "
+        "requests instead (leave it unset or send 1)"
+    )
+    # JSON equality: 0.0 is the default 0, but true is not 1 and false is not 0.
+    assert parse(COMPLETIONS, {"prompt": "x", "n": 1.0, "frequency_penalty": 0.0})
+    for body in ({"n": True}, {"logprobs": 0}):
+        with pytest.raises(InvalidRequest):
+            parse(COMPLETIONS, {"prompt": "x", **body})
+
+
+def test_chat_fields_become_template_variables():
+    call = parse(
+        CHAT,
+        {
+            "messages": HI,
+            "add_generation_prompt": False,
+            "documents": [{"title": "t", "text": "d"}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        render,
+    )
+    assert call.prompt == (
+        "user:hi#[('add_generation_prompt', False), ('documents', [{'title': 't', 'text': 'd'}]), "
+        "('enable_thinking', False)]"
+    )
+
+
+def test_continue_final_message_ends_the_prompt_at_the_last_message_and_echo_repeats_it():
+    messages = [*HI, {"role": "assistant", "content": "The answer is "}]
+    call = parse(CHAT, {"messages": messages, "continue_final_message": True, "echo": True}, render)
+    assert call.prompt == "user:hi|assistant:The answer is"  # the template's tail is cut
+    assert call.echo and call.continued == "The answer is "
+    with pytest.raises(InvalidRequest) as err:  # nothing to continue
+        parse(CHAT, {"messages": [*HI, {"role": "assistant", "content": " "}],
+                     "continue_final_message": True}, render)  # fmt: skip
+    assert err.value.param == "continue_final_message"
+
+
+def test_tokenize_takes_a_prompt_or_messages():
+    call = parse_tokenize({"prompt": "hi", "return_token_strs": True}, render)
+    assert (call.prompt, call.add_special_tokens, call.return_token_strs) == ("hi", True, True)
+    call = parse_tokenize({"messages": HI, "add_generation_prompt": False}, render)
+    assert call.prompt == "user:hi#[('add_generation_prompt', False)]"
+    assert not call.add_special_tokens
+    for body in ({"prompt": [1, 2]}, {"prompt": "x", "max_tokens": 3}, {}):
+        with pytest.raises(InvalidRequest):
+            parse_tokenize(body, render)
+
+
 def test_replies_have_openais_shape():
     call = parse(
         COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
     )
-    reply = Reply(call, "cmpl-1", 10, "m")
-    chunk = reply.chunk("hi", None)
+    reply = Reply(call, "cmpl-1", 10, "m", [1, 2])
+    used = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    chunk = reply.chunk("hi", None, [5], used)
     assert chunk["object"] == "text_completion" and chunk["usage"] is None
     assert chunk["choices"] == [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]
-    last = reply.usage_chunk({"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3})
+    last = reply.usage_chunk(used)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 3
-    chat = Reply(parse(CHAT, {"messages": [{"role": "user", "content": "x"}]}, render), "c", 1, "m")
-    assert chat.chunk("a", None, first=True)["choices"][0]["delta"] == {
+    chat = Reply(parse(CHAT, {"messages": HI}, render), "c", 1, "m", [1])
+    assert chat.chunk("a", None, [5], used, first=True)["choices"][0]["delta"] == {
         "role": "assistant",
         "content": "a",
     }
-    assert chat.chunk("", "stop")["choices"][0] == {
+    assert chat.chunk("", "stop", [], used)["choices"][0] == {
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
     }  # fmt: skip
-    assert "usage" not in chat.chunk("b", None)  # only with include_usage
+    assert "usage" not in chat.chunk("b", None, [6], used)  # only with include_usage
+
+
+def test_return_token_ids_and_continuous_usage_add_to_the_replies():
+    body = {"stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    used = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    text = Reply(parse(COMPLETIONS, {"prompt": "x", **body}), "cmpl-1", 1, "m", [1, 2])
+    first = text.chunk("a", None, [7], used, first=True)
+    assert first["choices"][0]["token_ids"] == [7] and first["usage"] == used
+    assert first["choices"][0]["prompt_token_ids"] == [1, 2]
+    assert "prompt_token_ids" not in text.chunk("b", None, [8], used)["choices"][0]
+    whole = text.whole("ab", "stop", used, [7, 8])["choices"][0]
+    assert (whole["token_ids"], whole["prompt_token_ids"]) == ([7, 8], [1, 2])
+    chat = Reply(parse(CHAT, {"messages": HI, **body}, render), "c", 1, "m", [1, 2])
+    first = chat.chunk("a", None, [7], used, first=True)
+    assert first["prompt_token_ids"] == [1, 2] and first["choices"][0]["token_ids"] == [7]
+    whole = chat.whole("ab", "stop", used, [7, 8])
+    assert whole["prompt_token_ids"] == [1, 2] and whole["choices"][0]["token_ids"] == [7, 8]

@@ -1,0 +1,425 @@
+"""Every request field this server knows, and what it does with each: one table.
+
+FIELDS lists each field of OpenAI's API and of vLLM's (the server people move here from) for the
+endpoints that take request bodies, with its status:
+
+- **honoured**: the field does what OpenAI's or vLLM's documentation says; `kind` is its JSON
+  type, checked here (ranges are SamplingParams' and build_request's, shared with gRPC);
+- **refused unless default**: this server cannot do what the field asks, so any value but the
+  harmless ones in `defaults` (which change nothing, e.g. `n: 1`, `logprobs: false`) is a 400
+  naming the field, saying why and what to do instead.
+
+A field in neither list is refused too, naming the field meant when the name is close to one
+(`temprature`: did you mean `temperature`?), and so is a field of another endpoint. `null` is the
+same as unset for every field. Nothing is ignored: a 200 means every field did what it says.
+
+The parser (openai_protocol.py), the OpenAPI document (openapi.py) and the table in docs/api.md
+(`python -m services.gateway.openai_fields`) are all written from FIELDS.
+
+Why one file over ~300 lines: it is one table, one entry per field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.errors import InvalidRequest
+from services.common.sampling import MAX_TOP_K
+from services.gateway.chat_template import ROLES
+
+COMPLETIONS, CHAT = "completions", "chat"
+TOKENIZE, TOKENIZE_CHAT, DETOKENIZE = "tokenize", "tokenize_chat", "detokenize"
+BOTH = (COMPLETIONS, CHAT)
+PATHS = {
+    COMPLETIONS: "/v1/completions",
+    CHAT: "/v1/chat/completions",
+    TOKENIZE: "/tokenize (with a prompt)",
+    TOKENIZE_CHAT: "/tokenize (with messages)",
+    DETOKENIZE: "/detokenize",
+}
+OPENAI, VLLM, VLLM_OLD, OURS = "OpenAI", "vLLM", "vLLM (older versions)", "DistServe"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A JSON type a field may have: its check and its JSON schema (for OpenAPI)."""
+
+    check: Callable[[object], bool]
+    schema: dict
+    words: str  # for error messages: "must be {words}"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, list) and all(_is_int(t) for t in x)
+
+
+def _is_prompt(x: object) -> bool:
+    return (
+        isinstance(x, str)
+        or _is_token_ids(x)
+        or (isinstance(x, list) and all(isinstance(p, str) or _is_token_ids(p) for p in x))
+    )
+
+
+INT = Kind(_is_int, {"type": "integer"}, "an integer")
+NUMBER = Kind(_is_number, {"type": "number"}, "a number")
+BOOL = Kind(lambda x: isinstance(x, bool), {"type": "boolean"}, "true or false")
+STRING = Kind(lambda x: isinstance(x, str), {"type": "string"}, "a string")
+OBJECT = Kind(lambda x: isinstance(x, dict), {"type": "object"}, "an object")
+STOP = Kind(
+    lambda x: isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+    {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "a string or an array of strings",
+)
+TOKEN_IDS = Kind(
+    _is_token_ids, {"type": "array", "items": {"type": "integer"}}, "an array of integers"
+)
+DOCUMENTS = Kind(
+    lambda x: (
+        isinstance(x, list)
+        and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in x)
+    ),
+    {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "string"}}},
+    'an array of objects of strings (e.g. {"title": ..., "text": ...})',
+)
+PROMPT = Kind(
+    _is_prompt,
+    {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "integer"}},
+            {"type": "array", "items": {"type": "string"}, "maxItems": 1},
+            {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer"}},
+                "maxItems": 1,
+            },
+        ]
+    },
+    "a string, an array of token ids, or an array holding one of those",
+)
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+MESSAGES = Kind(
+    lambda x: isinstance(x, list),
+    {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"type": "string", "enum": list(ROLES)},
+                "content": {
+                    "oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": _TEXT_PART},
+                        {"type": "null"},
+                    ]
+                },
+                "name": {"type": ["string", "null"]},
+            },
+        },
+    },
+    "an array of message objects",
+)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field of some endpoints: honoured (`kind` set) or refused unless it holds
+    one of `defaults`. `about` says what an honoured field does, or why a refused one is
+    refused and what to do instead."""
+
+    name: str
+    endpoints: tuple[str, ...]
+    about: str
+    origin: str
+    kind: Kind | None = None
+    defaults: tuple = ()
+    required: bool = False
+    extra: dict | None = None  # more JSON schema (ranges, defaults) for the document
+
+    @property
+    def honoured(self) -> bool:
+        return self.kind is not None
+
+    def accepts(self, value: object) -> bool:
+        """A refused field's value that changes nothing: null or one of its defaults."""
+        return value is None or any(_same(value, d) for d in self.defaults)
+
+
+def _same(value: object, default: object) -> bool:
+    """JSON equality: 0 == 0.0, but false is not 0 and 1 is not true."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return isinstance(value, bool) and isinstance(default, bool) and value == default
+    if _is_number(value) and _is_number(default):
+        return value == default
+    return type(value) is type(default) and value == default
+
+
+def _h(name, endpoints, about, kind, origin=OPENAI, **kw) -> Field:
+    return Field(name, endpoints, about, origin, kind=kind, **kw)
+
+
+def _r(name, endpoints, about, defaults=(), origin=OPENAI) -> Field:
+    return Field(name, endpoints, about, origin, defaults=defaults)
+
+
+_C, _H = (COMPLETIONS,), (CHAT,)
+_RENDER = (CHAT, TOKENIZE_CHAT)  # what renders messages with the chat template
+_NO_TOOLS = "tool calling is not supported yet; send no tools"
+_NO_LOGPROBS = "this server does not return log-probabilities yet"
+_NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
+_NO_DETOK = "the gateway's detokenizer does not offer this yet"
+_PENALTY = "penalties are not applied by this server's sampler yet"
+
+FIELDS: tuple[Field, ...] = (
+    # The prompt ------------------------------------------------------------------------------
+    _h("model", (*BOTH, TOKENIZE, TOKENIZE_CHAT, DETOKENIZE),
+       "A model from GET /v1/models (another name: 404); omitted: the served model.", STRING),
+    _h("prompt", _C, "The prompt: text, or token ids. One prompt per request.", PROMPT,
+       required=True),
+    _h("prompt", (TOKENIZE,), "The text to tokenize.", STRING, VLLM, required=True),
+    _h("messages", _RENDER,
+       "The conversation, rendered with the model's chat template (text content only).",
+       MESSAGES, required=True),
+    _h("tokens", (DETOKENIZE,), "The token ids to turn into text.", TOKEN_IDS, VLLM,
+       required=True),
+    _r("suffix", _C, "this server does not fill in text before a suffix; send the prompt "
+       "alone", ("",)),
+    _r("prompt_embeds", _C, "prompts as embeddings are not supported; send text or token ids",
+       origin=VLLM),
+    # How much to generate --------------------------------------------------------------------
+    _h("max_tokens", BOTH,
+       "Most tokens to generate. Default: 16 for completions; for chat, the rest of the context.",
+       INT, extra={"minimum": 1}),
+    _h("max_completion_tokens", _H, "The same as max_tokens (OpenAI's newer name); wins when "
+       "both are set.", INT, extra={"minimum": 1}),
+    _h("max_completion_tokens", _C, "The same as max_tokens, as on chat; wins when both are "
+       "set.", INT, OURS, extra={"minimum": 1}),
+    _h("stop", BOTH, "Up to 16 strings (each up to 256 characters) that end generation; the "
+       "returned text stops before the first one.", STOP),
+    _h("stop_token_ids", BOTH, "Token ids that end generation (up to 64).", TOKEN_IDS, VLLM),
+    _h("ignore_eos", BOTH, "Keep generating past the end-of-sequence token.", BOOL, VLLM),
+    _r("min_tokens", BOTH, "a minimum length is not applied by this server's sampler yet", (0,),
+       VLLM),
+    _r("include_stop_str_in_output", BOTH, _NO_DETOK, (False,), VLLM),
+    # Sampling --------------------------------------------------------------------------------
+    _h("temperature", BOTH, "0 is greedy; higher samples more freely.", NUMBER,
+       extra={"minimum": 0, "default": 1}),
+    _h("top_p", BOTH, "Nucleus sampling: keep the most likely tokens up to this probability "
+       "mass.", NUMBER, extra={"exclusiveMinimum": 0, "maximum": 1, "default": 1}),
+    _h("top_k", BOTH, "Keep only the k most likely tokens; 0 or -1 is off.", INT, VLLM,
+       extra={"minimum": -1, "maximum": MAX_TOP_K, "default": 0}),
+    _h("seed", BOTH, "Reproducible sampling: same prompt, parameters and seed give the same "
+       "tokens.", INT, extra={"minimum": 0, "maximum": 2**63 - 1}),
+    _r("presence_penalty", BOTH, _PENALTY, (0,)),
+    _r("frequency_penalty", BOTH, _PENALTY, (0,)),
+    _r("repetition_penalty", BOTH, _PENALTY, (1,), VLLM),
+    _r("min_p", BOTH, "min-p filtering is not applied by this server's sampler yet; use top_p "
+       "or top_k", (0,), VLLM),
+    _r("logit_bias", BOTH, "logit biases are not applied by this server's sampler yet", ({},)),
+    _r("allowed_token_ids", BOTH, "restricting the vocabulary is not supported", origin=VLLM),
+    _r("bad_words", _H, "banning words is not supported", ([],), VLLM),
+    _r("logits_processors", BOTH, "custom logits processors are not loaded by this server",
+       origin=VLLM),
+    _r("n", BOTH, "this server returns one choice per request; send several requests instead",
+       (1,)),
+    _r("best_of", _C, "this server returns one choice per request; send several requests "
+       "instead", (1,)),
+    _r("use_beam_search", BOTH, "beam search is not supported", (False,), VLLM),
+    _r("length_penalty", BOTH, "it applies to beam search, which is not supported", (1,), VLLM),
+    _r("max_repetition_pattern_size", BOTH, "stopping at repeated patterns is not supported",
+       (0,), VLLM),
+    _r("min_repetition_pattern_size", BOTH, "stopping at repeated patterns is not supported",
+       (0,), VLLM),
+    _r("repetition_min_count", BOTH, "stopping at repeated patterns is not supported", (0,),
+       VLLM),
+    # What the reply carries ------------------------------------------------------------------
+    _h("stream", BOTH, "Stream server-sent events, ending with `data: [DONE]`.", BOOL),
+    _h("stream_options", BOTH, 'With `stream: true`: `{"include_usage": true}` adds a last chunk '
+       "with `usage` (`usage: null` on the others); with `\"continuous_usage_stats\": true` "
+       "too, every chunk carries the usage so far. `include_obfuscation` only as false.",
+       OBJECT),
+    _h("echo", _C, "Prepend the prompt (its text; token ids: their decoded text) to the "
+       "completion.", BOOL),
+    _h("echo", _H, "When the last message is the assistant's (a reply to continue), prepend "
+       "its content to the answer.", BOOL, VLLM),
+    _h("return_token_ids", BOTH, "Add `token_ids` (generated) to each choice or chunk and "
+       "`prompt_token_ids` (to the choice for completions, the reply for chat; the first "
+       "chunk when streaming).", BOOL, VLLM),
+    _h("request_id", BOTH, "The request's id (at most 128 printable characters): the reply's "
+       "`id` is `cmpl-`/`chatcmpl-` + it. Wins over the `x-request-id` header.", STRING, VLLM),
+    _r("logprobs", _C, _NO_LOGPROBS, (False,)),
+    _r("logprobs", _H, _NO_LOGPROBS, (False,)),
+    _r("top_logprobs", _H, _NO_LOGPROBS, (0,)),
+    _r("prompt_logprobs", BOTH, _NO_LOGPROBS, origin=VLLM),
+    _r("return_tokens_as_token_ids", BOTH, f"it applies to logprobs; {_NO_LOGPROBS}", (False,),
+       VLLM),
+    _r("skip_special_tokens", BOTH, f"{_NO_DETOK}: special tokens are always skipped", (True,),
+       VLLM),
+    _r("spaces_between_special_tokens", BOTH, f"{_NO_DETOK}: special tokens are always skipped",
+       (True,), VLLM),
+    _r("modalities", _H, "this server answers with text only", (["text"],)),
+    _r("audio", _H, "this server answers with text only"),
+    # Tokenization and the chat template ------------------------------------------------------
+    _h("add_special_tokens", (*BOTH, TOKENIZE, TOKENIZE_CHAT), "Add the tokenizer's special "
+       "tokens (e.g. BOS) to the prompt. Default: true for a prompt, false for messages (the "
+       "chat template writes its own).", BOOL, VLLM),
+    _h("truncate_prompt_tokens", BOTH, "Keep only the prompt's last k tokens; -1: as many as "
+       "fit the context with max_tokens.", INT, VLLM,
+       extra={"oneOf": [{"const": -1}, {"minimum": 1}]}),
+    _h("add_generation_prompt", _RENDER, "Passed to the chat template (default true): open "
+       "the assistant's turn.", BOOL, VLLM),
+    _h("continue_final_message", _RENDER, "Render the last message open-ended (no end of "
+       "turn), so the model continues it; excludes add_generation_prompt.", BOOL, VLLM),
+    _h("chat_template_kwargs", _RENDER, "More variables for the chat template (e.g. "
+       '`{"enable_thinking": false}`), as transformers\' apply_chat_template takes them; '
+       "names of the template's own variables are refused.", OBJECT, VLLM),
+    _h("documents", _RENDER, "Documents for retrieval-augmented templates: the template's "
+       "`documents` variable.", DOCUMENTS, VLLM),
+    _h("return_token_strs", (TOKENIZE, TOKENIZE_CHAT), "Add `token_strs`: each token's text "
+       "in the vocabulary.", BOOL, VLLM),
+    _r("chat_template", (*_RENDER,), "this server renders with the model's own chat template "
+       "(its tokenizer_config.json); a per-request template is not accepted", origin=VLLM),
+    _r("mm_processor_kwargs", (*_RENDER,), "multimodal input is not supported", origin=VLLM),
+    _r("tools", (*_RENDER,), _NO_TOOLS, ([],)),
+    _r("tool_choice", _H, _NO_TOOLS, ("none", "auto")),
+    _r("parallel_tool_calls", _H, _NO_TOOLS, (True,)),
+    _r("functions", _H, _NO_TOOLS, ([],)),
+    _r("function_call", _H, _NO_TOOLS, ("none", "auto")),
+    _r("reasoning_effort", _H, "this server has no reasoning control; a template variable for "
+       'it goes in chat_template_kwargs (e.g. {"reasoning_effort": "low"})'),
+    _r("include_reasoning", _H, "no reasoning parser separates reasoning from the answer",
+       (True,), VLLM),
+    _r("verbosity", _H, "this server has no verbosity control", ("medium",)),
+    _r("web_search_options", _H, "this server does not search the web"),
+    _r("prediction", _H, "predicted outputs are not supported"),
+    # Structured output -----------------------------------------------------------------------
+    _r("response_format", BOTH, _NO_STRUCTURED, ({"type": "text"},)),
+    _r("structured_outputs", BOTH, _NO_STRUCTURED, origin=VLLM),
+    _r("guided_json", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("guided_regex", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("guided_choice", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("guided_grammar", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("guided_decoding_backend", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("guided_whitespace_pattern", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
+    _r("structural_tag", _H, _NO_STRUCTURED, origin=VLLM_OLD),
+    # Serving ---------------------------------------------------------------------------------
+    _h("user", BOTH, "An end-user id, written to the gateway's log.", STRING),
+    _h("safety_identifier", _H, "An end-user id (OpenAI's successor of `user`), written to the "
+       "gateway's log.", STRING),
+    _r("priority", BOTH, "this server schedules requests first come, first served", (0,), VLLM),
+    _r("service_tier", _H, "this server has one service tier", ("auto", "default")),
+    _r("store", _H, "this server stores no completions", (False,)),
+    _r("metadata", _H, "it is kept with stored completions, and this server stores none",
+       ({},)),
+    _r("prompt_cache_key", _H, "this server routes by the prompt's cached prefix itself; leave "
+       "it unset"),
+    _r("prompt_cache_retention", _H, "this server's prefix cache keeps prompts while it has "
+       "room; leave it unset"),
+    _r("cache_salt", BOTH, "salting the prefix cache is not supported", origin=VLLM),
+    _r("kv_transfer_params", BOTH, "the mesh moves KV between its own instances; it takes no "
+       "KV from outside", origin=VLLM),
+    _r("vllm_xargs", BOTH, "no extension reads extra arguments here", origin=VLLM),
+)  # fmt: skip
+
+BY_ENDPOINT: dict[str, dict[str, Field]] = {
+    e: {f.name: f for f in FIELDS if e in f.endpoints} for e in PATHS
+}
+
+
+def checked(endpoint: str, body: object) -> dict[str, object]:
+    """The honoured fields of `body` that are set (not null), type-checked. InvalidRequest,
+    naming the field, for a missing required field, a field of the wrong type, a refused field
+    not at its default, and a field this endpoint does not know."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    fields = BY_ENDPOINT[endpoint]
+    for f in fields.values():
+        if f.required and body.get(f.name) is None:
+            raise InvalidRequest(f"'{f.name}' is required", param=f.name)
+    values = {}
+    for name, value in body.items():
+        if value is None:
+            continue  # null is unset, for any field
+        f = fields.get(name)
+        if f is None:
+            raise _unknown(endpoint, name)
+        if not f.honoured:
+            if not f.accepts(value):
+                raise InvalidRequest(_refusal(f, value), param=name)
+        elif not f.kind.check(value):
+            raise InvalidRequest(f"'{name}' must be {f.kind.words}, got {show(value)}", param=name)
+        else:
+            values[name] = value
+    return values
+
+
+def _refusal(f: Field, value: object) -> str:
+    only = " or ".join(json.dumps(d) for d in f.defaults)
+    leave = f"leave it unset or send {only}" if only else "leave it unset"
+    return f"'{f.name}' = {show(value)} is not supported: {f.about} ({leave})"
+
+
+def _unknown(endpoint: str, name: str) -> InvalidRequest:
+    elsewhere = [PATHS[e] for e in PATHS if e != endpoint and name in BY_ENDPOINT[e]]
+    if elsewhere:
+        return InvalidRequest(
+            f"'{name}' is a field of {' and '.join(elsewhere)}, not of {PATHS[endpoint]}",
+            param=name,
+        )
+    close = difflib.get_close_matches(name, BY_ENDPOINT[endpoint], n=1, cutoff=0.75)
+    hint = (
+        f"did you mean '{close[0]}'?"
+        if close
+        else "this server refuses fields it does not know rather than ignore them "
+        "(GET /openapi.json lists every field)"
+    )
+    return InvalidRequest(f"'{name}' is not a field of {PATHS[endpoint]}: {hint}", param=name)
+
+
+def show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def markdown_table() -> str:
+    """The table of docs/api.md: every field of the generation endpoints, what it does or why
+    it is refused."""
+    rows = [
+        "| field | endpoints | from | status | what it does, or why it is refused |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FIELDS:
+        ends = [e for e in f.endpoints if e in BOTH]
+        if not ends:
+            continue
+        where = "both" if len(ends) == 2 else ("completions" if ends == [COMPLETIONS] else "chat")
+        if f.honoured:
+            status = "honoured"
+        else:
+            only = ", ".join(f"`{json.dumps(d)}`" for d in f.defaults)
+            status = f"refused unless {only or '`null`'}"
+        about = f.about.replace("|", "\\|")
+        rows.append(f"| `{f.name}` | {where} | {f.origin} | {status} | {about} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

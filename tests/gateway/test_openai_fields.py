@@ -1,0 +1,456 @@
+"""Nothing silently ignored, as a rule: every request field of OpenAI's API and of vLLM's is
+walked against a real gateway and worker, on both generation endpoints. Each field is honoured
+(200, and its effect shows in the reply, checked against transformers on the same folder where
+it is about the prompt) or refused (400 naming it); a field of the other endpoint or of neither
+list is refused too, naming the field meant. Then the other endpoints: /tokenize, /detokenize,
+/version, /v1/models' max_model_len, the 404 of what is not served, /metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from services.gateway import openai_fields
+from tests.conftest import start_mesh, stop_now
+
+C, H = "completions", "chat"
+BOTH = (C, H)
+HONOURED, REFUSED = "honoured", "refused"
+PATH = {C: "/v1/completions", H: "/v1/chat/completions"}
+
+# Every field of vLLM's CompletionRequest and ChatCompletionRequest (vllm-project/vllm at
+# d5dba2d7b0ab: vllm/entrypoints/openai/completion/protocol.py and chat_completion/protocol.py),
+# the guided_* fields of its older versions, and every field OpenAI's API reference defines for
+# POST /v1/completions and POST /v1/chat/completions: (name, endpoints, status, a value other
+# than the default). Written out here, not read from the server's table: the test holds the
+# server to the lists as their authors wrote them.
+KNOWN = [
+    # OpenAI, both endpoints
+    ("model", BOTH, HONOURED, "SERVED"),
+    ("max_tokens", BOTH, HONOURED, 3),
+    ("temperature", BOTH, HONOURED, 5.0),
+    ("top_p", BOTH, HONOURED, 1e-9),
+    ("seed", BOTH, HONOURED, 7),
+    ("stop", BOTH, HONOURED, "FROM_REFERENCE"),
+    ("n", BOTH, REFUSED, 2),
+    ("stream", BOTH, HONOURED, True),
+    ("stream_options", BOTH, HONOURED, {"include_usage": True, "continuous_usage_stats": True}),
+    ("user", BOTH, HONOURED, "walker"),
+    ("frequency_penalty", BOTH, REFUSED, 0.5),  # being made honoured on another branch
+    ("presence_penalty", BOTH, REFUSED, 0.5),  # being made honoured on another branch
+    ("logit_bias", BOTH, REFUSED, {"5": 10}),  # being made honoured on another branch
+    ("logprobs", C, REFUSED, 2),
+    ("logprobs", H, REFUSED, True),
+    # OpenAI, completions
+    ("prompt", (C,), HONOURED, "REQUIRED"),
+    ("best_of", (C,), REFUSED, 2),
+    ("echo", (C,), HONOURED, True),
+    ("suffix", (C,), REFUSED, "def f():"),
+    # OpenAI, chat
+    ("messages", (H,), HONOURED, "REQUIRED"),
+    ("max_completion_tokens", (H,), HONOURED, 3),
+    ("top_logprobs", (H,), REFUSED, 2),
+    ("response_format", BOTH, REFUSED, {"type": "json_object"}),  # vLLM: completions too
+    ("tools", (H,), REFUSED, [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", (H,), REFUSED, "required"),
+    ("parallel_tool_calls", (H,), REFUSED, False),
+    ("functions", (H,), REFUSED, [{"name": "f"}]),
+    ("function_call", (H,), REFUSED, {"name": "f"}),
+    ("reasoning_effort", (H,), REFUSED, "low"),
+    ("verbosity", (H,), REFUSED, "low"),
+    ("web_search_options", (H,), REFUSED, {}),
+    ("prediction", (H,), REFUSED, {"type": "content", "content": "x"}),
+    ("modalities", (H,), REFUSED, ["text", "audio"]),
+    ("audio", (H,), REFUSED, {"voice": "alloy", "format": "wav"}),
+    ("store", (H,), REFUSED, True),
+    ("metadata", (H,), REFUSED, {"k": "v"}),
+    ("service_tier", (H,), REFUSED, "flex"),
+    ("prompt_cache_key", (H,), REFUSED, "k"),
+    ("prompt_cache_retention", (H,), REFUSED, "24h"),
+    ("safety_identifier", (H,), HONOURED, "walker"),
+    # vLLM, both endpoints
+    ("top_k", BOTH, HONOURED, 1),
+    ("min_p", BOTH, REFUSED, 0.1),  # being made honoured on another branch
+    ("repetition_penalty", BOTH, REFUSED, 1.2),  # being made honoured on another branch
+    ("min_tokens", BOTH, REFUSED, 2),  # being made honoured on another branch
+    ("use_beam_search", BOTH, REFUSED, True),
+    ("length_penalty", BOTH, REFUSED, 0.5),
+    ("stop_token_ids", BOTH, HONOURED, "FROM_REFERENCE"),
+    ("include_stop_str_in_output", BOTH, REFUSED, True),
+    ("ignore_eos", BOTH, HONOURED, True),
+    ("skip_special_tokens", BOTH, REFUSED, False),
+    ("spaces_between_special_tokens", BOTH, REFUSED, False),
+    ("truncate_prompt_tokens", BOTH, HONOURED, 2),
+    ("prompt_logprobs", BOTH, REFUSED, 1),
+    ("allowed_token_ids", BOTH, REFUSED, [5, 6]),
+    ("add_special_tokens", BOTH, HONOURED, "FLIPPED"),
+    ("structured_outputs", BOTH, REFUSED, {"regex": "a+"}),
+    ("priority", BOTH, REFUSED, 1),
+    ("request_id", BOTH, HONOURED, "walk-1"),
+    ("logits_processors", BOTH, REFUSED, ["my.Processor"]),
+    ("return_tokens_as_token_ids", BOTH, REFUSED, True),
+    ("return_token_ids", BOTH, HONOURED, True),
+    ("cache_salt", BOTH, REFUSED, "salt"),
+    ("kv_transfer_params", BOTH, REFUSED, {"do_remote_prefill": True}),
+    ("vllm_xargs", BOTH, REFUSED, {"a": 1}),
+    ("max_repetition_pattern_size", BOTH, REFUSED, 4),
+    ("min_repetition_pattern_size", BOTH, REFUSED, 2),
+    ("repetition_min_count", BOTH, REFUSED, 3),
+    # vLLM, completions
+    ("prompt_embeds", (C,), REFUSED, "AAAA"),
+    # vLLM, chat
+    ("include_reasoning", (H,), REFUSED, False),
+    ("bad_words", (H,), REFUSED, ["bad"]),
+    ("echo", (H,), HONOURED, True),
+    ("add_generation_prompt", (H,), HONOURED, False),
+    ("continue_final_message", (H,), HONOURED, True),
+    ("documents", (H,), HONOURED, [{"title": "Notes", "text": "Prefill computes the KV."}]),
+    ("chat_template", (H,), REFUSED, "{{ messages }}"),
+    ("chat_template_kwargs", (H,), HONOURED, {"enable_thinking": False}),
+    ("mm_processor_kwargs", (H,), REFUSED, {"size": 1}),
+    # vLLM before its structured_outputs field
+    ("guided_json", BOTH, REFUSED, {"type": "object"}),
+    ("guided_regex", BOTH, REFUSED, "a+"),
+    ("guided_choice", BOTH, REFUSED, ["yes", "no"]),
+    ("guided_grammar", BOTH, REFUSED, "root ::= 'a'"),
+    ("guided_decoding_backend", BOTH, REFUSED, "xgrammar"),
+    ("guided_whitespace_pattern", BOTH, REFUSED, " *"),
+    ("structural_tag", (H,), REFUSED, "{}"),
+    # This server's own: max_completion_tokens on completions too, as on chat
+    ("max_completion_tokens", (C,), HONOURED, 3),
+]
+UNKNOWN = [("temprature", "temperature"), ("max_token", "max_tokens"), ("frobnicate", None)]
+
+PROMPT = "The edge forwards every request to the gateway"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What does prefill do?"},
+]
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Prefill runs"}]
+EOS_PROMPT = "Stop right here"  # its greedy first tokens are made EOS ids of the test's model
+# A chat template that reads what transformers' apply_chat_template passes (documents,
+# add_generation_prompt) and a kwarg of its own (enable_thinking, as Qwen3's does).
+TEMPLATE = (
+    "{{ bos_token }}{% if documents %}<|im_start|>system\n"
+    "{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model(model_factory, tmp_path_factory):
+    """The tiny model with TEMPLATE, and the greedy first tokens (transformers') of EOS_PROMPT,
+    as a prompt and as a user's message, among its EOS ids: ignore_eos has something to
+    ignore."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("fields") / "model"
+    shutil.copytree(model_factory("tiny"), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    tok = AutoTokenizer.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    chat = [{"role": "user", "content": EOS_PROMPT}]
+    prompts = [
+        tok(EOS_PROMPT)["input_ids"],
+        tok.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=True),
+    ]
+    with torch.no_grad():
+        stops = {int(lm(torch.tensor([ids])).logits[0, -1].argmax()) for ids in prompts}
+    generation = json.loads((path / "generation_config.json").read_text())
+    eos = sorted({generation["eos_token_id"], *stops})
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """One colocated worker behind a gateway: (HTTP address, served name, transformers
+    tokenizer of the same folder)."""
+    from transformers import AutoTokenizer
+
+    mesh = start_mesh(model, prefill=0, decode=0, colocated=1)
+    try:
+        yield mesh.gateway_http_address, model.name, AutoTokenizer.from_pretrained(model)
+    finally:
+        stop_now(mesh)
+
+
+def post(address: str, path: str, body: dict) -> tuple[int, dict | list]:
+    """(status, JSON body), or for a stream (status, its parsed chunks)."""
+    r = requests.post(f"http://{address}{path}", json=body, timeout=60)
+    if r.headers["content-type"].startswith("text/event-stream"):
+        lines = r.content.decode().split("\n")  # UTF-8, whatever the header says
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return r.status_code, [json.loads(e) for e in events[:-1]]
+    return r.status_code, r.json()
+
+
+def base(endpoint: str) -> dict:
+    prompt = {"prompt": PROMPT} if endpoint == C else {"messages": MESSAGES}
+    return {**prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def text(endpoint: str, reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["text"] if endpoint == C else choice["message"]["content"]
+
+
+class Walk:
+    """Sends requests to one endpoint and compares with its base request's reply."""
+
+    def __init__(self, server, endpoint: str) -> None:
+        self.address, self.served, self.hf = server
+        self.endpoint = endpoint
+        self.ref = self.ok(return_token_ids=True)
+
+    def send(self, **fields) -> tuple[int, dict]:
+        body = {k: v for k, v in {**base(self.endpoint), **fields}.items() if v is not None}
+        return post(self.address, PATH[self.endpoint], body)
+
+    def ok(self, **fields) -> dict:
+        status, reply = self.send(**fields)
+        assert status == 200, reply
+        return reply
+
+    @property
+    def ref_ids(self) -> list[int]:
+        return self.ref["choices"][0]["token_ids"]
+
+    def prompt_ids(self, reply: dict) -> list[int]:
+        return reply["choices"][0]["prompt_token_ids"] if self.endpoint == C else (
+            reply["prompt_token_ids"]
+        )  # fmt: skip
+
+    def template_ids(self, messages: list[dict], **kwargs) -> list[int]:
+        """transformers' rendering and tokenization of a conversation (the reference)."""
+        return self.hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+
+
+def _ids(walk: Walk, **fields) -> list[int]:
+    return walk.ok(return_token_ids=True, **fields)["choices"][0]["token_ids"]
+
+
+def effect_of(name: str, walk: Walk, value) -> None:
+    """Asserts that the honoured field `name` does what it says."""
+    e = walk.endpoint
+    if name == "model":
+        assert walk.ok(model=walk.served)["model"] == walk.served
+        assert walk.send(model="gpt-17")[0] == 404
+    elif name in ("prompt", "messages"):
+        status, reply = walk.send(**{name: None})
+        assert status == 400 and reply["error"]["param"] == name
+    elif name in ("max_tokens", "max_completion_tokens"):
+        assert walk.ok(**{name: value})["usage"]["completion_tokens"] == value
+    elif name == "temperature":
+        assert _ids(walk, temperature=value, seed=1) != walk.ref_ids
+    elif name in ("top_p", "top_k"):  # keeping only the likeliest token is greedy
+        assert _ids(walk, temperature=5.0, seed=1, **{name: value}) == walk.ref_ids
+    elif name == "seed":
+        runs = [_ids(walk, temperature=5.0, seed=s) for s in (value, value, value + 1)]
+        assert runs[0] == runs[1] != runs[2]
+    elif name == "stop":
+        full = text(e, walk.ref)
+        stop = full[len(full) // 2 :][:2]
+        reply = walk.ok(stop=stop)
+        assert text(e, reply) == full[: full.index(stop)]
+        assert reply["choices"][0]["finish_reason"] == "stop"
+    elif name == "stop_token_ids":
+        k = next(i for i, t in enumerate(walk.ref_ids) if t not in walk.ref_ids[:i] and i > 0)
+        reply = walk.ok(stop_token_ids=[walk.ref_ids[k]])
+        assert reply["usage"]["completion_tokens"] == k + 1
+        assert reply["choices"][0]["finish_reason"] == "stop"
+    elif name == "ignore_eos":
+        chat = [{"role": "user", "content": EOS_PROMPT}]
+        prompt = {"prompt": EOS_PROMPT} if e == C else {"messages": chat}
+        stopped = walk.ok(**prompt, ignore_eos=None)  # the model's EOS ends it at once
+        assert stopped["usage"]["completion_tokens"] == 1
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert walk.ok(**prompt, ignore_eos=value)["usage"]["completion_tokens"] == 6
+    elif name == "stream":
+        status, chunks = walk.send(stream=value)
+        assert status == 200 and len(chunks) > 1
+        deltas = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+                  for c in chunks]  # fmt: skip
+        assert "".join(d or "" for d in deltas) == text(e, walk.ref)
+    elif name == "stream_options":
+        status, chunks = walk.send(stream=True, stream_options=value)
+        assert status == 200 and chunks[-1]["choices"] == []
+        used = [c["usage"]["completion_tokens"] for c in chunks]
+        assert used == sorted(used) and used[0] >= 1 and used[-1] == 6
+    elif name in ("user", "safety_identifier"):
+        # Written to the gateway's log, which no reply shows (and which goes to the stderr
+        # the gateway process inherited, beyond pytest's per-test capture).
+        assert text(e, walk.ok(**{name: value})) == text(e, walk.ref)  # an id, not a change
+    elif name == "echo" and e == C:
+        assert text(e, walk.ok(echo=value)) == PROMPT + text(e, walk.ref)
+        status, chunks = walk.send(echo=value, stream=True)
+        assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + text(e, walk.ref)
+    elif name == "echo":
+        reply = walk.ok(messages=CONTINUED, continue_final_message=True, echo=value)
+        assert text(e, reply).startswith("Prefill runs")
+        plain = walk.ok(messages=CONTINUED, continue_final_message=True)
+        assert text(e, reply) == "Prefill runs" + text(e, plain)
+    elif name == "return_token_ids":
+        ids = walk.ref["choices"][0]["token_ids"]
+        assert len(ids) == walk.ref["usage"]["completion_tokens"]
+        assert walk.hf.decode(ids, skip_special_tokens=True) == text(e, walk.ref)
+        if e == C:
+            want = walk.hf(PROMPT)["input_ids"]
+        else:
+            want = walk.template_ids(MESSAGES, add_generation_prompt=True)
+        assert walk.prompt_ids(walk.ref) == want
+        status, chunks = walk.send(return_token_ids=value, stream=True)
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+        assert walk.prompt_ids(chunks[0]) == want
+    elif name == "request_id":
+        assert walk.ok(request_id=value)["id"] == ("cmpl-" if e == C else "chatcmpl-") + value
+    elif name == "add_special_tokens":
+        flipped = walk.ok(return_token_ids=True, add_special_tokens=e == H)
+        ref = walk.prompt_ids(walk.ref)
+        bos = walk.hf.bos_token_id
+        want = ref[1:] if e == C else [bos, *ref]  # completions add BOS; chat's template does
+        assert walk.prompt_ids(flipped) == want
+    elif name == "truncate_prompt_tokens":
+        reply = walk.ok(return_token_ids=True, truncate_prompt_tokens=value)
+        assert walk.prompt_ids(reply) == walk.prompt_ids(walk.ref)[-value:]
+    elif name in ("add_generation_prompt", "continue_final_message", "documents"):
+        messages = CONTINUED if name == "continue_final_message" else MESSAGES
+        reply = walk.ok(return_token_ids=True, messages=messages, **{name: value})
+        # Continuing a message opens no new turn.
+        kwargs = {"add_generation_prompt": name == "documents", name: value}
+        want = walk.template_ids(messages, **kwargs)
+        assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
+    elif name == "chat_template_kwargs":
+        reply = walk.ok(return_token_ids=True, chat_template_kwargs=value)
+        want = walk.template_ids(MESSAGES, add_generation_prompt=True, **value)
+        assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
+        assert "<think>" in walk.hf.decode(want)
+    else:
+        raise AssertionError(f"no effect check for the honoured field {name!r}")
+
+
+@pytest.mark.parametrize("endpoint", BOTH)
+def test_the_lists_are_the_servers_table(endpoint):
+    listed = {(n, s) for n, ends, s, _ in KNOWN if endpoint in ends}
+    table = {
+        (f.name, HONOURED if f.honoured else REFUSED)
+        for f in openai_fields.BY_ENDPOINT[endpoint].values()
+    }
+    assert listed == table
+
+
+@pytest.mark.parametrize("endpoint", BOTH)
+def test_every_known_field_is_honoured_with_effect_or_refused_by_name(server, endpoint):
+    walk = Walk(server, endpoint)
+    for name, ends, status, value in KNOWN:
+        if endpoint not in ends:
+            if any(endpoint in e for n, e, _, _ in KNOWN if n == name):
+                continue  # listed again for this endpoint
+            code, reply = walk.send(**{name: value if value != "REQUIRED" else "x"})
+            assert code == 400 and reply["error"]["param"] == name, (name, reply)
+            assert "is a field of" in reply["error"]["message"], reply
+        elif status == REFUSED:
+            code, reply = walk.send(**{name: value})
+            assert code == 400, (name, reply)
+            assert reply["error"]["param"] == name and f"'{name}'" in reply["error"]["message"]
+            assert "not supported" in reply["error"]["message"], reply
+        else:
+            effect_of(name, walk, value)
+
+
+@pytest.mark.parametrize("endpoint", BOTH)
+def test_unknown_fields_are_refused_naming_the_field_meant(server, endpoint):
+    walk = Walk(server, endpoint)
+    for name, meant in UNKNOWN:
+        code, reply = walk.send(**{name: 1})
+        assert code == 400 and reply["error"]["param"] == name, reply
+        hint = f"did you mean '{meant}'?" if meant else "refuses fields it does not know"
+        assert hint in reply["error"]["message"], reply
+        assert walk.send(**{name: None})[0] == 200  # null is unset
+
+
+def test_refused_fields_at_their_default_change_nothing(server):
+    walk = Walk(server, C)
+    defaults = {
+        "n": 1,
+        "logprobs": False,
+        "best_of": 1,
+        "presence_penalty": 0.0,
+        "suffix": "",
+        "skip_special_tokens": True,
+        "priority": 0,
+        "response_format": {"type": "text"},
+    }
+    assert walk.ok(return_token_ids=True, **defaults)["choices"] == walk.ref["choices"]
+
+
+def test_chat_template_kwargs_may_not_set_the_templates_own_variables(server):
+    walk = Walk(server, H)
+    for name in ("messages", "add_generation_prompt", "tools", "bos_token"):
+        code, reply = walk.send(chat_template_kwargs={name: 1})
+        assert code == 400 and reply["error"]["param"] == "chat_template_kwargs"
+        assert f"may not set '{name}'" in reply["error"]["message"]
+
+
+def test_tokenize_and_detokenize_as_vllm_does(server):
+    address, served, hf = server
+    status, out = post(address, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert status == 200 and out["tokens"] == hf(PROMPT)["input_ids"]
+    context = json.loads((Path(hf.name_or_path) / "config.json").read_text())[
+        "max_position_embeddings"
+    ]
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == context
+    assert out["token_strs"] == hf.convert_ids_to_tokens(out["tokens"])
+    status, chat = post(address, "/tokenize", {"model": served, "messages": MESSAGES})
+    assert chat["tokens"] == hf.apply_chat_template(
+        MESSAGES, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    status, text = post(address, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and text == {"prompt": hf.decode(out["tokens"], skip_special_tokens=True)}
+    for path, body, param in (
+        ("/tokenize", {"prompt": "x", "max_tokens": 2}, "max_tokens"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-17"}, "model"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ):
+        status, reply = post(address, path, body)
+        assert status in (400, 404) and reply["error"]["param"] == param, reply
+
+
+def test_version_models_and_what_is_not_served(server):
+    address, served, _ = server
+    from importlib.metadata import version
+
+    assert requests.get(f"http://{address}/version", timeout=10).json() == {
+        "version": version("distserve-mesh")
+    }
+    models = requests.get(f"http://{address}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(served, 1024)]  # tiny preset
+    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/audio/speech"),
+                         ("POST", "/v1/images/generations"), ("GET", "/v1/responses")):  # fmt: skip
+        r = requests.request(method, f"http://{address}{path}", json={}, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_served"
+        assert "does not serve" in r.json()["error"]["message"]
+
+
+def test_the_gateway_serves_its_prometheus_metrics_on_its_http_port(server):
+    address, _, _ = server
+    r = requests.get(f"http://{address}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "gen_ai_server_time_to_first_token_seconds" in r.text
+
+
+def test_docs_api_md_holds_the_generated_table():
+    docs = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    assert openai_fields.markdown_table() in docs
