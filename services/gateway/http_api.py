@@ -176,7 +176,6 @@ class HttpApi:
             "object": "model",
             "created": self.created,
             "owned_by": owner,
-            "max_model_len": self.limits.max_context,
             "distserve_engine": self.config.engine,
             "max_model_len": self.limits.max_context,  # the workers' smallest (request.Limits)
         }
