@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+
+import pytest
 
 from distserve import plan as plan_cli
 from services.common.latency import load
+from services.common.model_config import ModelConfig
+from services.common.model_spec import PRESETS, model_spec
+from services.engine.models import FAMILIES
 
 
 def test_profile_writes_a_profile_with_a_sane_fit(tiny_model, tmp_path, capsys):
@@ -61,3 +67,36 @@ def test_register_adds_both_commands_with_their_functions():
         ["plan", "--model-spec", "opt-13b", "--cluster", "1x8", "--slo", "1,1"]
     )
     assert args.func is plan_cli.plan_command
+
+
+def test_an_opt_folder_plans_as_the_paper_model_it_is(tmp_path):
+    """`distserve plan --model-spec <an OPT-13B folder>` and `--model-spec opt-13b` agree, and
+    the folder is one the real engine serves (its config.json as transformers writes it)."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "opt-13b"
+    config = transformers.OPTConfig(
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        ffn_dim=20480,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=5120,
+        dtype="float16",
+    )
+    config.architectures = ["OPTForCausalLM"]
+    config.save_pretrained(folder)
+    assert ModelConfig.from_dir(folder).architecture in FAMILIES
+    assert model_spec(folder) == dataclasses.replace(PRESETS["opt-13b"], name="opt-13b")
+    plans = []
+    for spec in ("opt-13b", str(folder)):
+        out = tmp_path / f"{len(plans)}.json"
+        argv = [
+            "plan", "--model-spec", spec, "--cluster", "1x2", "--workload",
+            "prompt=fixed:512,output=fixed:64", "--slo", "400,40", "--num-requests", "200",
+            "--out", str(out),
+        ]  # fmt: skip
+        assert plan_cli.main(argv) == 0
+        plan = json.loads(out.read_text())
+        plans.append((plan["placement"], plan["ratio_over_colocated"], plan["latency_source"]))
+    assert plans[0] == plans[1]

@@ -15,6 +15,7 @@ The planner's simulator and the emulated engine size their KV pools with the sam
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,11 +111,14 @@ def model_spec(name_or_dir: str | Path) -> ModelSpec:
 
 
 def from_dir(path: Path) -> ModelSpec:
-    """The spec of a Hugging Face folder our engine serves (Llama family), in its stored dtype."""
+    """The spec of a Hugging Face folder our engine serves, in its stored dtype. An OPT folder
+    of a published model's shape is that model (`published`: the planner then times it with the
+    published profile, as `--model-spec opt-13b` does)."""
     from services.common.model_config import ModelConfig
 
     mc = ModelConfig.from_dir(path)
-    return ModelSpec(
+    opt = mc.architecture == "OPTForCausalLM"
+    spec = ModelSpec(
         name=path.name,
         num_layers=mc.num_layers,
         num_heads=mc.num_heads,
@@ -124,8 +128,13 @@ def from_dir(path: Path) -> ModelSpec:
         vocab_size=mc.vocab_size,
         max_context=mc.max_position_embeddings,
         dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[mc.dtype],
-        mlp_matrices=3,
+        mlp_matrices=2 if opt else 3,
+        learned_positions=opt,
     )
+    for preset in PRESETS.values():
+        if dataclasses.replace(spec, name=preset.name, published=preset.published) == preset:
+            return dataclasses.replace(spec, published=preset.published)
+    return spec
 
 
 @functools.cache
