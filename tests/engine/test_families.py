@@ -80,3 +80,42 @@ def test_prefix_cache_gives_the_tokens_of_a_whole_prefill(family, name):
             done = o.finished
     assert cached == 32  # the 4 shared blocks came from the cache
     assert tokens == hf_greedy(hf, prompt, 24)
+
+
+def _flash() -> bool:
+    from services.engine.attention import flash_available
+
+    return torch.cuda.is_available() and flash_available(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _flash(), reason="needs CUDA and flash-attn (bench/gpu_check.sh)")
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_flash_attention_matches_torch_attention_on_cuda(family, name):
+    """bf16 on the GPU, every family: flash-attn's varlen prefill, its paged decode (blocks of
+    256), and its prefill over a cached prefix, against the torch backend on the same device and
+    weights, within bf16's rounding of the logits."""
+    path = family(name)
+
+    def engine(attention: str, prefix_cache: bool) -> LLMEngine:
+        config = EngineConfig(
+            num_blocks=16,
+            block_size=256,
+            dtype="bfloat16",
+            device="cuda",
+            attention=attention,
+            prefix_cache=prefix_cache,
+        )
+        return LLMEngine(path, config)
+
+    gen = torch.Generator().manual_seed(9)
+    first = torch.randint(2, 900, (600,), generator=gen).tolist()
+    ids = first[:512] + torch.randint(2, 900, (100,), generator=gen).tolist()
+    reference = teacher_forced_logits(engine("torch", False), ids, 560)
+    flash = engine("flash", True)
+    assert flash.runner.backend.name == "flash" and flash.runner.backend.needs_block_tables
+    whole = teacher_forced_logits(flash, ids, 560)
+    flash.generate([first], SamplingParams(max_tokens=1))  # caches the first 512 tokens' blocks
+    cached = teacher_forced_logits(flash, ids, 560)  # prefill of 48 tokens over 512 cached
+    scale = reference.abs().max().item()
+    for got in (whole, cached):
+        assert (got - reference).abs().max().item() <= 0.03 * scale

@@ -166,7 +166,8 @@ def model(model_factory, tmp_path_factory):
     with torch.no_grad():
         stops = {int(lm(torch.tensor([ids])).logits[0, -1].argmax()) for ids in prompts}
     generation = json.loads((path / "generation_config.json").read_text())
-    eos = sorted({generation["eos_token_id"], *stops})
+    given = generation["eos_token_id"]
+    eos = sorted({*(given if isinstance(given, list) else [given]), *stops})
     (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
     return path
 
