@@ -15,12 +15,16 @@ container, a machine without network later).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from services.common.errors import DistServeError, InvalidRequest, ModelLoadError
+
+T = TypeVar("T")
 
 # What snapshot_download fetches: all the mesh reads of a model, and nothing else. The weights
 # are transformers' safetensors (model.safetensors, or shards and their index): not the same
@@ -61,6 +65,13 @@ def resolve_model(model: str | Path, revision: str | None = None) -> Path:
     if not is_hub_id(name):
         raise ModelLoadError(f"model folder {name} does not exist")
     return fetch_model(name, revision=revision)
+
+
+def with_local_model(config: T, revision: str | None = None) -> T:
+    """A service's config (a dataclass with a `model`) with that model a local folder: what a
+    process's main does after parsing its command line (parsing does no I/O: `distserve up`
+    checks options with the parsers)."""
+    return dataclasses.replace(config, model=resolve_model(config.model, revision))
 
 
 def is_hub_id(name: str) -> bool:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from services.common import clock, telemetry
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
-from services.common.hub import refuse_at_start, resolve_model
+from services.common.hub import refuse_at_start, with_local_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
@@ -68,10 +69,8 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
-    else:
-        args.model = resolve_model(args.model, args.revision)
     config = DecodeConfig(
-        model=args.model,
+        model=Path(args.model),
         gateway=args.gateway,
         role=args.role,
         host=args.host,
@@ -136,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     with refuse_at_start("decode"):
         config, args = parse(argv)
+        config = with_local_model(config, args.revision)
         configure_process(args)
         configure_ucx(args)
         clock.setup_from_args(args)

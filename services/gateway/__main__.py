@@ -4,6 +4,7 @@ worker registry)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ log = logging.getLogger("distserve.gateway")
 class GatewayConfig:
     model: Path  # the model folder: tokenizer and limits (the gateway never loads weights)
     model_id: str | None = None  # the Hub id `model` was resolved from; None: a local folder
+    revision: str | None = None  # with a Hub id: its branch, tag or commit
     host: str = "127.0.0.1"
     port: int = 50051
     # A worker that does not heartbeat this long is dropped (a dead one sooner: a call that
@@ -175,10 +177,9 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         p.error("--layerwise-min-tokens must be >= 0")
     if min(a.slo_ttft_ms, a.slo_tpot_ms, a.slo_window_s) <= 0:
         p.error("SLOs and their window must be positive")
-    model = resolve_model(a.model, a.revision)
     return GatewayConfig(
-        model=model,
-        model_id=None if model == Path(a.model).expanduser() else a.model,
+        model=Path(a.model),
+        revision=a.revision,
         chat_template=a.chat_template,
         generation_config=a.generation_config == "auto",
         host=a.host,
@@ -312,10 +313,19 @@ def _local_prefill(config: GatewayConfig, model: ModelConfig) -> LocalPrefill | 
     )
 
 
+def resolved(config: GatewayConfig) -> GatewayConfig:
+    """`config` with its model a local folder: a Hub id found in the cache or fetched (here, not
+    in `parse`, which only reads the command line: `distserve up` checks options with it)."""
+    given = str(config.model)
+    folder = resolve_model(given, config.revision)
+    model_id = None if folder == Path(given).expanduser() else given
+    return dataclasses.replace(config, model=folder, model_id=model_id)
+
+
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
     with refuse_at_start("gateway"):
-        config = parse(argv)
+        config = resolved(parse(argv))
         clock.setup(config.time_scale, config.time_epoch)
         run(serve(config))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from services.common import clock, telemetry
 from services.common.gen.distserve.v1 import (
@@ -13,7 +14,7 @@ from services.common.gen.distserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.hub import refuse_at_start, resolve_model
+from services.common.hub import refuse_at_start, with_local_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import run, setup_logging, start_server
@@ -58,11 +59,9 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
-    else:
-        args.model = resolve_model(args.model, args.revision)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     config = PrefillConfig(
-        model=args.model,
+        model=Path(args.model),
         gateway=args.gateway,
         host=args.host,
         port=args.port,
@@ -129,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     with refuse_at_start("prefill"):
         config, args = parse(argv)
+        config = with_local_model(config, args.revision)
         configure_process(args)
         configure_ucx(args)
         clock.setup_from_args(args)

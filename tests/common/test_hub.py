@@ -143,12 +143,14 @@ def test_hub_ids_are_told_from_paths(name, hub):
 def test_the_workers_and_gateway_take_a_hub_id_and_resolve_it_themselves(hf_home, tmp_path):
     """Started on their own (a pod, not `distserve up`), each process resolves the id
     (tests/test_model_loading.py serves from an id end to end)."""
-    for service in ("services.gateway", "services.prefill"):
+    resolve = {
+        "services.gateway": "resolved(parse(argv))",
+        "services.prefill": "with_local_model(*parse(argv)[:1], parse(argv)[1].revision)",
+        "services.decode": "with_local_model(*parse(argv)[:1], parse(argv)[1].revision)",
+    }
+    for service, how in resolve.items():
         code = (
-            f"import sys; from {service}.__main__ import parse\n"
-            f"out = parse(['--model', {REPO!r}])\n"
-            "config = out[0] if isinstance(out, tuple) else out\n"
-            "print(config.model)\n"
+            f"from {service}.__main__ import *\nargv = ['--model', {REPO!r}]\nprint({how}.model)\n"
         )
         run = run_python(code, offline_env(hf_home))
         assert run.returncode == 0, run.stderr
