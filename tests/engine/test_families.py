@@ -10,10 +10,14 @@ tests/engine/test_tensor_parallel.py; through the mesh: tests/test_families_mesh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
 
+from services.common.errors import ModelLoadError
+from services.common.model_config import ModelConfig, experts_of
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -121,3 +125,28 @@ def test_moe_checkpoint_is_per_expert_and_prompts_reach_every_expert(family, nam
     assert sorted(chosen) == moe_layers
     for i, experts in chosen.items():
         assert experts == {0, 1, 2, 3}, f"layer {i} routed only to experts {sorted(experts)}"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 5}, "1 <= num_experts_per_tok <= num_local_experts"),
+        ({"num_local_experts": 0}, "num_local_experts >= 1"),
+        ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1"),
+        ({"mlp_only_layers": "1"}, "mlp_only_layers must list layer indices"),
+    ],
+)
+def test_moe_config_out_of_range_is_refused_by_name(family, change, message):
+    raw = json.loads((family("qwen3-moe") / "config.json").read_text())
+    raw = {k: v for k, v in {**raw, **change}.items() if v is not None}
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_qwen3_moe_hub_config_names_its_experts_num_experts(family):
+    """Qwen3-MoE's Hub config.json says `num_experts`; transformers 5 writes
+    `num_local_experts`: both read."""
+    raw = json.loads((family("qwen3-moe") / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    assert experts_of(ModelConfig.from_dict(raw).raw) == (4, 2)
