@@ -94,6 +94,41 @@ def _check_phi3(raw: dict) -> None:
         raise UnsupportedModel("Phi-3 with partial_rotary_factor != 1 is not implemented")
 
 
+def experts_of(raw: dict) -> tuple[int, int]:
+    """(experts per MoE layer, experts each token is routed to) of a mixture-of-experts
+    config.json: `num_local_experts` (Mixtral, and what transformers 5 writes) or `num_experts`
+    (Qwen3-MoE on the Hub), and `num_experts_per_tok`."""
+    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    try:
+        experts, top_k = int(raw[key]), int(raw["num_experts_per_tok"])
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json: {key} and num_experts_per_tok must be integers") from e
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelLoadError(
+            f"config.json: need {key} >= 1 and 1 <= num_experts_per_tok <= {key}; got "
+            f"{experts} and {top_k}"
+        )
+    return experts, top_k
+
+
+def _check_mixtral(raw: dict) -> None:
+    experts_of(raw)
+
+
+def _check_qwen3_moe(raw: dict) -> None:
+    experts_of(raw)
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ModelLoadError(
+            f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}"
+        )
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ModelLoadError(f"config.json: mlp_only_layers must list layer indices, got {dense!r}")
+
+
 # An emulated model's folder (`distserve model create --emulated`): a shape and a tokenizer, no
 # weights; only the emulated engine serves it (docs/engine.md).
 EMULATED = "EmulatedForCausalLM"
@@ -120,6 +155,14 @@ ARCHITECTURES: dict[str, Family] = {
         biases=_llama_biases,
         tied=True,
         sliding=lambda raw, layer: layer % 2 == 0,
+    ),
+    "MixtralForCausalLM": Family("mixtral", sliding=_every_layer, check=_check_mixtral),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe",
+        biases=_llama_biases,
+        intermediate="moe_intermediate_size",
+        sliding=lambda raw, layer: bool(raw.get("use_sliding_window")),
+        check=_check_qwen3_moe,
     ),
     EMULATED: Family("emulated", activations=("silu", "relu", "gelu", "gelu_pytorch_tanh")),
 }

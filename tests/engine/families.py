@@ -49,6 +49,34 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
+    # Mixture of experts: 4 experts, each token routed to 2 (tests/engine/test_families.py
+    # checks that the prompts reach every expert).
+    "mixtral": (
+        "MixtralConfig",
+        {
+            **SMALL,
+            "intermediate_size": 96,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+    # Top-2 without renormalising, and a dense layer between two sparse ones.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            **SMALL,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+            "intermediate_size": 160,
+            "moe_intermediate_size": 48,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+        },
+    ),
     "mistral-window": (
         "MistralConfig",
         {**SMALL, "intermediate_size": 160, "num_key_value_heads": 2, "sliding_window": 8},

@@ -3,22 +3,35 @@
 For each family: logits of a prefill and of the decode steps after it within fp32 tolerance of
 transformers' forward pass over the same tokens; greedy generation of a batch identical to
 transformers' `generate` over 32 tokens; and a prompt served from the prefix cache identical to
-one computed whole. Tensor parallelism: tests/engine/test_tensor_parallel.py; through the mesh:
-tests/test_families_mesh.py.
+one computed whole. For the mixture-of-experts families: the checkpoint is in the Hub's
+per-expert layout, and the test prompts route tokens to every expert. Tensor parallelism:
+tests/engine/test_tensor_parallel.py; through the mesh: tests/test_families_mesh.py.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 
+from services.common.errors import ModelLoadError
+from services.common.model_config import ModelConfig, experts_of
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.engine.models.moe import SparseMoE
 from tests.engine.families import FAMILIES, write_family
 from tests.engine.test_parity_transformers import hf_greedy, hf_model, teacher_forced_logits
 
 transformers = pytest.importorskip("transformers")
+
+# family -> (its MoE block's name in the checkpoint, an expert's gate projection, MoE layers)
+MOE = {
+    "mixtral": ("block_sparse_moe", "w1", [0, 1]),
+    "qwen3-moe": ("mlp", "gate_proj", [0, 2]),  # layer 1 is in mlp_only_layers: dense
+}
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +132,60 @@ def test_flash_attention_matches_torch_attention_on_cuda(family, name):
     scale = reference.abs().max().item()
     for got in (whole, cached):
         assert (got - reference).abs().max().item() <= 0.03 * scale
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_checkpoint_is_per_expert_and_prompts_reach_every_expert(family, name):
+    """The loader reads the Hub layout (one tensor per expert and projection, as
+    save_pretrained writes it); and the exactness tests above exercise real routing: across a
+    prompt's tokens, every MoE layer sends tokens to every one of its experts."""
+    path = family(name)
+    block, gate, moe_layers = MOE[name]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert f"model.layers.0.{block}.experts.3.{gate}.weight" in keys
+    assert not any(k.endswith("gate_up_proj") for k in keys)  # not transformers' fused layout
+
+    engine = LLMEngine(path, EngineConfig(num_blocks=64, block_size=16, prefix_cache=False))
+    chosen: dict[int, set[int]] = {}
+    hooks = []
+    for i, layer in enumerate(engine.runner.model.model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+
+            def record(module, args, i=i):
+                chosen.setdefault(i, set()).update(module.route(args[0])[1].flatten().tolist())
+
+            hooks.append(layer.mlp.register_forward_pre_hook(record))
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, 900, (40,), generator=gen).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    for h in hooks:
+        h.remove()
+    assert sorted(chosen) == moe_layers
+    for i, experts in chosen.items():
+        assert experts == {0, 1, 2, 3}, f"layer {i} routed only to experts {sorted(experts)}"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 5}, "1 <= num_experts_per_tok <= num_local_experts"),
+        ({"num_local_experts": 0}, "num_local_experts >= 1"),
+        ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1"),
+        ({"mlp_only_layers": "1"}, "mlp_only_layers must list layer indices"),
+    ],
+)
+def test_moe_config_out_of_range_is_refused_by_name(family, change, message):
+    raw = json.loads((family("qwen3-moe") / "config.json").read_text())
+    raw = {k: v for k, v in {**raw, **change}.items() if v is not None}
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_qwen3_moe_hub_config_names_its_experts_num_experts(family):
+    """Qwen3-MoE's Hub config.json says `num_experts`; transformers 5 writes
+    `num_local_experts`: both read."""
+    raw = json.loads((family("qwen3-moe") / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")
+    assert experts_of(ModelConfig.from_dict(raw).raw) == (4, 2)

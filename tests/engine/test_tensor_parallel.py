@@ -25,8 +25,9 @@ from tests.engine.families import write_family
 
 TP = 2
 # OPT (biases, learned positions), Qwen3 (q/k norms), Phi-3 (q/k/v and gate/up fused in the
-# checkpoint: each part split on its own), Gemma 2 (soft caps, windows, GeGLU).
-TP_FAMILIES = ("opt", "qwen3", "phi3", "gemma2")
+# checkpoint: each part split on its own), Gemma 2 (soft caps, windows, GeGLU), Mixtral and
+# Qwen3-MoE (every rank holds every expert's slice of the intermediate width).
+TP_FAMILIES = ("opt", "qwen3", "phi3", "gemma2", "mixtral", "qwen3-moe")
 CONFIG = EngineConfig(num_blocks=64, block_size=8, max_batch_tokens=64)
 PROMPTS = [[2 + (7 * i + n) % 1000 for i in range(n)] for n in (3, 17, 40, 70)]
 GREEDY = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (12, 5, 9, 16)]

@@ -13,8 +13,10 @@ from services.common.model_config import ModelConfig
 from services.engine.models.base import CausalLM
 from services.engine.models.gemma2 import Gemma2ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from services.engine.models.mixtral import MixtralForCausalLM
 from services.engine.models.opt import OPTForCausalLM
 from services.engine.models.phi3 import Phi3ForCausalLM
+from services.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from services.engine.parallel import TensorParallel
 from services.engine.shards import check_tp
 
@@ -26,6 +28,8 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
