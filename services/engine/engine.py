@@ -108,7 +108,9 @@ class LLMEngine:
             else DEFAULT_MAX_BATCH_TOKENS
         )
         self.batcher = PrefillBatcher(self.max_batch_tokens, config.max_num_seqs)
-        self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
+        self.running = DecodeBatch(
+            self.pool, config.block_size, config.max_num_seqs, self.runner.token_counts
+        )
         self.waiting: deque[Sequence] = deque()
         self.pull_waiting: deque[Sequence] = deque()
         # (kind, sequences, tokens) of the last step, for the services' timing and traces.
@@ -231,6 +233,7 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty: give at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        params.check_vocabulary(vocab)
         if len(ids) >= max_ctx:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; the model's context is {max_ctx} tokens, "

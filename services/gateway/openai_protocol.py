@@ -201,6 +201,43 @@ PARAMETERS: tuple[Param, ...] = (
         TOKEN_IDS,
         "Extension: token ids that end generation (up to 64).",
     ),
+    Param(
+        "presence_penalty",
+        NUMBER,
+        "Subtracted once from the logit of each token the output already holds.",
+        extra={"minimum": -2, "maximum": 2, "default": 0},
+    ),
+    Param(
+        "frequency_penalty",
+        NUMBER,
+        "Subtracted from a token's logit once per time the output already holds it.",
+        extra={"minimum": -2, "maximum": 2, "default": 0},
+    ),
+    Param(
+        "logit_bias",
+        OBJECT,
+        "Token id (a string key) -> bias in [-100, 100] added to its logit (up to 1024).",
+    ),
+    Param(
+        "repetition_penalty",
+        NUMBER,
+        "Extension: a seen token's (prompt or output) logit is divided by it when positive, "
+        "multiplied when negative; > 1 discourages repeats.",
+        extra={"exclusiveMinimum": 0, "default": 1},
+    ),
+    Param(
+        "min_p",
+        NUMBER,
+        "Extension: sample only tokens at least min_p times as likely as the most likely one.",
+        extra={"minimum": 0, "maximum": 1, "default": 0},
+    ),
+    Param(
+        "min_tokens",
+        INT,
+        "Extension: EOS, stop_token_ids and stop strings do not end generation before this "
+        "many tokens (at most max_tokens).",
+        extra={"minimum": 0, "default": 0},
+    ),
 )
 PARAMETERS_BY_NAME = {p.name: p for p in PARAMETERS}
 
@@ -218,9 +255,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("echo", lambda v: v in (None, False), (COMPLETIONS,)),
     Unsupported("suffix", lambda v: v in (None, ""), (COMPLETIONS,)),
     Unsupported("best_of", lambda v: v in (None, 1), (COMPLETIONS,)),
-    Unsupported("presence_penalty", lambda v: v in (None, 0)),
-    Unsupported("frequency_penalty", lambda v: v in (None, 0)),
-    Unsupported("logit_bias", lambda v: v in (None, {})),
     Unsupported(
         "response_format",
         lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
@@ -322,8 +356,11 @@ def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> C
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
     fill_context = max_tokens is None and endpoint == CHAT
     top_k = values.get("top_k", 0)
+    min_tokens = values.get("min_tokens", 0)
+    if max_tokens is None:  # OpenAI's default; for chat (fill_context) build_request sets it
+        max_tokens = max(DEFAULT_COMPLETION_MAX_TOKENS, min_tokens if fill_context else 0)
     params = SamplingParams(
-        max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=values.get("temperature", 1.0),
         top_p=values.get("top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,
@@ -331,6 +368,12 @@ def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> C
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=values.get("ignore_eos", False),
+        presence_penalty=values.get("presence_penalty", 0.0),
+        frequency_penalty=values.get("frequency_penalty", 0.0),
+        repetition_penalty=values.get("repetition_penalty", 1.0),
+        min_p=values.get("min_p", 0.0),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(values.get("logit_bias", {})),
     )
     return CompletionCall(
         endpoint=endpoint,
@@ -343,6 +386,19 @@ def parse(endpoint: str, body: object, render_chat: Callable | None = None) -> C
         include_usage=include_usage,
         user=values.get("user"),
     )
+
+
+def _logit_bias(value: dict) -> dict[int, object]:
+    """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), with integer ids."""
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequest(
+                f'logit_bias keys must be token ids ("123"), got {_show(key)}',
+                param="logit_bias",
+            )
+        out[int(key)] = bias
+    return out
 
 
 def _prompt(value: str | list) -> str | list[int]:
