@@ -16,6 +16,9 @@ MAX_TOP_K = 2**32 - 1  # the protobuf field is a uint32
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# repetition_penalty's range: it travels and is applied as a float32, where values much further
+# from 1 round to 0 or infinity (and would turn logits into infinities).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class FinishReason(enum.StrEnum):
@@ -161,10 +164,11 @@ class SamplingParams:
                     f"got {value!r}",
                     param=name,
                 )
-        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        rp = self.repetition_penalty
+        if not _is_finite(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
             raise InvalidRequest(
-                "repetition_penalty must be a number > 0 (1 is off, > 1 discourages repeats), "
-                f"got {self.repetition_penalty!r}",
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 is off, > 1 discourages repeats), got {rp!r}",
                 param="repetition_penalty",
             )
         if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -139,7 +139,6 @@ class ModelRunner:
     def idle(self) -> None:
         """The engine waits for work (nothing to do here: a real step takes what it takes)."""
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Pick the next token of each sequence (uses one draw of its stream if not greedy).
         A batch where every sequence is greedy and none uses a logits processor is one argmax;
@@ -148,6 +147,12 @@ class ModelRunner:
         processed = [i for i, s in enumerate(seqs) if s.processed]
         if not processed and not any(temps):
             return logits.argmax(dim=-1).tolist()
+        return self._sample(logits, seqs, temps, processed)
+
+    @torch.inference_mode()  # the processors change the (inference) logits in place
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], temps: list[float], processed: list[int]
+    ) -> list[int]:
         batch, counted = self._sampling_batch(seqs, temps, processed)
         tokens = sample(logits, batch)
         if counted is not None:  # the decode batch's rows: count what was sampled

@@ -17,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
-from services.common.sampling import MAX_TOP_K, FinishReason, SamplingParams
+from services.common.sampling import (
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    FinishReason,
+    SamplingParams,
+)
 from services.gateway.chat_template import ROLES
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -223,7 +229,7 @@ PARAMETERS: tuple[Param, ...] = (
         NUMBER,
         "Extension: a seen token's (prompt or output) logit is divided by it when positive, "
         "multiplied when negative; > 1 discourages repeats.",
-        extra={"exclusiveMinimum": 0, "default": 1},
+        extra={"minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY, "default": 1},
     ),
     Param(
         "min_p",
@@ -392,7 +398,7 @@ def _logit_bias(value: dict) -> dict[int, object]:
     """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), with integer ids."""
     out = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= 20):
             raise InvalidRequest(
                 f'logit_bias keys must be token ids ("123"), got {_show(key)}',
                 param="logit_bias",

@@ -273,6 +273,14 @@ HOSTILE = {
     "user": strings,
     "ignore_eos": scalars,
     "stop_token_ids": token_ids,
+    "presence_penalty": numbers,
+    "frequency_penalty": numbers,
+    "repetition_penalty": numbers,
+    "min_p": numbers,
+    "min_tokens": numbers,
+    "logit_bias": st.dictionaries(
+        st.one_of(strings, st.integers().map(str), numbers.map(str)), scalars, max_size=4
+    ),
     **{u.name: scalars for u in oai.UNSUPPORTED},
 }
 # Valid requests (short ones), for the hostile values to be mixed into.
