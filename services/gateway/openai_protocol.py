@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
 from services.common.sampling import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
@@ -223,6 +224,11 @@ PARAMETERS: tuple[Param, ...] = (
         "logit_bias",
         OBJECT,
         "Token id (a string key) -> bias in [-100, 100] added to its logit (up to 1024).",
+        extra={
+            "propertyNames": {"pattern": "^[0-9]{1,20}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+        },
     ),
     Param(
         "repetition_penalty",
