@@ -32,6 +32,12 @@ def sampling_from_pb(
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=(pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0),
+        min_p=pb.min_p,
+        min_tokens=pb.min_tokens,
+        logit_bias=dict(pb.logit_bias),
     )
 
 
@@ -50,9 +56,16 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        logit_bias=dict(p.logit_bias),
     )
     if p.seed is not None:
         pb.seed = p.seed
+    if p.repetition_penalty != 1.0:
+        pb.repetition_penalty = p.repetition_penalty
     return pb
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_K = 2**32 - 1  # the protobuf field is a uint32
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# repetition_penalty's range: it travels and is applied as a float32, where values much further
+# from 1 round to 0 or infinity (and would turn logits into infinities).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 class FinishReason(enum.StrEnum):
@@ -30,6 +37,15 @@ class SamplingParams:
     reproducible for the same prompt and parameters. Generation stops at max_tokens, at an EOS
     token (unless ignore_eos), at any of stop_token_ids, or when the text contains a stop string
     (the stop string itself is not returned).
+
+    Logits processors (vLLM's and OpenAI's meanings; the order they apply in is sampler.py's):
+    presence_penalty and frequency_penalty subtract `presence * (count > 0) + frequency * count`
+    from a token's logit, counting the generated tokens only; repetition_penalty (> 1
+    discourages) divides a positive logit and multiplies a negative one of every token seen in
+    the prompt or the output; min_p drops tokens less likely than min_p times the most likely
+    one (sampling only); min_tokens masks EOS and stop_token_ids (and ignores stop strings)
+    until that many tokens were generated; logit_bias adds a bias to a token id's logit.
+    Each has a value that switches it off: 0, 0, 1, 0, 0, ().
     """
 
     max_tokens: int = 16
@@ -40,16 +56,38 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # (token id, bias) pairs in id order; a dict {id: bias} is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on: the sampler then needs the request's token counts."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor is on (else the sampler's fast path serves it)."""
+        return self.penalized or bool(self.logit_bias) or self.min_p > 0.0 or self.min_tokens > 0
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -115,7 +153,95 @@ class SamplingParams:
                 raise InvalidRequest(
                     f"stop_token_ids must be integers >= 0, got {t!r}", param="stop_token_ids"
                 )
+        self._validate_processors()
+
+    def _validate_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequest(
+                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), "
+                    f"got {value!r}",
+                    param=name,
+                )
+        rp = self.repetition_penalty
+        if not _is_finite(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 is off, > 1 discourages repeats), got {rp!r}",
+                param="repetition_penalty",
+            )
+        if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(
+                f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}", param="min_p"
+            )
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise InvalidRequest(
+                f"min_tokens must be an integer, got {self.min_tokens!r}", param="min_tokens"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens] (max_tokens is {self.max_tokens}), "
+                f"got {self.min_tokens}",
+                param="min_tokens",
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(
+                f"logit_bias holds {len(self.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS_ENTRIES}",
+                param="logit_bias",
+            )
+        for token, bias in self.logit_bias:
+            if not _is_finite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(
+                    f"logit_bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias!r}",
+                    param="logit_bias",
+                )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InvalidRequest naming the first token id (of stop_token_ids or logit_bias) that the
+        model's vocabulary [0, vocab_size) lacks."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequest(
+                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})",
+                    param="stop_token_ids",
+                )
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token id {t}, outside the vocabulary [0, {vocab_size})",
+                    param="logit_bias",
+                )
 
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    return _is_number(x) and math.isfinite(x)
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (id, bias) pairs in id order, from a dict or pairs (e.g. decoded JSON)."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [tuple(item) for item in items]
+    except TypeError:
+        raise InvalidRequest(
+            f"logit_bias must map token ids to biases, got {value!r:.40}", param="logit_bias"
+        ) from None
+    if any(len(p) != 2 for p in pairs):
+        raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
+    for token, _ in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}",
+                param="logit_bias",
+            )
+    pairs.sort(key=lambda p: p[0])
+    if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
+        raise InvalidRequest("logit_bias names a token id twice", param="logit_bias")
+    return tuple(pairs)

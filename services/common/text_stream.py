@@ -16,10 +16,17 @@ class TextStream:
     """Text deltas of generated ids, cut at the first stop string."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
+        """min_tokens: stop strings are looked for only once more than this many ids were
+        added (as vLLM does): text of the first min_tokens ids never stops the stream."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stop = tuple(stop)
+        self._unchecked_ids = min_tokens
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._emitted = 0  # characters handed out
         self._searched = 0  # characters already searched for stop strings
@@ -34,6 +41,10 @@ class TextStream:
     def add(self, ids: Sequence[int]) -> str:
         """Append generated ids; return the text that can be streamed now."""
         self._detok.add(ids)
+        if self._unchecked_ids > 0:
+            self._unchecked_ids -= len(ids)
+            if self._unchecked_ids >= 0:
+                self._searched = len(self._detok.text) + self._holdback
         return self._take(final=False)
 
     def finish(self) -> str:

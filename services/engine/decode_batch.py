@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.common.errors import OutOfKvBlocks
 from services.engine.block_pool import BlockPool
 from services.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from services.engine.sampler import TokenCounts
+
 
 class DecodeBatch:
-    """Sequences that hold KV and get one token per step, in the order they joined."""
+    """Sequences that hold KV and get one token per step, in the order they joined.
 
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int) -> None:
+    `counts` (the real runner's; None for the emulated one, which has no logits) keeps the
+    token counts the penalties read: a penalized sequence gets its row when it joins and gives
+    it back when it leaves or is preempted, so a step never rebuilds them from token lists.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        counts: TokenCounts | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.counts = counts
         self.seqs: list[Sequence] = []
 
     def __len__(self) -> int:
@@ -25,9 +42,13 @@ class DecodeBatch:
 
     def join(self, seq: Sequence) -> None:
         self.seqs.append(seq)
+        if self.counts is not None and seq.params.penalized:
+            self.counts.add(seq)
 
     def leave(self, seq: Sequence) -> None:
         self.seqs.remove(seq)
+        if self.counts is not None:
+            self.counts.remove(seq)
 
     def reserve_next_slots(self) -> list[Sequence]:
         """Give every sequence a cache slot for the token it decodes next.
@@ -48,6 +69,8 @@ class DecodeBatch:
                 i += 1
             except OutOfKvBlocks:
                 victim = self.seqs.pop()
+                if self.counts is not None:
+                    self.counts.remove(victim)
                 self.pool.free(victim.block_table.blocks)
                 victim.block_table = type(victim.block_table)()
                 preempted.append(victim)

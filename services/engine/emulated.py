@@ -22,8 +22,11 @@ tokenizer), and for that shape it models
   deterministic, equal on every mesh shape (1P1D, 2P1D, colocated, after migration or
   preemption), and KV that arrived wrong or incomplete gives other tokens, as it would with a
   real model. Sampled requests (temperature > 0) mix in their own random stream. Ids are drawn
-  from the tokenizer's vocabulary, EOS included: `ignore_eos` and `max_tokens` behave as for a
-  real model.
+  from the tokenizer's vocabulary, EOS included: `ignore_eos`, `max_tokens` and `min_tokens`
+  (a stop id drawn too early is drawn again) behave as for a real model.
+* **logits processors**: there are no logits, so presence, frequency and repetition penalties,
+  min_p and logit_bias have nothing to act on: the engine validates them as the real one does
+  (the same `SamplingParams` and vocabulary checks) and the tokens stay the hash's.
 
 What it proves, and what it does not: docs/engine.md ("The emulated engine").
 """
@@ -139,6 +142,7 @@ class EmulatedRunner:
         self.block_size = cache.block_size
         self.vocab = vocab
         self.seed = seed
+        self.token_counts = None  # no logits, so no penalties to count tokens for
         self._contexts: weakref.WeakKeyDictionary[Sequence, _Context] = weakref.WeakKeyDictionary()
         # When the last step's modelled time ended (clock.monotonic()); inf once the engine
         # went idle. A step that follows another back to back starts where that one ended: the
@@ -228,7 +232,11 @@ class EmulatedRunner:
             h = int.from_bytes(ctx.digest.digest(), "little") ^ self.seed
             if seq.params.temperature > 0:
                 h ^= seq.rng.getrandbits(64)
-            out.append(_mix(h) % self.vocab)
+            token = _mix(h) % self.vocab
+            while token in seq.stop_token_ids and seq.num_output_tokens < seq.params.min_tokens:
+                h += 1
+                token = _mix(h) % self.vocab
+            out.append(token)
         return out
 
     # -- the payload -----------------------------------------------------------------------------

@@ -123,7 +123,9 @@ class LLMEngine:
             else DEFAULT_MAX_BATCH_TOKENS
         )
         self.batcher = PrefillBatcher(self.max_batch_tokens, config.max_num_seqs)
-        self.running = DecodeBatch(self.pool, config.block_size, config.max_num_seqs)
+        self.running = DecodeBatch(
+            self.pool, config.block_size, config.max_num_seqs, self.runner.token_counts
+        )
         self.waiting: deque[Sequence] = deque()
         self.pull_waiting: deque[Sequence] = deque()
         # (kind, sequences, tokens) of the last step, for the services' timing and traces.
@@ -300,6 +302,7 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty: give at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        params.check_vocabulary(vocab)
         if len(ids) >= max_len:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; this instance serves at most {max_len} tokens "

@@ -17,7 +17,7 @@ from services.common.sampling import SamplingParams
 from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
 from services.engine.kv_cache import KvCache
 from services.engine.models.base import CausalLM
-from services.engine.sampler import SamplingBatch, sample
+from services.engine.sampler import Penalties, SamplingBatch, TokenCounts, sample, token_state
 from services.engine.sequence import Sequence
 
 
@@ -32,6 +32,9 @@ class ModelRunner:
         self.backend = backend
         self.block_size = cache.block_size
         self.device = cache.data.device
+        self.vocab_size = model.config.vocab_size
+        # Token counts of the decode batch's penalized sequences (DecodeBatch keeps them).
+        self.token_counts = TokenCounts(self.vocab_size, self.device)
         # Decode inputs, reused every step: numpy arrays sharing memory with CPU tensors.
         self._ids = np.zeros(max_num_seqs, dtype=np.int64)
         self._pos = np.zeros(max_num_seqs, dtype=np.int64)
@@ -163,25 +166,99 @@ class ModelRunner:
         """The engine waits for work (nothing to do here: a real step takes what it takes)."""
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Pick the next token of each sequence (uses one draw of its stream if not greedy)."""
+        """Pick the next token of each sequence (uses one draw of its stream if not greedy).
+        A batch where every sequence is greedy and none uses a logits processor is one argmax;
+        the processors' inputs are built only for the rows that use them."""
         temps = [s.params.temperature for s in seqs]
-        all_greedy = not any(temps)
-        if all_greedy:
+        processed = [i for i, s in enumerate(seqs) if s.processed]
+        if not processed and not any(temps):
             return logits.argmax(dim=-1).tolist()
+        return self._sample(logits, seqs, temps, processed)
+
+    @torch.inference_mode()  # the processors change the (inference) logits in place
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], temps: list[float], processed: list[int]
+    ) -> list[int]:
+        batch, counted = self._sampling_batch(seqs, temps, processed)
+        tokens = sample(logits, batch)
+        if counted is not None:  # the decode batch's rows: count what was sampled
+            self.token_counts.record(counted, tokens[batch.penalties.rows])
+        return tokens.tolist()
+
+    def _sampling_batch(
+        self, seqs: list[Sequence], temps: list[float], processed: list[int]
+    ) -> tuple[SamplingBatch, torch.Tensor | None]:
+        """The batch's sampling tensors, and the TokenCounts rows of its penalized sequences
+        when they come from there (None when built from token lists: a prefill's first token)."""
+        dev = self.device
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         # 1 - random() lies in (0, 1]: inverse-CDF sampling never picks a zero-probability id.
         uniform = [1.0 - s.rng.random() if t > 0 else 1.0 for s, t in zip(seqs, temps, strict=True)]
         batch = SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=logits.device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=logits.device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=logits.device),
-            uniform=torch.tensor(uniform, dtype=torch.float32, device=logits.device),
-            all_greedy=False,
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
+            uniform=torch.tensor(uniform, dtype=torch.float32, device=dev),
+            all_greedy=not any(temps),
             any_top_k=any(top_k),
             any_top_p=any(p < 1.0 for p in top_p),
         )
-        return sample(logits, batch).tolist()
+        if not processed:
+            return batch, None
+        used = [seqs[i] for i in processed]
+        if any(s.params.min_p > 0 and s.params.temperature > 0 for s in used):
+            min_p = [s.params.min_p for s in seqs]
+            batch.min_p = torch.tensor(min_p, dtype=torch.float32, device=dev)
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, s in zip(processed, used, strict=True):
+            if s.num_output_tokens < s.params.min_tokens:
+                rows += [i] * len(s.stop_token_ids)
+                ids += s.stop_token_ids
+        if rows:
+            batch.banned = (self._tensor(rows), self._tensor(ids))
+        rows, ids, values = [], [], []
+        for i, s in zip(processed, used, strict=True):
+            if s.params.logit_bias:
+                rows += [i] * len(s.bias_ids)
+                ids += s.bias_ids
+                values += s.bias_values
+        if rows:
+            biases = torch.tensor(values, dtype=torch.float32, device=dev)
+            batch.bias = (self._tensor(rows), self._tensor(ids), biases)
+        return batch, self._penalties(batch, seqs, processed)
+
+    def _penalties(
+        self, batch: SamplingBatch, seqs: list[Sequence], processed: list[int]
+    ) -> torch.Tensor | None:
+        """Set batch.penalties for the penalized rows; return their TokenCounts rows, if any."""
+        pen = [i for i in processed if seqs[i].params.penalized]
+        if not pen:
+            return None
+        params = [seqs[i].params for i in pen]
+        table_rows = [seqs[i].counts_row for i in pen]
+        counted = None
+        if all(r is not None for r in table_rows):
+            counted = self._tensor(table_rows)
+            counts, mask = self.token_counts.gather(counted)
+        else:
+            counts, mask = token_state([seqs[i] for i in pen], self.vocab_size, self.device)
+        batch.penalties = Penalties(
+            rows=self._tensor(pen),
+            presence=self._floats([p.presence_penalty for p in params]),
+            frequency=self._floats([p.frequency_penalty for p in params]),
+            repetition=self._floats([p.repetition_penalty for p in params]),
+            output_counts=counts,
+            prompt_mask=mask,
+        )
+        return counted
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)

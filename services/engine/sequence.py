@@ -75,8 +75,17 @@ class Sequence:
         self.rng = random.Random(params.seed if params.seed is not None else default_seed)
         # Text is tracked when a tokenizer is given (stop strings need one).
         self.text_stream = (
-            TextStream(tokenizer, prompt_ids, params.stop) if tokenizer is not None else None
+            TextStream(tokenizer, prompt_ids, params.stop, params.min_tokens)
+            if tokenizer is not None
+            else None
         )
+        # For the sampler: whether a logits processor is on (else the fast path serves it), the
+        # logit_bias as parallel ids and values, and the sequence's row in the runner's
+        # TokenCounts while it sits in the decode batch with a penalty.
+        self.processed = params.processed
+        self.bias_ids = [t for t, _ in params.logit_bias]
+        self.bias_values = [b for _, b in params.logit_bias]
+        self.counts_row: int | None = None
 
     @property
     def num_tokens(self) -> int:

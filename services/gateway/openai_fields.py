@@ -27,7 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
-from services.common.sampling import MAX_TOP_K
+from services.common.sampling import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+)
 from services.gateway.chat_template import ROLES
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -186,7 +191,6 @@ _NO_TOOLS = "tool calling is not supported yet; send no tools"
 _NO_LOGPROBS = "this server does not return log-probabilities yet"
 _NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
 _NO_DETOK = "the gateway's detokenizer does not offer this yet"
-_PENALTY = "penalties are not applied by this server's sampler yet"
 
 FIELDS: tuple[Field, ...] = (
     # The prompt ------------------------------------------------------------------------------
@@ -216,8 +220,8 @@ FIELDS: tuple[Field, ...] = (
        "returned text stops before the first one.", STOP),
     _h("stop_token_ids", BOTH, "Token ids that end generation (up to 64).", TOKEN_IDS, VLLM),
     _h("ignore_eos", BOTH, "Keep generating past the end-of-sequence token.", BOOL, VLLM),
-    _r("min_tokens", BOTH, "a minimum length is not applied by this server's sampler yet", (0,),
-       VLLM),
+    _h("min_tokens", BOTH, "EOS, stop_token_ids and stop strings do not end generation before "
+       "this many tokens (at most max_tokens).", INT, VLLM, extra={"minimum": 0, "default": 0}),
     _r("include_stop_str_in_output", BOTH, _NO_DETOK, (False,), VLLM),
     # Sampling --------------------------------------------------------------------------------
     _h("temperature", BOTH, "0 is greedy; higher samples more freely.", NUMBER,
@@ -228,12 +232,22 @@ FIELDS: tuple[Field, ...] = (
        extra={"minimum": -1, "maximum": MAX_TOP_K, "default": 0}),
     _h("seed", BOTH, "Reproducible sampling: same prompt, parameters and seed give the same "
        "tokens.", INT, extra={"minimum": 0, "maximum": 2**63 - 1}),
-    _r("presence_penalty", BOTH, _PENALTY, (0,)),
-    _r("frequency_penalty", BOTH, _PENALTY, (0,)),
-    _r("repetition_penalty", BOTH, _PENALTY, (1,), VLLM),
-    _r("min_p", BOTH, "min-p filtering is not applied by this server's sampler yet; use top_p "
-       "or top_k", (0,), VLLM),
-    _r("logit_bias", BOTH, "logit biases are not applied by this server's sampler yet", ({},)),
+    _h("presence_penalty", BOTH, "Subtracted once from the logit of each token the output "
+       "already holds (the prompt does not count).", NUMBER,
+       extra={"minimum": -2, "maximum": 2, "default": 0}),
+    _h("frequency_penalty", BOTH, "Subtracted from a token's logit once per time the output "
+       "already holds it.", NUMBER, extra={"minimum": -2, "maximum": 2, "default": 0}),
+    _h("repetition_penalty", BOTH, "A seen token's (prompt or output) logit is divided by it "
+       "when positive, multiplied when negative; > 1 discourages repeats.", NUMBER, VLLM,
+       extra={"minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY,
+              "default": 1}),
+    _h("min_p", BOTH, "Sample only tokens at least min_p times as likely as the most likely "
+       "one.", NUMBER, VLLM, extra={"minimum": 0, "maximum": 1, "default": 0}),
+    _h("logit_bias", BOTH, "Token id (a string key) -> bias in [-100, 100] added to its logit "
+       "(up to 1024 ids of the vocabulary).", OBJECT,
+       extra={"propertyNames": {"pattern": "^[0-9]{1,20}$"},
+              "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+              "maxProperties": MAX_LOGIT_BIAS_ENTRIES}),
     _r("allowed_token_ids", BOTH, "restricting the vocabulary is not supported", origin=VLLM),
     _r("bad_words", _H, "banning words is not supported", ([],), VLLM),
     _r("logits_processors", BOTH, "custom logits processors are not loaded by this server",

@@ -135,8 +135,11 @@ def parse(
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
     fill_context = max_tokens is None and (endpoint == CHAT or defaults.max_tokens is not None)
     top_k = values.get("top_k", _default(defaults.top_k, 0))
+    min_tokens = values.get("min_tokens", 0)
+    if max_tokens is None:  # OpenAI's default; with fill_context build_request sets it
+        max_tokens = max(DEFAULT_COMPLETION_MAX_TOKENS, min_tokens if fill_context else 0)
     params = SamplingParams(
-        max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=values.get("temperature", _default(defaults.temperature, 1.0)),
         top_p=values.get("top_p", _default(defaults.top_p, 1.0)),
         top_k=0 if top_k == -1 else top_k,
@@ -144,6 +147,12 @@ def parse(
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=values.get("ignore_eos", False),
+        presence_penalty=values.get("presence_penalty", 0.0),
+        frequency_penalty=values.get("frequency_penalty", 0.0),
+        repetition_penalty=values.get("repetition_penalty", 1.0),
+        min_p=values.get("min_p", 0.0),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(values.get("logit_bias", {})),
     )
     truncate = values.get("truncate_prompt_tokens")
     if truncate is not None and truncate != -1 and truncate < 1:
@@ -169,6 +178,18 @@ def parse(
         request_id=values.get("request_id"),
         truncate_prompt_tokens=truncate,
     )
+
+
+def _logit_bias(value: dict) -> dict[int, object]:
+    """OpenAI's logit_bias, {"token id": bias} (JSON keys are strings), with integer ids."""
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 20):
+            raise InvalidRequest(
+                f'logit_bias keys must be token ids ("123"), got {show(key)}', param="logit_bias"
+            )
+        out[int(key)] = bias
+    return out
 
 
 def _default(value: float | None, fallback: float) -> float:

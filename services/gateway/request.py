@@ -48,8 +48,13 @@ class Request:
         """The rest of this request once `sent` tokens reached the client: those tokens join
         the prompt, fewer are left to generate, and the workers see a new call. (A seeded
         sampler does not replay its random stream: only greedy output is the same as without
-        the move.)"""
-        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(sent))
+        the move; nor do presence and frequency penalties, which count generated tokens only,
+        see the moved tokens, now part of the prompt.)"""
+        params = dataclasses.replace(
+            self.params,
+            max_tokens=self.params.max_tokens - len(sent),
+            min_tokens=max(0, self.params.min_tokens - len(sent)),
+        )
         return dataclasses.replace(
             self.attempt(), prompt_ids=[*self.prompt_ids, *sent], params=params
         )
@@ -195,11 +200,7 @@ async def build_request(
             f"max_model_len ({max_context} tokens); set max_tokens <= {room}",
             param="max_tokens",
         )
-    for t in params.stop_token_ids:
-        if t >= limits.vocab_size:
-            raise InvalidRequest(
-                f"stop token id {t} is outside the vocabulary", param="stop_token_ids"
-            )
+    params.check_vocabulary(limits.vocab_size)
     request_id = request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         raise InvalidRequest(

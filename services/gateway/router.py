@@ -91,7 +91,7 @@ class Router:
         """The request's answer, event by event, each with the text it completed. `parent` is
         the caller's trace context (from Envoy or the client); `operation` its GenAI operation
         name (`text_completion`, `chat`); `received` when the API got it (monotonic s)."""
-        text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop)
+        text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop, req.params.min_tokens)
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         if self.feed is not None:
             self.feed.arrived(seen.arrival_unix_s, seen.prompt_tokens)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.common import clock
-from services.common.errors import UnsupportedModel
+from services.common.errors import InvalidRequest, UnsupportedModel
 from services.common.latency import for_model
 from services.common.model_spec import GIB, PRESETS, kv_capacity
 from services.common.sampling import FinishReason, SamplingParams
@@ -220,3 +220,31 @@ def test_held_kv_is_released_as_for_a_real_model(opt13b, fast_profile):
     assert e.sequence(rid).status is SequenceStatus.HELD
     assert e.release(rid) == -(-len(PROMPTS[1]) // 16)
     assert e.pool.num_free == e.pool.num_blocks
+
+
+def test_min_tokens_holds_eos_back_and_other_processors_are_validated(opt13b, fast_profile):
+    """No logits here: min_tokens is honoured by drawing a too-early stop id again; the
+    penalties, min_p and logit_bias are validated as on the real engine (ids against this
+    vocabulary) and leave the tokens as they are."""
+    e = engine(opt13b, fast_profile)
+    prompts = [[i % 900 + 4, 5, 6] for i in range(60)]
+    plain = e.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0))
+    early = [c for c in plain if c.finish_reason is FinishReason.STOP]
+    assert early, "one EOS in ~900 tokens: some of 7,200 tokens must be EOS"
+    held = e.generate(prompts, SamplingParams(max_tokens=120, temperature=0.0, min_tokens=120))
+    assert all(len(c.token_ids) == 120 and c.finish_reason is FinishReason.LENGTH for c in held)
+    processed = SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        repetition_penalty=1.5,
+        min_p=0.5,
+        logit_bias={5: -100.0},
+    )
+    got = [c.token_ids for c in e.generate(PROMPTS, processed)]
+    assert got == [c.token_ids for c in e.generate(PROMPTS, GREEDY)]
+    vocab = e.model_config.vocab_size
+    bad = SamplingParams(max_tokens=4, logit_bias={vocab: 1.0})
+    with pytest.raises(InvalidRequest, match=f"logit_bias names token id {vocab}"):
+        e.add_request(PROMPTS[0], bad)

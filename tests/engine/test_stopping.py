@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -68,3 +70,30 @@ def test_stop_string_split_across_tokens_is_never_streamed(tiny_model):
     assert reason is FinishReason.STOP
     assert text == full_text[:start]
     assert stop not in text and all(stop not in d for d in deltas)
+
+
+def test_min_tokens_holds_back_stop_token_ids_and_stop_strings(tiny_model):
+    """As in vLLM: before min_tokens tokens, a stop token id cannot be sampled and a stop string
+    does not stop; after them both end generation as usual."""
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64))
+    full, full_text, _, _ = run(
+        engine, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    )
+    stop_id = full[3]
+    ids, _, _, reason = run(
+        engine,
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_id], min_tokens=8),
+    )
+    assert reason is FinishReason.STOP and len(ids) > 8 and ids[-1] == stop_id
+    assert stop_id not in ids[:8]  # masked: the model said something else there
+    # A stop string in the text of the first two tokens: it stops a plain request there, but
+    # with min_tokens 6 only an occurrence starting after the sixth token's text stops.
+    head = len(engine.tokenizer.decode(full[:2]))
+    early = full_text[head - 3 : head]
+    stop = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[early])
+    _, text, _, reason = run(engine, stop)
+    assert reason is FinishReason.STOP and len(text) < head
+    _, text, _, reason = run(engine, dataclasses.replace(stop, min_tokens=6))
+    later = full_text.find(early, len(engine.tokenizer.decode(full[:6])))
+    assert text == (full_text if later < 0 else full_text[:later])
+    assert reason is (FinishReason.LENGTH if later < 0 else FinishReason.STOP)

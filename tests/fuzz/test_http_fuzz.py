@@ -273,6 +273,14 @@ HOSTILE = {
     "user": strings,
     "ignore_eos": scalars,
     "stop_token_ids": token_ids,
+    "presence_penalty": numbers,
+    "frequency_penalty": numbers,
+    "repetition_penalty": numbers,
+    "min_p": numbers,
+    "min_tokens": numbers,
+    "logit_bias": st.dictionaries(
+        st.one_of(strings, st.integers().map(str), numbers.map(str)), scalars, max_size=4
+    ),
     **{f.name: scalars for f in oai_fields.FIELDS if not f.honoured},
     "temprature": numbers,  # unknown fields are refused, naming the field meant
 }
@@ -455,6 +463,14 @@ LIMITS = [
     ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # over max_tokens (16)
+    ({"prompt": "x", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
 ]
 AT_THE_LIMITS = [
     {"prompt": [5] * (CONTEXT - 1), "max_tokens": 1},
@@ -462,6 +478,16 @@ AT_THE_LIMITS = [
     {"prompt": "x", "max_tokens": 2, "stop": ["🙂" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS},
     {"prompt": "x", "max_tokens": 2, "stop_token_ids": [VOCAB - 1] * MAX_STOP_TOKEN_IDS},
     {"prompt": "x", "max_tokens": 2, "seed": 2**63 - 1, "top_p": 1e-9, "temperature": 1e-9},
+    {
+        "prompt": "x",
+        "max_tokens": 2,
+        "presence_penalty": -2,
+        "frequency_penalty": 2,
+        "repetition_penalty": 1e6,
+        "min_p": 1,
+        "min_tokens": 2,
+        "logit_bias": {"0": 100, str(VOCAB - 1): -100},
+    },
 ]
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
 from services.gateway import openai_fields
 from tests.conftest import start_mesh, stop_now
 
@@ -40,9 +43,9 @@ KNOWN = [
     ("stream", BOTH, HONOURED, True),
     ("stream_options", BOTH, HONOURED, {"include_usage": True, "continuous_usage_stats": True}),
     ("user", BOTH, HONOURED, "walker"),
-    ("frequency_penalty", BOTH, REFUSED, 0.5),  # being made honoured on another branch
-    ("presence_penalty", BOTH, REFUSED, 0.5),  # being made honoured on another branch
-    ("logit_bias", BOTH, REFUSED, {"5": 10}),  # being made honoured on another branch
+    ("frequency_penalty", BOTH, HONOURED, 2.0),
+    ("presence_penalty", BOTH, HONOURED, 2.0),
+    ("logit_bias", BOTH, HONOURED, {"5": 100}),
     ("logprobs", C, REFUSED, 2),
     ("logprobs", H, REFUSED, True),
     # OpenAI, completions
@@ -74,9 +77,9 @@ KNOWN = [
     ("safety_identifier", (H,), HONOURED, "walker"),
     # vLLM, both endpoints
     ("top_k", BOTH, HONOURED, 1),
-    ("min_p", BOTH, REFUSED, 0.1),  # being made honoured on another branch
-    ("repetition_penalty", BOTH, REFUSED, 1.2),  # being made honoured on another branch
-    ("min_tokens", BOTH, REFUSED, 2),  # being made honoured on another branch
+    ("min_p", BOTH, HONOURED, 1.0),
+    ("repetition_penalty", BOTH, HONOURED, 2.0),
+    ("min_tokens", BOTH, HONOURED, 3),
     ("use_beam_search", BOTH, REFUSED, True),
     ("length_penalty", BOTH, REFUSED, 0.5),
     ("stop_token_ids", BOTH, HONOURED, "FROM_REFERENCE"),
@@ -241,6 +244,9 @@ def _ids(walk: Walk, **fields) -> list[int]:
     return walk.ok(return_token_ids=True, **fields)["choices"][0]["token_ids"]
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def effect_of(name: str, walk: Walk, value) -> None:
     """Asserts that the honoured field `name` does what it says."""
     e = walk.endpoint
@@ -314,6 +320,25 @@ def effect_of(name: str, walk: Walk, value) -> None:
         status, chunks = walk.send(return_token_ids=value, stream=True)
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
         assert walk.prompt_ids(chunks[0]) == want
+    elif name == "logit_bias":
+        assert set(_ids(walk, logit_bias=value)) == {5}
+    elif name == "min_p":  # keeping only tokens as likely as the likeliest is greedy
+        assert _ids(walk, temperature=5.0, seed=1, min_p=value) == walk.ref_ids
+    elif name == "min_tokens":
+        chat = [{"role": "user", "content": EOS_PROMPT}]
+        prompt = {"prompt": EOS_PROMPT} if e == C else {"messages": chat}
+        reply = walk.ok(**prompt, ignore_eos=None, min_tokens=value)  # EOS at once without
+        assert reply["usage"]["completion_tokens"] >= value
+    elif name in PENALTIES:
+        # The engine's answer for the same prompt and parameters (the engine is exact against
+        # transformers' processors: tests/engine/test_penalties_transformers.py), which is not
+        # the answer without the penalty.
+        prompt = walk.prompt_ids(walk.ref)
+        [want] = walk.engine.generate(
+            [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **{name: value})
+        )
+        got = _ids(walk, max_tokens=24, **{name: value})
+        assert got == want.token_ids and got != _ids(walk, max_tokens=24)
     elif name == "request_id":
         assert walk.ok(request_id=value)["id"] == ("cmpl-" if e == C else "chatcmpl-") + value
     elif name == "add_special_tokens":
@@ -352,8 +377,9 @@ def test_the_lists_are_the_servers_table(endpoint):
 
 
 @pytest.mark.parametrize("endpoint", BOTH)
-def test_every_known_field_is_honoured_with_effect_or_refused_by_name(server, endpoint):
+def test_every_known_field_is_honoured_with_effect_or_refused_by_name(server, model, endpoint):
     walk = Walk(server, endpoint)
+    walk.engine = LLMEngine(model, EngineConfig(num_blocks=64))
     for name, ends, status, value in KNOWN:
         if endpoint not in ends:
             if any(endpoint in e for n, e, _, _ in KNOWN if n == name):

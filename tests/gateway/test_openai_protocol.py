@@ -59,6 +59,28 @@ def test_fields_become_sampling_parameters():
     assert parse(COMPLETIONS, {"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
 
 
+def test_penalties_min_p_min_tokens_and_logit_bias_become_sampling_parameters():
+    body = {
+        "prompt": "x",
+        "max_tokens": 30,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 2,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "min_tokens": 30,
+        "logit_bias": {"50256": -100, "7": 3.5},
+    }
+    p = parse(COMPLETIONS, body).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-0.5, 2, 1.2)
+    assert (p.min_p, p.min_tokens) == (0.05, 30)
+    assert p.logit_bias == ((7, 3.5), (50256, -100))  # integer ids, in id order
+    off = parse(COMPLETIONS, {"prompt": "x"}).params
+    assert not off.processed and off.logit_bias == () and off.repetition_penalty == 1.0
+    # Chat without max_tokens fills the context later: min_tokens above 16 is no error here.
+    chat = parse(CHAT, {"messages": [{"role": "user", "content": "x"}], "min_tokens": 40}, render)
+    assert chat.fill_context and chat.params.min_tokens == 40
+
+
 def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
     call = parse(
         CHAT,
@@ -105,8 +127,17 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
          "messages"),
         (COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of"),
         (COMPLETIONS, {"prompt": "x", "suffix": "s"}, "suffix"),
-        (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
+        (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        (COMPLETIONS, {"prompt": "x", "min_tokens": 17}, "min_tokens"),  # > max_tokens 16
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
         (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
          "stream_options"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
