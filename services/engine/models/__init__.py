@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.common.errors import UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.engine.models.base import CausalLM
+from services.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from services.engine.models.gemma2 import Gemma2ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from services.engine.models.opt import OPTForCausalLM
@@ -26,6 +27,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 
