@@ -291,14 +291,14 @@ def make_backend(
 ) -> TorchAttention:
     """The attention backend for `choice` (auto | torch | flash); `latent`: over a latent KV
     cache (multi-head latent attention), which flash-attn's kernels cannot read."""
-    if choice == "flash" and not flash_available(device):
-        raise InvalidRequest("attention 'flash' needs a CUDA device and the flash_attn package")
     if choice == "flash" and latent:
         raise InvalidRequest(
             "attention 'flash' cannot read a latent KV cache (multi-head latent attention: one "
             "head of kv_lora_rank + qk_rope_head_dim entries, wider than flash-attn's 256); use "
             "--attention auto or torch"
         )
+    if choice == "flash" and not flash_available(device):
+        raise InvalidRequest("attention 'flash' needs a CUDA device and the flash_attn package")
     use_flash = choice == "flash" or (
         choice == "auto"
         and not latent

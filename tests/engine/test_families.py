@@ -9,10 +9,15 @@ tests/test_families_mesh.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from services.common.errors import InvalidRequest, UnsupportedModel
+from services.common.model_config import ModelConfig
 from services.common.sampling import SamplingParams
+from services.engine.attention import make_backend
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from tests.engine.families import FAMILIES, write_family
@@ -80,3 +85,31 @@ def test_prefix_cache_gives_the_tokens_of_a_whole_prefill(family, name):
             done = o.finished
     assert cached == 32  # the 4 shared blocks came from the cache
     assert tokens == hf_greedy(hf, prompt, 24)
+
+
+def test_deepseek_v2_caches_one_latent_per_token_and_layer(family):
+    path = family("deepseek-v2")
+    engine = LLMEngine(path, EngineConfig(num_blocks=8, block_size=8))
+    mc, raw = engine.model_config, engine.model_config.raw
+    latent = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+    assert engine.runner.cache.data.shape == (mc.num_layers, 1, 8, 8, 1, latent)
+    assert mc.kv_bytes_per_token(4) == mc.num_layers * latent * 4  # not K and V heads
+
+
+def test_deepseek_v2_refuses_what_it_does_not_implement_by_name(family):
+    raw = json.loads((family("deepseek-v2") / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match="mixture-of-experts layers"):
+        ModelConfig.from_dict({**raw, "first_k_dense_replace": 1})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModel, match="'yarn'"):
+        ModelConfig.from_dict({**raw, "rope_parameters": yarn, "rope_scaling": None})
+    with pytest.raises(InvalidRequest, match="cannot read a latent KV cache"):
+        make_backend(
+            "flash",
+            num_heads=4,
+            num_kv_heads=1,
+            block_size=256,
+            device=torch.device("cuda"),
+            dtype=torch.float16,
+            latent=True,
+        )
