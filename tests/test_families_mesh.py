@@ -24,7 +24,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize(
-    "name", ["opt", "qwen3", "phi3", "gemma2", "mistral-window", "mixtral", "qwen3-moe"]
+    "name",
+    ["opt", "qwen3", "phi3", "gemma2", "mistral-window", "mixtral", "qwen3-moe", "deepseek-v2"],
 )
 def test_family_through_a_1p1d_mesh_equals_transformers(tmp_path, name):
     path = write_family(name, tmp_path / name)

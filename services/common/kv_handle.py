@@ -23,7 +23,8 @@ class KvHandle:
     """A prompt's KV held on a prefill instance (the same blocks in every layer).
 
     Crosses process boundaries as common.proto's KvHandle. `runs` lists the blocks in token
-    order as (first block id, count); `block_bytes` is one block of one layer's K (or V).
+    order as (first block id, count); `block_bytes` is one block of one layer's plane: its K
+    (or V) of `kv_planes` 2, its latent of `kv_planes` 1 (multi-head latent attention).
     """
 
     handle_id: str
@@ -45,6 +46,7 @@ class KvHandle:
     # A tensor-parallel source's ranks, each serving the heads it holds (empty: one rank, all
     # heads, at ucx_host:ucx_port). block_bytes counts every head either way.
     rank_sources: tuple[RankSource, ...] = ()
+    kv_planes: int = 2
 
     @property
     def num_blocks(self) -> int:
@@ -52,7 +54,7 @@ class KvHandle:
 
     @property
     def layer_bytes(self) -> int:
-        return 2 * self.num_blocks * self.block_bytes
+        return self.kv_planes * self.num_blocks * self.block_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -100,6 +102,7 @@ class KvHandle:
                 )
                 for r in pb.rank_sources
             ),
+            kv_planes=pb.kv_planes,
         )
 
     def to_pb(self) -> common_pb2.KvHandle:
@@ -131,4 +134,5 @@ class KvHandle:
                 )
                 for r in self.rank_sources
             ],
+            kv_planes=self.kv_planes,
         )

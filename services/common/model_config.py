@@ -48,7 +48,9 @@ class Family:
     default); biases: which linears carry a bias; intermediate: the key of the MLP width;
     tied: tie_word_embeddings when the file omits it; rotary: positions by rotary embedding
     (else learned); sliding: which layers use `sliding_window` when the file gives no
-    `layer_types`; check: refusals of options we do not implement (raises UnsupportedModel).
+    `layer_types`; check: refusals of options we do not implement (raises UnsupportedModel);
+    latent: the width of the one latent vector a token caches per layer, for multi-head latent
+    attention (None: the family caches K and V heads).
     """
 
     model_type: str
@@ -59,6 +61,7 @@ class Family:
     rotary: bool = True
     sliding: Callable[[dict, int], bool] = lambda raw, layer: False
     check: Callable[[dict], None] = lambda raw: None
+    latent: Callable[[dict], int | None] = lambda raw: None
 
 
 def _llama_biases(raw: dict) -> Biases:
@@ -87,6 +90,22 @@ def _check_opt(raw: dict) -> None:
         )
     if not raw.get("layer_norm_elementwise_affine", True):
         raise UnsupportedModel("OPT without layer_norm_elementwise_affine is not implemented")
+
+
+def _check_deepseek_v2(raw: dict) -> None:
+    dense = int(raw.get("first_k_dense_replace", 0))
+    if dense < int(raw.get("num_hidden_layers", 0)):
+        raise UnsupportedModel(
+            f"DeepSeek-V2 with mixture-of-experts layers (layers from first_k_dense_replace = "
+            f"{dense} on) is not implemented: its dense layers and multi-head latent attention "
+            "are (first_k_dense_replace >= num_hidden_layers)"
+        )
+
+
+def _deepseek_latent(raw: dict) -> int:
+    """MLA caches, per token and layer, the compressed KV (kv_lora_rank) and the shared rotary
+    key (qk_rope_head_dim)."""
+    return int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64))
 
 
 def _check_phi3(raw: dict) -> None:
@@ -164,6 +183,9 @@ ARCHITECTURES: dict[str, Family] = {
         sliding=lambda raw, layer: bool(raw.get("use_sliding_window")),
         check=_check_qwen3_moe,
     ),
+    "DeepseekV2ForCausalLM": Family(
+        "deepseek_v2", biases=_llama_biases, check=_check_deepseek_v2, latent=_deepseek_latent
+    ),
     EMULATED: Family("emulated", activations=("silu", "relu", "gelu", "gelu_pytorch_tanh")),
 }
 
@@ -176,8 +198,10 @@ class ModelConfig:
 
     rope None: positions are learned (OPT). sliding_window: the window of the layers whose
     `layer_types` entry is SLIDING (each token attends to itself and the window - 1 before it);
-    no layer slides when it is None. raw: the whole config.json, for what only the family's
-    model code reads.
+    no layer slides when it is None. kv_latent: the family caches one latent vector per token
+    and layer (multi-head latent attention, DeepSeek-V2), shared by every query head and held
+    whole by every tensor-parallel rank; num_kv_heads is then 1 and head_dim the latent's width.
+    raw: the whole config.json, for what only the family's model code reads.
     """
 
     architecture: str
@@ -200,6 +224,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; (): every layer FULL
+    kv_latent: bool = False
     raw: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -258,6 +283,7 @@ class ModelConfig:
             layers = int(raw["num_hidden_layers"])
             window = raw.get("sliding_window")
             window = int(window) if window else None
+            latent = family.latent(raw)
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -265,8 +291,8 @@ class ModelConfig:
                 intermediate_size=int(raw[family.intermediate]),
                 num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                num_kv_heads=1 if latent else int(raw.get("num_key_value_heads") or heads),
+                head_dim=latent or int(raw.get("head_dim") or hidden // heads),
                 norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-5))),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rope=_rope(raw) if family.rotary else None,
@@ -279,6 +305,7 @@ class ModelConfig:
                 hidden_act=act,
                 sliding_window=window,
                 layer_types=_layer_types(raw, family, layers, window),
+                kv_latent=latent is not None,
                 raw=MappingProxyType(dict(raw)),
             )
         except KeyError as e:
@@ -313,7 +340,9 @@ class ModelConfig:
         return self.num_layers * layer + emb + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """What one token's KV takes, all layers (all ranks: a latent is not split)."""
+        planes = 1 if self.kv_latent else 2  # one latent, or K and V
+        return planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def _refuse_quantized(raw: dict) -> None:

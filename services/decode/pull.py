@@ -24,12 +24,12 @@ def check_handle(engine: LLMEngine, handle: KvHandle) -> None:
     """FailedPrecondition if the handle's KV cannot be used here (another model shape, an
     unknown dtype); another block size or dtype is converted as it is pulled."""
     kv = engine.kv_geometry
-    shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-    theirs = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
+    shape = (kv.num_layers, kv.planes, kv.num_kv_heads, kv.head_dim)
+    theirs = (handle.num_layers, handle.kv_planes, handle.num_kv_heads, handle.head_dim)
     if shape != theirs:
         raise FailedPrecondition(
-            f"KV of {handle.source_instance} has (layers, kv_heads, head_dim) {theirs}, this "
-            f"instance {shape}: prefill and decode must serve the same model"
+            f"KV of {handle.source_instance} has (layers, planes, kv_heads, head_dim) {theirs}, "
+            f"this instance {shape}: prefill and decode must serve the same model"
         )
     if handle.dtype not in KV_DTYPES:
         raise FailedPrecondition(f"KV dtype {handle.dtype!r} is not one we can read")

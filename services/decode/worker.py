@@ -28,7 +28,6 @@ from services.decode.config import DecodeConfig
 from services.decode.pull import SourceReleases, can_reuse, check_handle, handoff_attributes
 from services.engine.commands import Abort, AddPrefilled, AddRequest, PullKv, StartDecoding
 from services.engine.sequence import Sequence
-from services.engine.shards import kv_heads_of
 from services.kvtransfer.puller import KvPuller, ModelledLink, PullReport
 from services.worker.announcer import DRAIN_SETTLE_S, settle
 from services.worker.engine_loop import EngineFailed, EngineLoop, StepInfo
@@ -92,7 +91,7 @@ class DecodeWorker:
             group=self.group,
         )
         kv = self.engine.kv_geometry
-        self.heads = kv_heads_of(0, config.tensor_parallel_size, kv.num_kv_heads)  # rank 0's
+        self.heads = kv.heads_of(0, config.tensor_parallel_size)  # rank 0's
         link = None
         if self.engine.emulated:  # the payload moves for real, in the modelled KV's time
             spec, emulation = self.engine.runner.spec, config.engine.emulation

@@ -14,6 +14,11 @@ What differs between model families is one `AttentionSpec` per layer: the score 
 sliding window (each query sees itself and the window - 1 keys before it) and a soft cap of the
 scores (cap * tanh(score / cap), Gemma 2). The KV cache keeps every token either way; a
 sliding layer only reads the window's part of it.
+
+Multi-head latent attention (DeepSeek-V2) caches one latent vector per token instead of K and V
+(`AttentionContext.latent`), and attends in the absorbed form: the latent is the one KV head
+every query head shares, and the values are its first entries, so the same backends serve it
+(docs/engine.md, "The latent KV cache").
 """
 
 from __future__ import annotations
@@ -81,9 +86,10 @@ class TorchAttention:
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> torch.Tensor:
-        """q (T, H, D), packed prompts; k and v (S, KV, D), their keys (S = T, or each
-        sequence's whole context with a cached prefix: cu_seqlens_k) -> (T, H, D)."""
-        out = torch.empty_like(q)
+        """q (T, H, D), packed prompts; k (S, KV, D) and v (S, KV, Dv), their keys and values
+        (S = T, or each sequence's whole context with a cached prefix: cu_seqlens_k) ->
+        (T, H, Dv)."""
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         cu = meta.cu_seqlens
         cu_k = meta.cu_seqlens_k or cu
         gqa = self.group > 1
@@ -121,7 +127,8 @@ class TorchAttention:
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> torch.Tensor:
-        """q (B, H, D), one token per sequence; k_cache, v_cache (slots, KV, D) -> (B, H, D).
+        """q (B, H, D), one token per sequence; k_cache (slots, KV, D), v_cache (slots, KV,
+        Dv) -> (B, H, Dv).
 
         Each sequence's context is read in place from its runs of blocks: no gather, no padding.
         The query heads that share a KV head are folded into the query axis, (KV, G, D), so one
@@ -129,7 +136,7 @@ class TorchAttention:
         """
         B = q.shape[0]
         qg = (q * spec.scale).view(B, self.num_kv_heads, self.group, -1)  # (B, KV, G, D)
-        out = torch.empty_like(qg)
+        out = qg.new_empty(*qg.shape[:3], v_cache.shape[-1])  # (B, KV, G, Dv)
         exact = q.dtype == torch.float32  # else softmax in float32, then back
         cap = spec.softcap
         # Few ops per sequence: this loop runs layers x sequences times per step.
@@ -280,12 +287,23 @@ def make_backend(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    latent: bool = False,
 ) -> TorchAttention:
-    """The attention backend for `choice` (auto | torch | flash)."""
+    """The attention backend for `choice` (auto | torch | flash); `latent`: over a latent KV
+    cache (multi-head latent attention), which flash-attn's kernels cannot read."""
+    if choice == "flash" and latent:
+        raise InvalidRequest(
+            "attention 'flash' cannot read a latent KV cache (multi-head latent attention: one "
+            "head of kv_lora_rank + qk_rope_head_dim entries, wider than flash-attn's 256); use "
+            "--attention auto or torch"
+        )
     if choice == "flash" and not flash_available(device):
         raise InvalidRequest("attention 'flash' needs a CUDA device and the flash_attn package")
     use_flash = choice == "flash" or (
-        choice == "auto" and flash_available(device) and dtype in (torch.float16, torch.bfloat16)
+        choice == "auto"
+        and not latent
+        and flash_available(device)
+        and dtype in (torch.float16, torch.bfloat16)
     )
     if use_flash:
         return FlashAttention(num_heads, num_kv_heads, block_size)
@@ -321,3 +339,16 @@ class AttentionContext:
                 v = v_cache.index_select(0, self.meta.kv_slots)
             return self.backend.prefill(q, k, v, self.meta, self.specs[layer])
         return self.backend.decode(q, k_cache, v_cache, self.meta, self.specs[layer])
+
+    def latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention, absorbed: store this step's latent of `layer`, (T, 1,
+        Dl), in the cache, then attend with q (T, H, Dl) over each context's latents as the one
+        KV head all query heads share, its first `v_dim` entries the values -> (T, H, v_dim)."""
+        (cache,) = self.cache.layer(layer)
+        cache.index_copy_(0, self.meta.slots, latent)
+        spec = self.specs[layer]
+        if self.meta.is_prefill:
+            if self.meta.kv_slots is not None:  # the context includes a cached prefix
+                latent = cache.index_select(0, self.meta.kv_slots)
+            return self.backend.prefill(q, latent, latent[..., :v_dim], self.meta, spec)
+        return self.backend.decode(q, cache, cache[..., :v_dim], self.meta, spec)

@@ -41,7 +41,7 @@ from services.engine.kv_events import KvEvents
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
-from services.engine.shards import check_tp, kv_heads_of
+from services.engine.shards import check_tp
 
 if TYPE_CHECKING:
     import torch
@@ -148,10 +148,10 @@ class LLMEngine:
         from services.engine.weights import fingerprint, load_model
 
         self.tp = self.tp or TensorParallel()
-        # The KV heads this rank computes and caches (all of them with tp == 1).
-        self.kv_heads = kv_heads_of(self.tp.rank, self.tp.world_size, mc.num_kv_heads)
+        # The KV heads this rank computes and caches (all of them with tp == 1, or a latent).
+        self.kv_geometry = KvGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.kv_latent)
+        self.kv_heads = self.kv_geometry.heads_of(self.tp.rank, self.tp.world_size)
         num_heads, num_kv_heads = mc.num_heads // self.tp.world_size, len(self.kv_heads)
-        self.kv_geometry = KvGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, mc.dtype, self.device)
         model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
@@ -165,6 +165,7 @@ class LLMEngine:
             block_size=config.block_size,
             device=self.device,
             dtype=self.dtype,
+            latent=mc.kv_latent,
         )
 
         def cache(num_blocks: int) -> KvCache:
@@ -176,6 +177,7 @@ class LLMEngine:
                 head_dim=mc.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                planes=self.kv_geometry.planes,
             )
 
         longest = config.max_model_len or mc.max_position_embeddings
@@ -185,7 +187,12 @@ class LLMEngine:
             ModelRunner(model, cache(1), backend, config.max_num_seqs).profile(tokens)
 
         block_bytes = KvCache.bytes_per_block(
-            mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, self.dtype
+            mc.num_layers,
+            config.block_size,
+            num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.kv_geometry.planes,
         )
         # What the largest decode batch holds: max_num_seqs sequences of the longest context.
         full_batch = config.max_num_seqs * -(-longest // config.block_size) * block_bytes

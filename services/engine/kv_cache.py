@@ -1,9 +1,11 @@
 """Storage of the paged KV cache.
 
-One array of shape (layers, 2, num_blocks, block_size, kv_heads, head_dim): for each layer, all
-K blocks and then all V blocks. A run of consecutive blocks is therefore one contiguous byte
-range per layer and per K/V, which the decode step reads in place and the KV-transfer service
-sends and receives without reshuffling.
+One array of shape (layers, planes, num_blocks, block_size, kv_heads, head_dim): for each layer,
+all K blocks and then all V blocks (planes 2), or the blocks of one latent vector per token
+(planes 1: multi-head latent attention, kv_heads 1, head_dim the latent's width; see
+docs/engine.md, "The latent KV cache"). A run of consecutive blocks is therefore one contiguous
+byte range per layer and per plane, which the decode step reads in place and the KV-transfer
+service sends and receives without reshuffling; neither needs to know which layout it moves.
 
 The array is a torch tensor for the real engine (on its device), and a numpy array for the
 emulated one, whose few bytes of payload per token need no torch: its process never imports
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from services.engine.shards import check_rank, kv_heads_of
 
 if TYPE_CHECKING:
     import torch
@@ -71,12 +75,30 @@ def host_zeros(shape: tuple[int, ...], dtype: Dtype) -> Any:
 
 @dataclass(frozen=True)
 class KvGeometry:
-    """The KV an engine keeps per token, over all its ranks (a rank holds a share of the heads):
-    what a KV handle describes, and what prefill and decode instances must agree on."""
+    """The KV an engine keeps per token, over all its ranks: what a KV handle describes, and
+    what prefill and decode instances must agree on.
+
+    Per layer, `planes` arrays of num_kv_heads x head_dim entries: K and V (2), each rank
+    holding a share of the heads; or one latent vector (`latent`: multi-head latent attention,
+    1 plane of 1 head), which every rank holds whole, since every query head reads all of it.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    latent: bool = False
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.latent else 2
+
+    def heads_of(self, rank: int, tp: int) -> range:
+        """The KV heads rank `rank` of `tp` holds (computes and caches): its share of K and V
+        heads, or all of a latent."""
+        if self.latent:
+            check_rank(rank, tp)
+            return range(self.num_kv_heads)
+        return kv_heads_of(rank, tp, self.num_kv_heads)
 
 
 class KvCache:
@@ -92,15 +114,17 @@ class KvCache:
         head_dim: int,
         dtype: Dtype,
         device: torch.device | str = "cpu",
+        planes: int = 2,
     ) -> None:
         """dtype: a torch dtype (the cache is a tensor on `device`) or a numpy dtype (a numpy
-        array in host memory: `device` must be "cpu")."""
+        array in host memory: `device` must be "cpu"). planes: 2 (K and V) or 1 (a latent)."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.planes = planes
+        shape = (num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)
         if getattr(device, "type", device) == "cpu":
             self.data = host_zeros(shape, dtype)
         else:
@@ -108,34 +132,32 @@ class KvCache:
 
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         tokens = num_blocks * block_size
-        # Per layer: K and V as (num_blocks * block_size, kv_heads, head_dim) views, i.e. indexed
-        # by cache slot = block * block_size + offset.
+        # Per layer: each plane (K and V, or the latent) as a (num_blocks * block_size, kv_heads,
+        # head_dim) view, i.e. indexed by cache slot = block * block_size + offset.
         self._flat = [
-            (
-                self.data[i, 0].reshape(tokens, num_kv_heads, head_dim),
-                self.data[i, 1].reshape(tokens, num_kv_heads, head_dim),
-            )
+            tuple(self.data[i, p].reshape(tokens, num_kv_heads, head_dim) for p in range(planes))
             for i in range(num_layers)
         ]
 
-    def layer(self, i: int) -> tuple[Any, Any]:
-        """K and V of layer i, each (num_blocks * block_size, kv_heads, head_dim)."""
+    def layer(self, i: int) -> tuple[Any, ...]:
+        """The planes of layer i (K and V, or the latent), each (num_blocks * block_size,
+        kv_heads, head_dim)."""
         return self._flat[i]
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
+        """Bytes of one block of one layer's plane (its K, its V, or its latent)."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.data.itemsize
 
     def region(self, layer: int, kv: int, first_block: int, num_blocks: int) -> Any:
-        """A contiguous view of `num_blocks` blocks from `first_block` of one layer's K (kv=0)
-        or V (kv=1): (num_blocks, block_size, kv_heads, head_dim)."""
+        """A contiguous view of `num_blocks` blocks from `first_block` of one layer's plane `kv`
+        (K 0, V 1; the latent 0): (num_blocks, block_size, kv_heads, head_dim)."""
         return self.data[layer, kv, first_block : first_block + num_blocks]
 
     def write_tokens(self, layer: int, kv: int, blocks: list[int], tokens: Any) -> None:
-        """Write K (kv=0) or V of a sequence's first len(tokens) positions, (T, kv_heads,
-        head_dim), into its blocks: the staged path for KV that arrives in another layout.
-        `tokens` is an array of the cache's library."""
+        """Write plane `kv` (K 0, V 1; the latent 0) of a sequence's first len(tokens)
+        positions, (T, kv_heads, head_dim), into its blocks: the staged path for KV that
+        arrives in another layout. `tokens` is an array of the cache's library."""
         bs = self.block_size
         flat = self._flat[layer][kv]
         if isinstance(flat, np.ndarray):
@@ -151,10 +173,15 @@ class KvCache:
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: Dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Dtype,
+        planes: int = 2,
     ) -> int:
-        """Bytes one block takes across all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes one block takes across all layers and planes."""
+        return planes * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def _is_numpy(dtype: Dtype) -> bool:

@@ -56,10 +56,10 @@ def vocab_rows_of(rank: int, tp: int, vocab_size: int) -> range:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise UnsupportedModel unless `tp` divides the heads, the KV heads and the MLP width."""
-    for n, what in (
-        (cfg.num_heads, "num_attention_heads"),
-        (cfg.num_kv_heads, "num_key_value_heads"),
-        (cfg.intermediate_size, "intermediate_size"),
-    ):
+    """Raise UnsupportedModel unless `tp` divides the heads, the KV heads (a latent KV is held
+    whole by every rank) and the MLP width."""
+    shares = [(cfg.num_heads, "num_attention_heads"), (cfg.intermediate_size, "intermediate_size")]
+    if not cfg.kv_latent:
+        shares.append((cfg.num_kv_heads, "num_key_value_heads"))
+    for n, what in shares:
         _part(0, tp, n, what)

@@ -14,7 +14,7 @@ from services.kvtransfer.memory import copy_into, empty_like, raw
 
 @dataclass(frozen=True)
 class KvDestination:
-    """Where pulled KV lands: `data` is (layers, 2, blocks, block_size, heads, head_dim), an
+    """Where pulled KV lands: `data` is (layers, planes, blocks, block_size, heads, head_dim), an
     engine's KV cache or a staging buffer (a numpy array or a torch tensor: kvtransfer.memory),
     and holds the global KV heads `heads`."""
 

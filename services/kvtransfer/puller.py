@@ -182,13 +182,16 @@ class KvPuller:
         )
 
     def _pieces(self, handle: KvHandle, dst: KvDestination) -> list[tuple[RankSource, range]]:
-        """(source rank, heads) for each rank holding some of the heads the destination wants."""
+        """(source rank, heads) for each rank holding some of the heads the destination wants,
+        each head from the first rank that holds it (every rank holds all of a latent)."""
         pieces = []
+        taken = dst.heads.start  # the heads before it have a source
         for source in handle.sources():
-            lo = max(source.heads.start, dst.heads.start)
+            lo = max(source.heads.start, taken)
             hi = min(source.heads.stop, dst.heads.stop)
             if lo < hi:
                 pieces.append((source, range(lo, hi)))
+                taken = hi
         if sum(len(h) for _, h in pieces) != len(dst.heads):
             raise InvalidRequest(
                 f"the handle's sources do not hold KV heads {dst.heads.start}.."
@@ -232,7 +235,7 @@ class KvPuller:
             plan = [
                 (layer, kv, seg)
                 for layer in range(handle.num_layers)
-                for kv in (0, 1)
+                for kv in range(handle.kv_planes)
                 for seg in segs
             ]
             # the lanes take turns, chunk by chunk in layer order
@@ -449,13 +452,13 @@ class KvPuller:
             raise InvalidRequest("KV in another block size or dtype is pulled whole (skip 0)")
         n, h = handle.num_blocks, len(heads)
         staging = empty(
-            (handle.num_layers, 2, n, handle.block_size, h, handle.head_dim),
+            (handle.num_layers, handle.kv_planes, n, handle.block_size, h, handle.head_dim),
             handle.dtype,
             like=cache.data,
         )
         report = await self.pull(handle, list(range(n)), KvDestination(staging, heads), trace)
         for layer in range(handle.num_layers):
-            for kv in (0, 1):
+            for kv in range(handle.kv_planes):
                 tokens = staging[layer, kv].reshape(-1, h, handle.head_dim)[: handle.num_tokens]
                 cache.write_tokens(layer, kv, blocks, tokens)
         return report

@@ -77,13 +77,15 @@ class ChunkSource:
         heads: range,
         faults: FaultInjector | None = None,
         adopt_wait_s: float = 0.0,
+        planes: int = 2,
     ) -> None:
         """`heads`: the global KV heads `region` holds. `adopt_wait_s`: how long a request for
         an unknown handle waits for it to appear (a follower rank learns of handles from rank
-        0, a moment after the puller may)."""
+        0, a moment after the puller may). `planes`: per layer, K and V (2) or a latent (1)."""
         self.leases = leases
         self.region = region
         self.heads = heads
+        self.planes = planes
         self.num_layers = num_layers
         self.adopt_wait_s = adopt_wait_s
         self.faults = faults  # tests and drills only
@@ -110,7 +112,7 @@ class ChunkSource:
         heads = self._heads(req)
         chunks = []
         for layer, kv, index, n in asked:
-            if layer >= self.num_layers or kv > 1:
+            if not (0 <= layer < self.num_layers and 0 <= kv < self.planes):
                 raise InvalidRequest(f"no layer {layer} / kv {kv}")
             region = self.region(layer, kv, self._check(index, n, lease.blocks), n)
             chunks.append(Chunk(lease, layer, kv, index, region, heads, self._fault()))
@@ -124,16 +126,16 @@ class ChunkSource:
         for layer in range(before, after):
             lease.digests[layer] = checksums.on_checksum_thread(self._block_digests, lease, layer)
 
-    def _block_digests(self, lease: Lease, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """CRC-32C of each of the lease's blocks of one layer, K and V, in block list order."""
+    def _block_digests(self, lease: Lease, layer: int) -> list[np.ndarray]:
+        """CRC-32C of each of the lease's blocks of one layer, per plane, in block list order."""
         out = []
-        for kv in (0, 1):
+        for kv in range(self.planes):
             digests = []
             for first, n in lease.handle.runs:
                 rows = raw(self.region(layer, kv, first, n)).reshape(n, -1)
                 digests += [checksums.checksum_of(row) for row in rows]
             out.append(np.array(digests, dtype=np.uint32))
-        return out[0], out[1]
+        return out
 
     async def ready(self, chunk: Chunk) -> None:
         """Wait until the chunk's layer is computed (a layer-wise handle's layers are published

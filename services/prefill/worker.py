@@ -16,7 +16,6 @@ from services.common.kv_handle import KvHandle, RankSource
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
-from services.engine.shards import kv_heads_of
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.faults import FaultInjector
 from services.kvtransfer.leases import Lease, LeaseTable
@@ -79,8 +78,9 @@ class PrefillWorker:
             self.leases,
             self.engine.runner.cache.region,
             kv.num_layers,
-            kv_heads_of(0, tp, kv.num_kv_heads),
+            kv.heads_of(0, tp),
             FaultInjector(config.kv_faults) if config.kv_faults else None,
+            planes=kv.planes,
         )
         # The UCX data plane when ucxx is here and wanted; the gRPC fallback is always served.
         self.chunks = ChunkServer(self.source) if config.ucx and ucx_available() else None
@@ -282,7 +282,7 @@ class PrefillWorker:
         if self.group is not None:
             ports = [self.chunks.port] + [f.ucx_port for f in self.group.followers]
             ranks = tuple(
-                RankSource(r, self.config.host, port, kv_heads_of(r, tp, kv.num_kv_heads))
+                RankSource(r, self.config.host, port, kv.heads_of(r, tp))
                 for r, port in enumerate(ports)
             )
         return KvHandle(
@@ -298,8 +298,10 @@ class PrefillWorker:
             head_dim=kv.head_dim,
             dtype=dtype_name(cache.data.dtype),
             runs=tuple(runs),
-            block_bytes=cache.block_bytes * tp,  # every head (a rank holds 1 / tp of them)
+            # every head (a rank holds 1 / tp of them, or all of a latent)
+            block_bytes=cache.block_bytes * kv.num_kv_heads // len(kv.heads_of(0, tp)),
             lease_expiry_unix_ms=0,
             access_token="",
             rank_sources=ranks,
+            kv_planes=kv.planes,
         )

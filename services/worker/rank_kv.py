@@ -36,7 +36,6 @@ from services.common.kv_handle import KvHandle
 from services.engine.engine import LLMEngine
 from services.engine.parallel import TensorParallel
 from services.engine.sequence import Sequence, StepOutput
-from services.engine.shards import kv_heads_of
 from services.kvtransfer.chunk_server import ChunkServer
 from services.kvtransfer.leases import Lease, LeaseTable
 from services.kvtransfer.puller import KvPuller, PullPolicy
@@ -64,7 +63,7 @@ class RankKv:
         transport: str = "auto",
     ) -> None:
         self.engine = engine
-        self.heads = kv_heads_of(tp.rank, tp.world_size, engine.kv_geometry.num_kv_heads)
+        self.heads = engine.kv_geometry.heads_of(tp.rank, tp.world_size)
         self._events = events
         self._write_lock = threading.Lock()
         self._batch: list[str] = []  # the prefill batch running now (engine thread)
@@ -142,6 +141,7 @@ class RankKv:
                 self.engine.kv_geometry.num_layers,
                 self.heads,
                 adopt_wait_s=ADOPT_WAIT_S,
+                planes=self.engine.kv_geometry.planes,
             )
             self.server = ChunkServer(source)
             return self.server.start()

@@ -77,6 +77,32 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             "norm_topk_prob": False,
         },
     ),
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        {
+            **SMALL,
+            "intermediate_size": 160,
+            "first_k_dense_replace": 2,  # every layer dense: MoE layers are refused
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 24,
+        },
+    ),
+    "deepseek-v2-plain-q": (  # q_lora_rank None: one q_proj, as DeepSeek-V2-Lite
+        "DeepseekV2Config",
+        {
+            **SMALL,
+            "intermediate_size": 160,
+            "first_k_dense_replace": 2,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
     "mistral-window": (
         "MistralConfig",
         {**SMALL, "intermediate_size": 160, "num_key_value_heads": 2, "sliding_window": 8},

@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.common.errors import ModelLoadError
+from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
 from services.common.model_config import ModelConfig, experts_of
 from services.common.sampling import SamplingParams
+from services.engine.attention import make_backend
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models.moe import SparseMoE
@@ -106,8 +107,11 @@ def _flash() -> bool:
 def test_flash_attention_matches_torch_attention_on_cuda(family, name):
     """bf16 on the GPU, every family: flash-attn's varlen prefill, its paged decode (blocks of
     256), and its prefill over a cached prefix, against the torch backend on the same device and
-    weights, within bf16's rounding of the logits."""
+    weights, within bf16's rounding of the logits. (A latent model's 576-wide head is past
+    flash-attn's 256: it is refused, tested below.)"""
     path = family(name)
+    if ModelConfig.from_dir(path).kv_latent:
+        pytest.skip("flash-attn is refused for latent attention")
 
     def engine(attention: str, prefix_cache: bool) -> LLMEngine:
         config = EngineConfig(
@@ -189,3 +193,31 @@ def test_qwen3_moe_hub_config_names_its_experts_num_experts(family):
     raw = json.loads((family("qwen3-moe") / "config.json").read_text())
     raw["num_experts"] = raw.pop("num_local_experts")
     assert experts_of(ModelConfig.from_dict(raw).raw) == (4, 2)
+
+
+def test_deepseek_v2_caches_one_latent_per_token_and_layer(family):
+    path = family("deepseek-v2")
+    engine = LLMEngine(path, EngineConfig(num_blocks=8, block_size=8))
+    mc, raw = engine.model_config, engine.model_config.raw
+    latent = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+    assert engine.runner.cache.data.shape == (mc.num_layers, 1, 8, 8, 1, latent)
+    assert mc.kv_bytes_per_token(4) == mc.num_layers * latent * 4  # not K and V heads
+
+
+def test_deepseek_v2_refuses_what_it_does_not_implement_by_name(family):
+    raw = json.loads((family("deepseek-v2") / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match="mixture-of-experts layers"):
+        ModelConfig.from_dict({**raw, "first_k_dense_replace": 1})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModel, match="'yarn'"):
+        ModelConfig.from_dict({**raw, "rope_parameters": yarn, "rope_scaling": None})
+    with pytest.raises(InvalidRequest, match="cannot read a latent KV cache"):
+        make_backend(
+            "flash",
+            num_heads=4,
+            num_kv_heads=1,
+            block_size=256,
+            device=torch.device("cuda"),
+            dtype=torch.float16,
+            latent=True,
+        )

@@ -26,8 +26,9 @@ from tests.engine.families import write_family
 TP = 2
 # OPT (biases, learned positions), Qwen3 (q/k norms), Phi-3 (q/k/v and gate/up fused in the
 # checkpoint: each part split on its own), Gemma 2 (soft caps, windows, GeGLU), Mixtral and
-# Qwen3-MoE (every rank holds every expert's slice of the intermediate width).
-TP_FAMILIES = ("opt", "qwen3", "phi3", "gemma2", "mixtral", "qwen3-moe")
+# Qwen3-MoE (every rank holds every expert's slice of the intermediate width), DeepSeek-V2
+# (query heads split, the latent KV computed and cached whole on every rank).
+TP_FAMILIES = ("opt", "qwen3", "phi3", "gemma2", "mixtral", "qwen3-moe", "deepseek-v2")
 CONFIG = EngineConfig(num_blocks=64, block_size=8, max_batch_tokens=64)
 PROMPTS = [[2 + (7 * i + n) % 1000 for i in range(n)] for n in (3, 17, 40, 70)]
 GREEDY = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (12, 5, 9, 16)]
@@ -157,6 +158,17 @@ def test_each_rank_caches_exactly_its_kv_heads_of_the_tp1_cache(tiny_model, runs
         torch.testing.assert_close(kv, mine, rtol=1e-5, atol=1e-5)
         other = full[:, :, written][:, :, :, :, [h for h in range(num_kv_heads) if h not in heads]]
         assert not torch.allclose(kv[:, :, written], other, atol=1e-3)
+
+
+def test_every_rank_caches_the_whole_latent_of_the_tp1_cache(models, runs):
+    engine = LLMEngine(models["deepseek-v2"], CONFIG)
+    _generate(engine, GREEDY)
+    full = engine.runner.cache.data  # (layers, 1, blocks, block_size, 1, latent)
+    assert full.shape[1] == 1 and full.shape[4] == 1
+    assert (full.abs().sum(dim=(0, 1, 3, 4, 5)) > 0).sum() >= 15  # the prompts' blocks
+    for rank in range(TP):
+        _, tensors = _rank_result(runs, "deepseek-v2", rank)
+        torch.testing.assert_close(tensors["kv"], full, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_weights_are_sharded_per_part(tiny_model, runs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.common.errors import UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.engine.models.base import CausalLM
+from services.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from services.engine.models.gemma2 import Gemma2ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from services.engine.models.mixtral import MixtralForCausalLM
@@ -30,6 +31,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 
