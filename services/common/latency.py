@@ -244,8 +244,10 @@ def _fit_path(path: str | Path | None, engine: str) -> Path:
 def scaled(base: LatencyModel, base_spec: ModelSpec, spec: ModelSpec) -> LatencyModel:
     """Latency of `spec` derived from a profiled `base` on the same device, per coefficient.
 
-    * prefill b (GEMM time per token) and decode a, c (weight reads and per-sequence GEMMs):
-      times the ratio of parameters (FLOPs and bytes per token are 2x and 1x parameters);
+    * prefill b (GEMM time per token) and decode c (per-sequence GEMMs): times the ratio of
+      the parameters a token runs through (FLOPs per token are 2x those: a mixture of experts
+      counts its routed experts only); decode a (weights read per step): times the ratio of
+      parameters stored (a decode batch of any size reaches most experts);
     * prefill c (attention per token pair) and decode b (KV read per context token): times the
       ratio of layers x hidden (attention FLOPs and KV bytes per token both scale with it);
     * prefill a (fixed cost, mostly kernel launches per layer): times the ratio of layers.
@@ -254,13 +256,14 @@ def scaled(base: LatencyModel, base_spec: ModelSpec, spec: ModelSpec) -> Latency
     fitting each coefficient as `alpha + beta / tp` over the base's degrees (least squares, the
     result floored at zero): work splits over tp, a part (communication, launches) does not.
     """
-    params = spec.num_params / base_spec.num_params
+    stored = spec.num_params / base_spec.num_params
+    active = spec.active_params / base_spec.active_params
     attn = (spec.num_layers * spec.hidden_size) / (base_spec.num_layers * base_spec.hidden_size)
     layers = spec.num_layers / base_spec.num_layers
     factors = {
-        "prefill": (layers, params, attn),
-        "decode_small": (params, attn, params),
-        "decode_large": (params, attn, params),
+        "prefill": (layers, active, attn),
+        "decode_small": (stored, attn, active),
+        "decode_large": (stored, attn, active),
     }
     by_tp = {}
     for tp, lat in base.by_tp.items():

@@ -50,7 +50,8 @@ class Family:
     (else learned); sliding: which layers use `sliding_window` when the file gives no
     `layer_types`; check: refusals of options we do not implement (raises UnsupportedModel);
     latent: the width of the one latent vector a token caches per layer, for multi-head latent
-    attention (None: the family caches K and V heads).
+    attention (None: the family caches K and V heads); sparse: which layers hold a mixture of
+    experts (None: a dense family).
     """
 
     model_type: str
@@ -62,6 +63,7 @@ class Family:
     sliding: Callable[[dict, int], bool] = lambda raw, layer: False
     check: Callable[[dict], None] = lambda raw: None
     latent: Callable[[dict], int | None] = lambda raw: None
+    sparse: Callable[[dict, int], bool] | None = None
 
 
 def _llama_biases(raw: dict) -> Biases:
@@ -132,6 +134,13 @@ def experts_of(raw: dict) -> tuple[int, int]:
     return experts, top_k
 
 
+def _qwen3_moe_sparse(raw: dict, layer: int) -> bool:
+    """Whether a Qwen3-MoE layer holds experts (transformers' Qwen3MoeDecoderLayer's rule): the
+    others keep a dense MLP of `intermediate_size`."""
+    step = int(raw.get("decoder_sparse_step", 1))
+    return layer not in (raw.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
 def _check_mixtral(raw: dict) -> None:
     experts_of(raw)
 
@@ -175,13 +184,16 @@ ARCHITECTURES: dict[str, Family] = {
         tied=True,
         sliding=lambda raw, layer: layer % 2 == 0,
     ),
-    "MixtralForCausalLM": Family("mixtral", sliding=_every_layer, check=_check_mixtral),
+    "MixtralForCausalLM": Family(
+        "mixtral", sliding=_every_layer, check=_check_mixtral, sparse=_every_layer
+    ),
     "Qwen3MoeForCausalLM": Family(
         "qwen3_moe",
         biases=_llama_biases,
         intermediate="moe_intermediate_size",
         sliding=lambda raw, layer: bool(raw.get("use_sliding_window")),
         check=_check_qwen3_moe,
+        sparse=_qwen3_moe_sparse,
     ),
     "DeepseekV2ForCausalLM": Family(
         "deepseek_v2", biases=_llama_biases, check=_check_deepseek_v2, latent=_deepseek_latent
@@ -201,7 +213,10 @@ class ModelConfig:
     no layer slides when it is None. kv_latent: the family caches one latent vector per token
     and layer (multi-head latent attention, DeepSeek-V2), shared by every query head and held
     whole by every tensor-parallel rank; num_kv_heads is then 1 and head_dim the latent's width.
-    raw: the whole config.json, for what only the family's model code reads.
+    A mixture of experts: `sparse_layers` hold `num_experts` experts of intermediate_size each,
+    `experts_per_token` of them run per token; the other layers' dense MLP is
+    `dense_intermediate_size` wide. raw: the whole config.json, for what only the family's model
+    code reads.
     """
 
     architecture: str
@@ -225,6 +240,10 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; (): every layer FULL
     kv_latent: bool = False
+    num_experts: int = 0  # 0: a dense model
+    experts_per_token: int = 0
+    sparse_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
     raw: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -284,6 +303,8 @@ class ModelConfig:
             window = raw.get("sliding_window")
             window = int(window) if window else None
             latent = family.latent(raw)
+            experts, top_k = experts_of(raw) if family.sparse else (0, 0)
+            sparse = tuple(i for i in range(layers) if family.sparse and family.sparse(raw, i))
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -306,6 +327,10 @@ class ModelConfig:
                 sliding_window=window,
                 layer_types=_layer_types(raw, family, layers, window),
                 kv_latent=latent is not None,
+                num_experts=experts,
+                experts_per_token=top_k,
+                sparse_layers=sparse,
+                dense_intermediate_size=int(raw.get("intermediate_size") or 0),
                 raw=MappingProxyType(dict(raw)),
             )
         except KeyError as e:

@@ -44,19 +44,43 @@ class ModelSpec:
     mlp_matrices: int = 2  # OPT: fc1, fc2; Llama: gate, up, down
     learned_positions: bool = False  # OPT learns a position table (max_context x hidden)
     published: str | None = None
+    # A mixture of experts: `sparse_layers` of the layers hold `num_experts` experts of
+    # `expert_intermediate_size`, `experts_per_token` of them run per token (the rest of the
+    # layers: a dense MLP of intermediate_size).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: int = 0
+    # What a token caches per layer: kv_planes (2: K and V; 1: a latent, multi-head latent
+    # attention) of num_kv_heads x kv_head_dim (0: head_dim).
+    kv_planes: int = 2
+    kv_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
-    def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
+    def _params(self, experts: int) -> int:
+        h = self.hidden_size
+        d = self.head_dim if self.kv_planes == 1 else (self.kv_head_dim or self.head_dim)
         attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
-        layer = attention + self.mlp_matrices * h * self.intermediate_size
+        dense = self.mlp_matrices * h * self.intermediate_size
+        sparse = experts * self.mlp_matrices * h * self.expert_intermediate_size
+        sparse += h * self.num_experts  # the router
+        mlps = (self.num_layers - self.sparse_layers) * dense + self.sparse_layers * sparse
         embeddings = 2 * self.vocab_size * h  # input table and LM head
         positions = self.max_context * h if self.learned_positions else 0
-        return self.num_layers * layer + embeddings + positions
+        return self.num_layers * attention + mlps + embeddings + positions
+
+    @property
+    def num_params(self) -> int:
+        """Parameters stored (every expert): what the weights take in memory."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (its experts only): what its FLOPs scale with."""
+        return self._params(self.experts_per_token)
 
     @property
     def weight_bytes(self) -> int:
@@ -65,7 +89,8 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token leaves in the cache, over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        width = self.num_kv_heads * (self.kv_head_dim or self.head_dim)
+        return self.kv_planes * self.num_layers * width * self.dtype_bytes
 
     def attention_flops_per_token2(self) -> int:
         """FLOPs of attention scores and values per (query, key) pair, summed over layers."""
@@ -130,7 +155,15 @@ def from_dir(path: Path) -> ModelSpec:
         dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[mc.dtype],
         mlp_matrices=2 if opt else 3,
         learned_positions=opt,
+        num_experts=mc.num_experts,
+        experts_per_token=mc.experts_per_token,
+        expert_intermediate_size=mc.intermediate_size if mc.num_experts else 0,
+        sparse_layers=len(mc.sparse_layers),
+        kv_planes=1 if mc.kv_latent else 2,
+        kv_head_dim=0 if mc.head_dim == mc.hidden_size // mc.num_heads else mc.head_dim,
     )
+    if mc.num_experts:
+        spec = dataclasses.replace(spec, intermediate_size=mc.dense_intermediate_size)
     for preset in PRESETS.values():
         if dataclasses.replace(spec, name=preset.name, published=preset.published) == preset:
             return dataclasses.replace(spec, published=preset.published)

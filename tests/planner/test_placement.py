@@ -151,3 +151,36 @@ def test_workload_max_tokens_bounds_memory():
     huge = parse_workload("prompt=fixed:1000,output=fixed:70000")
     with pytest.raises(InvalidRequest, match="fits no parallel configuration"):
         plan(spec_for("opt-13b", "1x1", workload=huge))
+
+
+def test_model_spec_of_moe_and_latent_folders_counts_what_they_hold(tmp_path):
+    """A mixture of experts stores every expert (its weights, the planner's memory) but runs
+    its routed ones (its FLOPs, the latency's scaling); a latent-attention model caches one
+    latent per token and layer. Checked against the models transformers builds."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tests.engine.families import FAMILIES
+
+    for name in ("mixtral", "qwen3-moe", "deepseek-v2", "qwen3"):
+        config_class, kwargs = FAMILIES[name]
+        config = getattr(transformers, config_class)(vocab_size=1000, **kwargs)
+        config.architectures = [config_class.replace("Config", "ForCausalLM")]
+        config.save_pretrained(tmp_path / name)
+        spec = model_spec(tmp_path / name)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+        stored = sum(p.numel() for p in hf.parameters())  # lm_head untied in these configs
+        assert spec.num_params == pytest.approx(stored, rel=0.1), name
+        if name in ("mixtral", "qwen3-moe"):
+            idle = spec.num_experts - spec.experts_per_token  # experts a token does not run
+            expert = 3 * spec.hidden_size * spec.expert_intermediate_size
+            assert spec.num_params - spec.active_params == spec.sparse_layers * idle * expert
+        else:
+            assert spec.active_params == spec.num_params
+    latent = model_spec(tmp_path / "deepseek-v2")
+    per_layer = FAMILIES["deepseek-v2"][1]
+    width = per_layer["kv_lora_rank"] + per_layer["qk_rope_head_dim"]
+    assert latent.kv_bytes_per_token == latent.num_layers * width * latent.dtype_bytes
+    qwen3 = model_spec(tmp_path / "qwen3")  # head_dim 32, not hidden / heads = 16
+    assert qwen3.kv_bytes_per_token == 2 * 2 * 2 * 32 * qwen3.dtype_bytes

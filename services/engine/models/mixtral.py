@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from services.common.model_config import ModelConfig, experts_of
+from services.common.model_config import ModelConfig
 from services.engine.models.base import Target
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.moe import SparseMoE, with_experts
@@ -17,12 +17,11 @@ from services.engine.parallel import TensorParallel
 class MixtralForCausalLM(LlamaForCausalLM):
     @classmethod
     def mlp(cls, cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
-        num_experts, top_k = experts_of(cfg.raw)
         return SparseMoE(
             cfg.hidden_size,
             cfg.intermediate_size,
-            num_experts,
-            top_k,
+            cfg.num_experts,
+            cfg.experts_per_token,
             cfg.hidden_act,
             tp,
             renormalize=True,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from services.common.errors import UnsupportedModel
-from services.common.model_config import ModelConfig, experts_of
+from services.common.model_config import ModelConfig
 from services.engine.models.base import Target
 from services.engine.models.layers import GatedMLP
 from services.engine.models.llama import Qwen3ForCausalLM
@@ -17,23 +17,16 @@ from services.engine.models.moe import SparseMoE, with_experts
 from services.engine.parallel import TensorParallel
 
 
-def is_sparse(raw: dict, layer: int) -> bool:
-    """Whether `layer` holds experts (transformers' Qwen3MoeDecoderLayer's rule)."""
-    step = int(raw.get("decoder_sparse_step", 1))
-    return layer not in (raw.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-
-
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
     def mlp(cls, cfg: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
         raw = cfg.raw
-        if is_sparse(raw, layer):
-            num_experts, top_k = experts_of(raw)
+        if layer in cfg.sparse_layers:
             return SparseMoE(
                 cfg.hidden_size,
                 cfg.intermediate_size,
-                num_experts,
-                top_k,
+                cfg.num_experts,
+                cfg.experts_per_token,
                 cfg.hidden_act,
                 tp,
                 renormalize=bool(raw.get("norm_topk_prob", False)),
