@@ -110,12 +110,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def write_family(name: str, out: Path, seed: int = 0) -> Path:
-    """Write family `name`'s tiny checkpoint and tokenizer into `out`; returns `out`."""
+def write_family(name: str, out: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write family `name`'s tiny checkpoint (its config changed by `overrides`, e.g. a larger
+    size for bench/engine/families.py) and the tokenizer into `out`; returns `out`."""
     import transformers
 
     tok = build_tokenizer()
     config_class, kwargs = FAMILIES[name]
+    kwargs = {**kwargs, **overrides}
     config = getattr(transformers, config_class)(vocab_size=tok.get_vocab_size(), **IDS, **kwargs)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
