@@ -249,27 +249,54 @@ def test_generation_defaults_are_read_and_checked(tiny_model, tmp_path):
     from services.common.model_config import GenerationDefaults
 
     assert GenerationDefaults.from_dir(tiny_model) == GenerationDefaults()  # EOS ids only
-    folder = copy_model(tiny_model, tmp_path / "m", temperature=0.6, top_p=0.9, top_k=20)
-    assert GenerationDefaults.from_dir(folder) == GenerationDefaults(0.6, 0.9, 20, None)
-    for bad, words in (({"top_p": 0}, "top_p"), ({"top_k": "many"}, "top_k must be an integer")):
+    folder = copy_model(
+        tiny_model, tmp_path / "m", temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.3
+    )
+    assert GenerationDefaults.from_dir(folder) == GenerationDefaults(0.6, 0.9, 20, None, 1.3)
+    for bad, words in (
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": "many"}, "top_k must be an integer"),
+        ({"min_p": 2}, "min_p must be in"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+    ):
         folder = copy_model(tiny_model, tmp_path / f"bad{len(words)}", **bad)
         with pytest.raises(ModelLoadError, match=words):
             GenerationDefaults.from_dir(folder)
 
 
 def test_a_requests_own_sampling_values_win_over_the_models_defaults():
+    from services.common.convert import sampling_from_pb
+    from services.common.gen.distserve.v1 import common_pb2
     from services.common.model_config import GenerationDefaults
     from services.gateway.openai_protocol import COMPLETIONS, parse
 
-    defaults = GenerationDefaults(temperature=0.0, top_p=0.5, top_k=7, max_tokens=5)
+    defaults = GenerationDefaults(
+        temperature=0.0, top_p=0.5, top_k=7, max_tokens=5, repetition_penalty=1.3, min_p=0.05
+    )
     implicit = parse(COMPLETIONS, {"prompt": "x"}, None, defaults)
-    assert (implicit.params.temperature, implicit.params.top_p, implicit.params.top_k) == (
+    p = implicit.params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.min_p) == (
         0,
         0.5,
         7,
+        1.3,
+        0.05,
     )
+    grpc = sampling_from_pb(common_pb2.SamplingParams(max_tokens=3), defaults)
+    assert (grpc.repetition_penalty, grpc.min_p) == (1.3, 0.05)
+    grpc = sampling_from_pb(common_pb2.SamplingParams(max_tokens=3, min_p=0.0), defaults)
+    assert grpc.min_p == 0.0  # set to 0: the request's own value
     assert implicit.fill_context  # up to max_new_tokens (Limits.default_max_tokens)
-    body = {"prompt": "x", "temperature": 1.0, "top_p": 1, "top_k": -1, "max_tokens": 9}
+    body = {
+        "prompt": "x",
+        "temperature": 1.0,
+        "top_p": 1,
+        "top_k": -1,
+        "max_tokens": 9,
+        "repetition_penalty": 1.0,
+        "min_p": 0,
+    }
     explicit = parse(COMPLETIONS, body, None, defaults)
+    assert (explicit.params.repetition_penalty, explicit.params.min_p) == (1.0, 0)
     assert (explicit.params.temperature, explicit.params.top_p, explicit.params.top_k) == (1, 1, 0)
     assert not explicit.fill_context and explicit.params.max_tokens == 9

@@ -34,8 +34,8 @@ def sampling_from_pb(
         ignore_eos=pb.ignore_eos,
         presence_penalty=pb.presence_penalty,
         frequency_penalty=pb.frequency_penalty,
-        repetition_penalty=(pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0),
-        min_p=pb.min_p,
+        repetition_penalty=_given(pb, "repetition_penalty", d.repetition_penalty, 1.0),
+        min_p=_given(pb, "min_p", d.min_p, 0.0),
         min_tokens=pb.min_tokens,
         logit_bias=dict(pb.logit_bias),
     )

@@ -393,6 +393,8 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None  # its max_new_tokens
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> GenerationDefaults:
@@ -412,6 +414,8 @@ class GenerationDefaults:
             temperature=_number(raw, "temperature", file),
             top_p=_number(raw, "top_p", file),
             top_k=_integer(raw, "top_k", file),
+            repetition_penalty=_number(raw, "repetition_penalty", file),
+            min_p=_number(raw, "min_p", file),
             max_tokens=_integer(raw, "max_new_tokens", file),
         )
         if out.temperature is not None and out.temperature < 0:
@@ -420,6 +424,12 @@ class GenerationDefaults:
             raise ModelLoadError(f"{file}: top_p must be in (0, 1], got {out.top_p}")
         if out.top_k is not None and out.top_k < 0:
             raise ModelLoadError(f"{file}: top_k must be >= 0, got {out.top_k}")
+        if out.repetition_penalty is not None and out.repetition_penalty <= 0:
+            raise ModelLoadError(
+                f"{file}: repetition_penalty must be > 0, got {out.repetition_penalty}"
+            )
+        if out.min_p is not None and not 0 <= out.min_p <= 1:
+            raise ModelLoadError(f"{file}: min_p must be in [0, 1], got {out.min_p}")
         if out.max_tokens is not None and out.max_tokens < 1:
             raise ModelLoadError(f"{file}: max_new_tokens must be >= 1, got {out.max_tokens}")
         return out

@@ -149,8 +149,10 @@ def parse(
         ignore_eos=values.get("ignore_eos", False),
         presence_penalty=values.get("presence_penalty", 0.0),
         frequency_penalty=values.get("frequency_penalty", 0.0),
-        repetition_penalty=values.get("repetition_penalty", 1.0),
-        min_p=values.get("min_p", 0.0),
+        repetition_penalty=values.get(
+            "repetition_penalty", _default(defaults.repetition_penalty, 1.0)
+        ),
+        min_p=values.get("min_p", _default(defaults.min_p, 0.0)),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
     )
