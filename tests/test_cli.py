@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
@@ -154,3 +156,11 @@ def test_up_refuses_options_a_process_does_not_take_before_starting_anything(tin
         assert run.returncode == 2, (flag, value, run.stdout)
         assert f"distserve: error: {flag}" in run.stderr and message in run.stderr, run.stderr
         assert "gateway" not in run.stdout  # nothing started
+
+
+def test_version_is_the_one_pyproject_declares():
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    shown = distserve("--version")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"distserve {declared}"
