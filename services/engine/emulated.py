@@ -231,7 +231,7 @@ class EmulatedRunner:
             at += count
             h = int.from_bytes(ctx.digest.digest(), "little") ^ self.seed
             if seq.params.temperature > 0:
-                h ^= seq.rng.getrandbits(64)
+                h ^= int(seq.draw() * 2**53)
             token = _mix(h) % self.vocab
             while token in seq.stop_token_ids and seq.num_output_tokens < seq.params.min_tokens:
                 h += 1

@@ -193,8 +193,8 @@ class ModelRunner:
         dev = self.device
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
-        # 1 - random() lies in (0, 1]: inverse-CDF sampling never picks a zero-probability id.
-        uniform = [1.0 - s.rng.random() if t > 0 else 1.0 for s, t in zip(seqs, temps, strict=True)]
+        # Draws lie in (0, 1]: inverse-CDF sampling never picks a zero-probability id.
+        uniform = [s.draw() if t > 0 else 1.0 for s, t in zip(seqs, temps, strict=True)]
         batch = SamplingBatch(
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),

@@ -87,6 +87,16 @@ class Sequence:
         self.bias_values = [b for _, b in params.logit_bias]
         self.counts_row: int | None = None
 
+    def draw(self) -> float:
+        """The uniform draw in (0, 1] that samples this sequence's next token (one per sampled
+        token, none when greedy)."""
+        return 1.0 - self.rng.random()
+
+    def skip_draw(self) -> None:
+        """Move the stream past the draw of a token sampled elsewhere (prefill's first)."""
+        if self.params.temperature > 0:
+            self.rng.random()
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

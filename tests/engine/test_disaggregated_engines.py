@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -16,22 +18,31 @@ def copy_kv(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: l
         dst.runner.cache.data[:, :, d].copy_(src.runner.cache.data[:, :, s])
 
 
-def test_prefill_hold_pull_decode_equals_one_engine(tiny_model):
+SEEDED = SamplingParams(max_tokens=20, temperature=1.5, seed=11, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_hold_pull_decode_equals_one_engine(tiny_model, params):
+    """Seeded sampling too: decode's random stream moves past the draw prefill made for the
+    first token, so every later token gets the draw it gets on one engine."""
     prompts = [list(range(2, 2 + n)) for n in (5, 33, 80)]
     expected = [
         r.token_ids
-        for r in LLMEngine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, PARAMS)
+        for r in LLMEngine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, params)
     ]
+    if params is SEEDED:  # the draws matter: not the greedy answer
+        greedy = LLMEngine(tiny_model, EngineConfig(num_blocks=64)).generate(prompts, PARAMS)
+        assert expected != [r.token_ids for r in greedy]
     prefill = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8), detokenize=False)
     decode = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8), detokenize=False)
     fragment = decode.pool.allocate(7)  # so the decode side's blocks differ from prefill's
-    ids = [prefill.add_request(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    ids = [prefill.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     firsts = {o.request_id: o.new_token_ids[0] for o in prefill.prefill_step(hold=True)}
     assert all(prefill.sequence(r).status is SequenceStatus.HELD for r in ids)
     assert not prefill.has_unfinished()  # held KV is no work for the prefill instance
 
     for rid, prompt in zip(ids, prompts, strict=True):
-        decode.add_prefilled(prompt, firsts[rid], PARAMS, rid)
+        decode.add_prefilled(prompt, firsts[rid], params, rid)
     admitted = decode.admit_pulls()
     assert [s.request_id for s in admitted] == ids
     for seq in admitted:
