@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from services.common.logprobs import MAX_LOGPROBS
 from services.common.sampling import SamplingParams
 from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
 from services.engine.kv_cache import KvCache
@@ -160,9 +161,16 @@ class ModelRunner:
     def profile(self, prefill_tokens: int) -> None:
         """Run the engine's largest batches once, for the caller to measure their activation
         peak (services/engine/kv_sizing.py): a prefill of `prefill_tokens` tokens and a decode
-        step of max_num_seqs sequences, each sampled with top-k and top-p. Every block id is 0
-        (the KV written is garbage, and the cache may be one block)."""
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        step of max_num_seqs sequences, each sampled with top-k and top-p and asking for the
+        most logprobs (the prompt's too: the LM head's chunks over every position). Every block
+        id is 0 (the KV written is garbage, and the cache may be one block)."""
+        params = SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            logprobs=MAX_LOGPROBS,
+            prompt_logprobs=MAX_LOGPROBS,
+        )
 
         def seq(tokens: int) -> Sequence:
             s = Sequence(
@@ -178,9 +186,11 @@ class ModelRunner:
             return s
 
         prompt = [seq(prefill_tokens)]
-        self.sample(self.prefill(prompt), prompt)
+        logits = self.prefill(prompt)
+        self.score(logits, prompt).of(self.sample(logits, prompt), 1)
         batch = [seq(1) for _ in range(len(self._ids))]
-        self.sample(self.decode(batch), batch)
+        logits = self.decode(batch)
+        self.score(logits, batch).of(self.sample(logits, batch), len(batch))
 
     def idle(self) -> None:
         """The engine waits for work (nothing to do here: a real step takes what it takes)."""
