@@ -148,3 +148,48 @@ def test_the_emulated_engine_refuses_logprobs_naming_itself(tmp_path):
         with pytest.raises(InvalidRequest, match="not available on the emulated engine") as e:
             engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, **{name: 1}))
         assert e.value.param == name
+
+
+TP_PARAMS = SamplingParams(
+    max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=4, prompt_logprobs=2
+)
+
+
+def _tp_rank(tp, model: str, out: str) -> None:
+    """One rank of a tp=2 engine: the same calls as tp=1, its logprobs into `out`. The prompt's
+    run the LM head (an all-gather of the vocabulary's shards) chunk by chunk on every rank."""
+    import json
+    from pathlib import Path
+
+    from services.engine import sampler
+
+    torch.set_num_threads(1)
+    sampler.PROMPT_LOGPROBS_CHUNK_BYTES = 8 * 1024 * 5  # several chunks, as a long prompt
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), tp=tp)
+    got = run(engine, PROMPTS, TP_PARAMS)
+    rows = [[g["tokens"], g["logprobs"], g["prompt"]] for g in got]
+    Path(out, f"{tp.rank}.json").write_text(json.dumps(rows, default=vars))
+
+
+def test_tp2_gives_the_logprobs_of_tp1(tiny_model, tmp_path):
+    import json
+
+    from services.engine.parallel import spawn_ranks
+
+    spawn_ranks(_tp_rank, 2, str(tiny_model), str(tmp_path))
+    want = run(LLMEngine(tiny_model, EngineConfig(num_blocks=64)), PROMPTS, TP_PARAMS)
+    for rank in range(2):
+        rows = json.loads((tmp_path / f"{rank}.json").read_text())
+        for (tokens, logprobs, prompt), w in zip(rows, want, strict=True):
+            assert tokens == w["tokens"], f"rank {rank}"
+            pairs = [*zip(logprobs, w["logprobs"], strict=True),
+                     *zip(prompt, w["prompt"], strict=True)]  # fmt: skip
+            for got, lp in pairs:
+                assert (got["token_id"], got["rank"], got["top_ids"]) == (
+                    lp.token_id, lp.rank, list(lp.top_ids)
+                )  # fmt: skip
+                assert abs(got["logprob"] - lp.logprob) < TOL
+                assert all(
+                    abs(a - b) < TOL
+                    for a, b in zip(got["top_logprobs"], lp.top_logprobs, strict=True)
+                )
