@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.common.gen.distserve.v1 import common_pb2
+from services.common.logprobs import TokenLogprobs
 from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason, SamplingParams
 
@@ -38,6 +41,8 @@ def sampling_from_pb(
         min_p=_given(pb, "min_p", d.min_p, 0.0),
         min_tokens=pb.min_tokens,
         logit_bias=dict(pb.logit_bias),
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -66,7 +71,35 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = p.seed
     if p.repetition_penalty != 1.0:
         pb.repetition_penalty = p.repetition_penalty
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        pb.prompt_logprobs = p.prompt_logprobs
     return pb
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_token_ids=lp.top_ids,
+        top_logprobs=lp.top_logprobs,
+    )
+
+
+def logprobs_from_pb(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        pb.token_id, pb.logprob, pb.rank, tuple(pb.top_token_ids), tuple(pb.top_logprobs)
+    )
+
+
+def logprobs_list_to_pb(lps: Iterable[TokenLogprobs] | None) -> list[common_pb2.TokenLogprobs]:
+    return [logprobs_to_pb(lp) for lp in lps or ()]
+
+
+def logprobs_list_from_pb(pbs: Iterable[common_pb2.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
+    return tuple(logprobs_from_pb(pb) for pb in pbs)
 
 
 def finish_to_pb(reason: FinishReason | None) -> int:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
+from services.common.logprobs import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -46,6 +47,10 @@ class SamplingParams:
     one (sampling only); min_tokens masks EOS and stop_token_ids (and ignores stop strings)
     until that many tokens were generated; logit_bias adds a bias to a token id's logit.
     Each has a value that switches it off: 0, 0, 1, 0, 0, ().
+
+    logprobs k (None: off) returns each generated token's log-probability and the k most likely
+    tokens' at its position; prompt_logprobs k the same for every prompt token but the first.
+    Both are of the model's raw distribution (services/common/logprobs.py), k in [0, 20].
     """
 
     max_tokens: int = 16
@@ -63,6 +68,8 @@ class SamplingParams:
     min_tokens: int = 0
     # (token id, bias) pairs in id order; a dict {id: bias} is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -197,6 +204,16 @@ class SamplingParams:
                     f"logit_bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
                     f"{MAX_LOGIT_BIAS:g}], got {bias!r}",
                     param="logit_bias",
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (
+                isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+            ):
+                raise InvalidRequest(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens "
+                    f"returned beside the chosen one), got {k!r}",
+                    param=name,
                 )
 
     def check_vocabulary(self, vocab_size: int) -> None:

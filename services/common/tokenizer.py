@@ -115,6 +115,11 @@ class Tokenizer:
         """Text of `ids` without special tokens; incomplete UTF-8 sequences become U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=True)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone, special tokens included (logprobs' token strings, as vLLM
+        writes them); a partial UTF-8 character becomes U+FFFD."""
+        return self._backend.decode_batch([[t] for t in ids], skip_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common import telemetry
-from services.common.convert import finish_to_pb, sampling_from_pb
+from services.common.convert import finish_to_pb, logprobs_list_to_pb, sampling_from_pb
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.kv_handle import KvHandle
@@ -40,6 +40,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 queue_ms=event.queue_ms,
                 pull_ms=event.pull_ms,
                 pull_bytes=event.pull_bytes,
+                logprobs=logprobs_list_to_pb(event.logprobs),
+                prompt_logprobs=logprobs_list_to_pb(event.prompt_logprobs),
             )
 
     async def Stats(self, request, context):

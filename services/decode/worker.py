@@ -5,7 +5,7 @@ memory is the buffer between the pools); their KV is then pulled over UCX straig
 blocks allocated for them, the handle is released, and they join the batch at the next step.
 Requests without a handle are prefilled here (colocated).
 
-One file of ~330 lines: a request's path (generate, its pull, every rank's share of it) reads
+One file of ~350 lines: a request's path (generate, its pull, every rank's share of it) reads
 top to bottom here; what stands apart from it (the handle's checks, its release at the source,
 the handoff span's figures) is in pull.py.
 """
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from services.common import clock, telemetry
 from services.common.errors import DistServeError, Unavailable
 from services.common.kv_handle import KvHandle
+from services.common.logprobs import TokenLogprobs
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.decode.config import DecodeConfig
@@ -43,6 +44,10 @@ class DecodeEvent:
     queue_ms: float = 0.0  # pulled requests, first event: waiting for KV room
     pull_ms: float = 0.0  # pulled requests, first event: the pull itself
     pull_bytes: int = 0
+    # With the request's sampling.logprobs: one per token; prompt_logprobs: a prompt prefilled
+    # here, on its first event.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,11 +178,11 @@ class DecodeWorker:
                 if handle is None:
                     submitted = clock.monotonic()
                     self.loop.submit(request_id, AddRequest(prompt, params, request_id))
-                    ids, reason, info, cached = await self._next_tokens(queue)
+                    event, info, cached = await self._next_tokens(queue)
                     self.prefill.record(trace, submitted, info, cached)
                     decode_start = clock.monotonic()
-                    finished = reason is not None
-                    yield DecodeEvent(ids, reason)
+                    finished = event.finish_reason is not None
+                    yield event
                 else:
                     pulled = await self._pull(
                         request_id, prompt, params, first_token, handle, trace
@@ -187,10 +192,10 @@ class DecodeWorker:
                     decode_start = clock.monotonic()
                     yield pulled.event
                 while not finished:
-                    ids, reason, _, _ = await self._next_tokens(queue)
-                    decoded += len(ids)
-                    finished = reason is not None
-                    yield DecodeEvent(ids, reason)
+                    event, _, _ = await self._next_tokens(queue)
+                    decoded += len(event.token_ids)
+                    finished = event.finish_reason is not None
+                    yield event
             except DistServeError:
                 failed = True  # a failure (counted where it happened), not an abort
                 raise
@@ -218,14 +223,14 @@ class DecodeWorker:
             attributes["decode.cancelled"] = True
         telemetry.record("decode", trace, start, end, attributes)
 
-    async def _next_tokens(
-        self, queue: asyncio.Queue
-    ) -> tuple[list[int], FinishReason | None, StepInfo, int]:
-        """The tokens produced since the last call: one or more steps' worth when the caller
-        is slower than the engine, so a busy stream sends fewer, larger messages. The step
-        info is the first step's; the last, the prompt tokens a prefill among them reused from
-        the prefix cache."""
+    async def _next_tokens(self, queue: asyncio.Queue) -> tuple[DecodeEvent, StepInfo, int]:
+        """The tokens (and their logprobs, if asked) produced since the last call: one or more
+        steps' worth when the caller is slower than the engine, so a busy stream sends fewer,
+        larger messages. The step info is the first step's; the last, the prompt tokens a
+        prefill among them reused from the prefix cache."""
         ids: list[int] = []
+        logprobs: list[TokenLogprobs] | None = None
+        prompt_logprobs: list[TokenLogprobs] | None = None
         first: StepInfo | None = None
         cached = 0
         while True:
@@ -236,9 +241,15 @@ class DecodeWorker:
                 raise out
             first = first or info
             ids += out.new_token_ids
+            if out.logprobs is not None:
+                logprobs = (logprobs or []) + out.logprobs
+            prompt_logprobs = prompt_logprobs or out.prompt_logprobs
             cached = max(cached, out.num_cached_tokens)
             if out.finished or queue.empty():
-                return ids, out.finish_reason, first, cached
+                event = DecodeEvent(
+                    ids, out.finish_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                )
+                return event, first, cached
 
     async def _pull(
         self,

@@ -27,6 +27,9 @@ tokenizer), and for that shape it models
 * **logits processors**: there are no logits, so presence, frequency and repetition penalties,
   min_p and logit_bias have nothing to act on: the engine validates them as the real one does
   (the same `SamplingParams` and vocabulary checks) and the tokens stay the hash's.
+* **log-probabilities**: none to report either. Inventing them (a point mass on the hash's
+  token) would pass for a model's distribution, so a request asking for `logprobs` or
+  `prompt_logprobs` is refused (INVALID_ARGUMENT / HTTP 400 naming the field and this engine).
 
 What it proves, and what it does not: docs/engine.md ("The emulated engine").
 """
@@ -206,6 +209,11 @@ class EmulatedRunner:
             context += n
         self._write(slots, ids, positions)
         self._run_until(start + self.times.decode_s(len(seqs), context))
+
+    def score(self, _: None, seqs: list[Sequence]) -> None:
+        """No logits, so no log-probabilities: the engine refuses requests that ask for them
+        (logprobs, prompt_logprobs), naming this engine."""
+        return None
 
     def sample(self, _: None, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence: a hash of the seed and its whole KV payload (and,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
+from services.common.logprobs import TokenLogprobs
 from services.common.model_config import ModelConfig
 from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
@@ -310,6 +311,15 @@ class LLMEngine:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         params.check_vocabulary(vocab)
+        if self.emulated:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequest(
+                        f"{name} is not available on the emulated engine: it models step "
+                        "times and has no logits to take log-probabilities from; serve the "
+                        "model with --engine torch for them",
+                        param=name,
+                    )
         if len(ids) >= max_len:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; this instance serves at most {max_len} tokens "
@@ -396,11 +406,12 @@ class LLMEngine:
         self.last_step = ("prefill", len(seqs), self.prefix.count(seqs))
         if on_scheduled is not None:
             on_scheduled(seqs)
-        tokens = self.runner.sample(self.runner.prefill(seqs, on_layer), seqs)
+        tokens, logprobs = self._sample(self.runner.prefill(seqs, on_layer), seqs)
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            out = self._postprocess(seq, token)
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            out = self._postprocess(seq, token, lp)
             out.num_cached_tokens = seq.num_cached_tokens
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             if not out.finished:
                 if hold:
                     seq.status = SequenceStatus.HELD
@@ -420,12 +431,28 @@ class LLMEngine:
         if not seqs:
             return []
         self.last_step = ("decode", len(seqs), len(seqs))
-        tokens = self.runner.sample(self.runner.decode(seqs), seqs)
-        return [self._postprocess(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        tokens, logprobs = self._sample(self.runner.decode(seqs), seqs)
+        return [
+            self._postprocess(seq, tok, lp)
+            for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
+        ]
+
+    def _sample(
+        self, logits: torch.Tensor | None, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Each sequence's next token, and its logprobs (None where not asked): those are
+        taken from the raw logits first, as sampling changes them."""
+        scores = self.runner.score(logits, seqs)
+        tokens = self.runner.sample(logits, seqs)
+        if scores is None:
+            return tokens, [None] * len(seqs)
+        return tokens, scores.of(tokens, len(seqs))
 
     def _admit(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence (it has none): its cached prefix, then new ones."""
-        return self._allocate(seq, seq.num_tokens, self.prefix.hits(seq, seq.num_tokens - 1))
+        # A prompt whose logprobs are asked for is computed whole: they need every position.
+        hits = [] if seq.needs_prompt_logprobs else self.prefix.hits(seq, seq.num_tokens - 1)
+        return self._allocate(seq, seq.num_tokens, hits)
 
     def _allocate(self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0) -> bool:
         """Give a sequence without blocks the cached blocks `hits` and new ones up to
@@ -443,7 +470,7 @@ class LLMEngine:
         seq.block_table.extend(self.pool.allocate(need, after=after, reserve=growth))
         return True
 
-    def _postprocess(self, seq: Sequence, token: int) -> StepOutput:
+    def _postprocess(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         # The step wrote the KV of every token the sequence had: its full blocks can be cached.
         self.prefix.commit(seq, seq.num_tokens)
         delta = seq.append(token)
@@ -454,7 +481,10 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             self._free(seq)
             self._requests.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason)
+        out = StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason)
+        if logprobs is not None:
+            out.logprobs = [logprobs]
+        return out
 
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table.blocks)

@@ -13,11 +13,21 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from services.common.logprobs import MAX_LOGPROBS
 from services.common.sampling import SamplingParams
 from services.engine.attention import AttentionContext, AttentionMetadata, TorchAttention
 from services.engine.kv_cache import KvCache
 from services.engine.models.base import CausalLM
-from services.engine.sampler import Penalties, SamplingBatch, TokenCounts, sample, token_state
+from services.engine.sampler import (
+    Penalties,
+    SamplingBatch,
+    Scores,
+    TokenCounts,
+    prompt_logprobs,
+    sample,
+    score,
+    token_state,
+)
 from services.engine.sequence import Sequence
 
 
@@ -48,7 +58,9 @@ class ModelRunner:
         """Run prompts (packed) -> logits of each prompt's last token (N, vocab). A sequence's
         first `num_cached_tokens` tokens have their KV in the cache already (a cached prefix):
         only the rest is run, attending over the whole context. `on_layer(i)`: layer i's KV is
-        in the cache (on a GPU, once the device got there)."""
+        in the cache (on a GPU, once the device got there). A sequence that asked for its
+        prompt's logprobs (it has no cached prefix then) gets them in `seq.prompt_logprobs`:
+        the LM head runs over its every position, the others' last only."""
         bs = self.block_size
         ids: list[int] = []
         slots: list[int] = []
@@ -95,6 +107,15 @@ class ModelRunner:
             AttentionContext(self.cache, meta, self.backend, self.model.attention_specs),
             on_layer,
         )
+        for seq, start, end in zip(seqs, cu, cu[1:], strict=False):
+            if seq.needs_prompt_logprobs and seq.num_cached_tokens == 0:
+                seq.prompt_logprobs = prompt_logprobs(
+                    self.model.logits,
+                    hidden[start : end - 1],
+                    seq.token_ids[1 : seq.num_prompt_tokens],
+                    seq.params.prompt_logprobs,
+                    self.vocab_size,
+                )
         last = torch.tensor([b - 1 for b in cu[1:]], device=self.device)
         return self.model.logits(hidden[last])
 
@@ -140,9 +161,16 @@ class ModelRunner:
     def profile(self, prefill_tokens: int) -> None:
         """Run the engine's largest batches once, for the caller to measure their activation
         peak (services/engine/kv_sizing.py): a prefill of `prefill_tokens` tokens and a decode
-        step of max_num_seqs sequences, each sampled with top-k and top-p. Every block id is 0
-        (the KV written is garbage, and the cache may be one block)."""
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        step of max_num_seqs sequences, each sampled with top-k and top-p and asking for the
+        most logprobs (the prompt's too: the LM head's chunks over every position). Every block
+        id is 0 (the KV written is garbage, and the cache may be one block)."""
+        params = SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            logprobs=MAX_LOGPROBS,
+            prompt_logprobs=MAX_LOGPROBS,
+        )
 
         def seq(tokens: int) -> Sequence:
             s = Sequence(
@@ -158,12 +186,23 @@ class ModelRunner:
             return s
 
         prompt = [seq(prefill_tokens)]
-        self.sample(self.prefill(prompt), prompt)
+        logits = self.prefill(prompt)
+        self.score(logits, prompt).of(self.sample(logits, prompt), 1)
         batch = [seq(1) for _ in range(len(self._ids))]
-        self.sample(self.decode(batch), batch)
+        logits = self.decode(batch)
+        self.score(logits, batch).of(self.sample(logits, batch), len(batch))
 
     def idle(self) -> None:
         """The engine waits for work (nothing to do here: a real step takes what it takes)."""
+
+    @torch.inference_mode()
+    def score(self, logits: torch.Tensor, seqs: list[Sequence]) -> Scores | None:
+        """The raw log-probabilities of the sequences that asked for them (None: none did);
+        call before `sample`, which changes the logits."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        return score(logits, rows, [seqs[i].params.logprobs for i in rows])
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Pick the next token of each sequence (uses one draw of its stream if not greedy).

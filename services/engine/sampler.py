@@ -23,14 +23,20 @@ reproduces across batch compositions.
 output tokens and a mask of its prompt's, rows of device tensors filled once when the sequence
 joins and incremented with each token sampled for it, so a step reads them without rebuilding
 anything from token lists.
+
+Log-probabilities (`score`, `Scores`, `prompt_logprobs`) are a separate step, not a processor:
+they are read from the raw logits before any of the above changes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from services.common.logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
@@ -220,3 +226,76 @@ def token_state(
         out = ids[n:]
         counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
     return counts, mask
+
+
+# -- log-probabilities ---------------------------------------------------------------------------
+# A step of their own beside sampling: `score` takes the raw logits of the rows that asked
+# before the processors change them (vLLM's raw_logprobs), `Scores.of` adds the sampled tokens.
+# Rows that did not ask cost nothing: no log_softmax, no top-k.
+
+
+@dataclass
+class Scores:
+    """log_softmax of the rows `rows` of a batch's raw logits, and each row's k."""
+
+    rows: list[int]
+    logprobs: torch.Tensor  # float32 (R, V)
+    ks: list[int]
+
+    def of(self, tokens: list[int], batch_size: int) -> list[TokenLogprobs | None]:
+        """Per row of the batch: the logprobs of its sampled token (None: it did not ask)."""
+        device = self.logprobs.device
+        chosen = torch.tensor([tokens[r] for r in self.rows], dtype=torch.int64, device=device)
+        found = token_logprobs(self.logprobs, chosen, self.ks)
+        out: list[TokenLogprobs | None] = [None] * batch_size
+        for row, lp in zip(self.rows, found, strict=True):
+            out[row] = lp
+        return out
+
+
+def score(logits: torch.Tensor, rows: list[int], ks: list[int]) -> Scores:
+    """The raw log-probabilities of `rows` of logits (B, V); call before sampling."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    return Scores(rows, torch.log_softmax(logits[index].float(), dim=-1), ks)
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
+    """logprobs (R, V) and a token per row (R,) -> each row's token's logprob and rank, and
+    its ks[i] most likely tokens (one top-k for the rows, cut per row)."""
+    chosen = logprobs.gather(1, tokens[:, None])  # (R, 1)
+    rank = (logprobs > chosen).sum(dim=-1) + 1  # (R,)
+    kmax = min(max(ks), logprobs.shape[-1])
+    top = logprobs.topk(kmax, dim=-1)  # (R, kmax), most likely first
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprobs(t, lp, r, tuple(i[:k]), tuple(v[:k]))
+        for t, lp, r, i, v, k in zip(
+            tokens.tolist(), chosen[:, 0].tolist(), rank.tolist(), ids, values, ks, strict=True
+        )
+    ]
+
+
+# Bytes of float32 logits (and their log_softmax) one chunk of prompt positions may take.
+PROMPT_LOGPROBS_CHUNK_BYTES = 256 * 2**20
+
+
+def prompt_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: list[int],
+    k: int,
+    vocab_size: int,
+) -> list[TokenLogprobs]:
+    """The logprobs of each prompt token given the ones before it: hidden (T, H) of positions
+    0..T-1 and targets (T,), the tokens at positions 1..T. The LM head (`logits_of`) runs over
+    chunks of positions, so a long prompt never holds all its (T, V) logits at once."""
+    rows = max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (8 * vocab_size))  # logits + log_softmax
+    target = torch.tensor(targets, dtype=torch.int64).to(hidden.device, non_blocking=True)
+    out: list[TokenLogprobs] = []
+    for start in range(0, hidden.shape[0], rows):
+        logprobs = torch.log_softmax(logits_of(hidden[start : start + rows]).float(), dim=-1)
+        n = logprobs.shape[0]
+        out += token_logprobs(logprobs, target[start : start + n], [k] * n)
+    return out

@@ -6,6 +6,7 @@ import enum
 import random
 from dataclasses import dataclass
 
+from services.common.logprobs import TokenLogprobs
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
@@ -34,6 +35,10 @@ class StepOutput:
     held_runs: tuple[tuple[int, int], ...] | None = None
     # A prefill step's sequence: its leading tokens whose KV came from the prefix cache.
     num_cached_tokens: int = 0
+    # With params.logprobs: one per new token. With params.prompt_logprobs, on the step that
+    # prefilled the prompt: its positions 1.. (the first has nothing before it).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Sequence:
@@ -86,6 +91,14 @@ class Sequence:
         self.bias_ids = [t for t, _ in params.logit_bias]
         self.bias_values = [b for _, b in params.logit_bias]
         self.counts_row: int | None = None
+        # The prompt's logprobs, set by the prefill that computed them, until they are reported.
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the next prefill must score the prompt: asked, and not done (a sequence
+        recomputed after preemption has output tokens and reported them already)."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     def draw(self) -> float:
         """The uniform draw in (0, 1] that samples this sequence's next token (one per sampled

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import telemetry
-from services.common.convert import finish_from_pb, sampling_to_pb
+from services.common.convert import finish_from_pb, logprobs_list_from_pb, sampling_to_pb
 from services.common.gen.distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.gateway.events import Output, output
 from services.gateway.registry import Registry, Worker
@@ -62,7 +62,12 @@ class DecodeCall:
                 if not streamed:
                     streamed = True
                     self.worker.answered(self.ticket)
-                yield output(list(r.token_ids), finish_from_pb(r.finish_reason))
+                yield output(
+                    list(r.token_ids),
+                    finish_from_pb(r.finish_reason),
+                    logprobs_list_from_pb(r.logprobs),
+                    logprobs_list_from_pb(r.prompt_logprobs) if r.prompt_logprobs else None,
+                )
         except grpc.aio.AioRpcError as e:
             if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:
                 registry.lost(self.worker)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.gen.distserve.v1 import common_pb2
+from services.common.logprobs import TokenLogprobs
 from services.common.sampling import FinishReason
 
 
@@ -26,36 +27,52 @@ class HandleReady:
 @dataclass(frozen=True)
 class Prefilled:
     """A prefill instance's result: the first token and the KV it holds for decode (None: none
-    held, the request ended at its first token or its KV was given up while computed)."""
+    held, the request ended at its first token or its KV was given up while computed), and the
+    logprobs the request asked for (the first token's; the prompt's, positions 1..)."""
 
     first_token: int
     finish_reason: FinishReason | None
     kv: common_pb2.KvHandle | None
     compute_ms: float
     batch_tokens: int
+    first_logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Tokens:
     """New tokens of the answer (none: a worker's reply that carried no token, e.g. decode's
-    first after its pull), and, from the router on, the text they completed."""
+    first after its pull), and, from the router on, the text they completed. `logprobs`: one
+    per token when the request asked for them; `prompt_logprobs`: on the answer's first event,
+    when asked."""
 
     token_ids: list[int]
     text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Done:
-    """The answer's last tokens (maybe none) and why it ended."""
+    """The answer's last tokens (maybe none) and why it ended (logprobs: as in `Tokens`)."""
 
     token_ids: list[int]
     reason: FinishReason
     text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 Output = Tokens | Done  # what a serving path and the router yield
 
 
-def output(token_ids: list[int], reason: FinishReason | None) -> Output:
+def output(
+    token_ids: list[int],
+    reason: FinishReason | None,
+    logprobs: tuple[TokenLogprobs, ...] = (),
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
+) -> Output:
     """A worker's reply as an event: `Done` if it ended the answer."""
-    return Tokens(token_ids) if reason is None else Done(token_ids, reason)
+    if reason is None:
+        return Tokens(token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return Done(token_ids, reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common import telemetry
-from services.common.convert import finish_from_pb, sampling_to_pb
+from services.common.convert import finish_from_pb, logprobs_list_from_pb, sampling_to_pb
 from services.common.errors import DeadlineExceeded, DistServeError, RemoteError
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.gateway.admission import Admission
 from services.gateway.decode_call import DecodeCall
-from services.gateway.events import Done, HandleReady, Output, Prefilled, Tokens
+from services.gateway.events import Done, HandleReady, Output, Prefilled, output
 from services.gateway.held_kv import HeldKv
 from services.gateway.prefix_index import PromptBlocks
 from services.gateway.request import Request
@@ -134,10 +134,15 @@ class Handoff:
                     raise _Retry(_details(e)) from e
                 if tries.first_token is None:
                     tries.first_token = prefilled.first_token
-                    if prefilled.finish_reason is not None:
-                        yield Done([prefilled.first_token], prefilled.finish_reason)
+                    first = output(
+                        [prefilled.first_token],
+                        prefilled.finish_reason,
+                        prefilled.first_logprobs,
+                        prefilled.prompt_logprobs,
+                    )
+                    yield first
+                    if isinstance(first, Done):
                         return
-                    yield Tokens([prefilled.first_token])
                 if decode is None:
                     if prefilled.kv is None:
                         raise _Retry("prefill returned no KV")
@@ -211,12 +216,17 @@ class Handoff:
         held.prefilled(done.kv if done.HasField("kv") else None)
         if self.admission is not None:
             self.admission.observe_prefill(done.compute_ms, done.batch_tokens)
+        first_logprobs = (
+            [done.first_token_logprobs] if done.HasField("first_token_logprobs") else []
+        )
         yield Prefilled(
             done.first_token_id,
             finish_from_pb(done.finish_reason),
             held.kv,
             done.compute_ms,
             done.batch_tokens,
+            logprobs_list_from_pb(first_logprobs),
+            logprobs_list_from_pb(done.prompt_logprobs) if done.prompt_logprobs else None,
         )
 
     def _start_decode(

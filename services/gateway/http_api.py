@@ -233,7 +233,14 @@ class HttpApi:
             add_special_tokens=call.add_special_tokens,
         )
         prefix = "chatcmpl-" if endpoint == oai.CHAT else "cmpl-"
-        reply = oai.Reply(call, prefix + req.request_id, int(time.time()), model, req.prompt_ids)
+        reply = oai.Reply(
+            call,
+            prefix + req.request_id,
+            int(time.time()),
+            model,
+            req.prompt_ids,
+            self.tokenizer.token_texts,
+        )
         echo = self._echo(call, req)
         if call.user:
             log.info("request %s from user %r", req.request_id, call.user)
@@ -252,12 +259,17 @@ class HttpApi:
             if call.stream:
                 return await self._stream(request, req, reply, echo, first, events)
             text, ids, last = [echo, first.text], list(first.token_ids), first
+            logprobs = list(first.logprobs)
             async for out in events:
                 text.append(out.text)
                 ids += out.token_ids
+                logprobs += out.logprobs
                 last = out
             total = oai.usage(len(req.prompt_ids), len(ids))
-            return _json(reply.whole("".join(text), _reason(last), total, ids), req)
+            whole = reply.whole(
+                "".join(text), _reason(last), total, ids, logprobs, first.prompt_logprobs
+            )
+            return _json(whole, req)
 
     def _echo(self, call: oai.CompletionCall, req: Request) -> str:
         """What echo puts before the answer: the prompt as sent (its text; token ids or a
@@ -284,16 +296,28 @@ class HttpApi:
         prompt = len(req.prompt_ids)
         used, last = len(first.token_ids), first
         chunk = reply.chunk(
-            echo + first.text, _reason(first), first.token_ids, oai.usage(prompt, used), first=True
+            echo + first.text,
+            _reason(first),
+            first.token_ids,
+            oai.usage(prompt, used),
+            first=True,
+            logprobs=first.logprobs,
+            prompt=first.prompt_logprobs,
         )
         await _event(response, chunk)
+        # Tokens whose text is held back still carry ids or logprobs when those were asked.
+        every = reply.call.return_token_ids or reply.call.logprobs is not None
         try:
             async for out in events:
                 used += len(out.token_ids)
                 last = out
-                if out.text or isinstance(out, Done) or reply.call.return_token_ids:
+                if out.text or isinstance(out, Done) or (every and out.token_ids):
                     chunk = reply.chunk(
-                        out.text, _reason(out), out.token_ids, oai.usage(prompt, used)
+                        out.text,
+                        _reason(out),
+                        out.token_ids,
+                        oai.usage(prompt, used),
+                        logprobs=out.logprobs,
                     )
                     await _event(response, chunk)
         except DistServeError as e:

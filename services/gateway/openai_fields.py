@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
+from services.common.logprobs import MAX_LOGPROBS
 from services.common.sampling import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
@@ -78,6 +79,11 @@ def _is_prompt(x: object) -> bool:
 
 
 INT = Kind(_is_int, {"type": "integer"}, "an integer")
+LOGPROBS_K = Kind(
+    lambda x: _is_int(x) or x is False,
+    {"oneOf": [{"type": "integer"}, {"const": False}]},
+    "an integer (or false: none)",
+)
 NUMBER = Kind(_is_number, {"type": "number"}, "a number")
 BOOL = Kind(lambda x: isinstance(x, bool), {"type": "boolean"}, "true or false")
 STRING = Kind(lambda x: isinstance(x, str), {"type": "string"}, "a string")
@@ -188,7 +194,6 @@ def _r(name, endpoints, about, defaults=(), origin=OPENAI) -> Field:
 _C, _H = (COMPLETIONS,), (CHAT,)
 _RENDER = (CHAT, TOKENIZE_CHAT)  # what renders messages with the chat template
 _NO_TOOLS = "tool calling is not supported yet; send no tools"
-_NO_LOGPROBS = "this server does not return log-probabilities yet"
 _NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
 _NO_DETOK = "the gateway's detokenizer does not offer this yet"
 
@@ -279,11 +284,19 @@ FIELDS: tuple[Field, ...] = (
        "chunk when streaming).", BOOL, VLLM),
     _h("request_id", BOTH, "The request's id (at most 128 printable characters): the reply's "
        "`id` is `cmpl-`/`chatcmpl-` + it. Wins over the `x-request-id` header.", STRING, VLLM),
-    _r("logprobs", _C, _NO_LOGPROBS, (False,)),
-    _r("logprobs", _H, _NO_LOGPROBS, (False,)),
-    _r("top_logprobs", _H, _NO_LOGPROBS, (0,)),
-    _r("prompt_logprobs", BOTH, _NO_LOGPROBS, origin=VLLM),
-    _r("return_tokens_as_token_ids", BOTH, f"it applies to logprobs; {_NO_LOGPROBS}", (False,),
+    _h("logprobs", _C, "Each token's log-probability and the k most likely tokens' at its "
+       f"position (0..{MAX_LOGPROBS}; false: none); with echo, the prompt's too. The model's "
+       "raw distribution, before temperature and penalties.", LOGPROBS_K,
+       extra={"minimum": 0, "maximum": MAX_LOGPROBS}),
+    _h("logprobs", _H, "Each token's log-probability (in `choices[].logprobs.content`); the "
+       "model's raw distribution, before temperature and penalties.", BOOL),
+    _h("top_logprobs", _H, f"With logprobs: true, the k most likely tokens (0..{MAX_LOGPROBS}) "
+       "at each position.", INT, extra={"minimum": 0, "maximum": MAX_LOGPROBS}),
+    _h("prompt_logprobs", BOTH, "Each prompt token's log-probability and the k most likely "
+       f"tokens' (0..{MAX_LOGPROBS}), in `prompt_logprobs` (the first token's is null); the "
+       "prompt is then computed whole, past the prefix cache.", INT, VLLM,
+       extra={"minimum": 0, "maximum": MAX_LOGPROBS}),
+    _h("return_tokens_as_token_ids", BOTH, "Write logprobs' tokens as `token_id:<id>`.", BOOL,
        VLLM),
     _r("skip_special_tokens", BOTH, f"{_NO_DETOK}: special tokens are always skipped", (True,),
        VLLM),

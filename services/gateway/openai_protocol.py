@@ -5,8 +5,9 @@ openai_fields.FIELDS (checked there); this module turns the honoured ones into a
 sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
 API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~400 lines): a request's fields and the reply they shape are one contract (echo,
-return_token_ids and stream_options are read on both sides); split, they would drift.
+Why one file (~550 lines): a request's fields and the reply they shape are one contract (echo,
+return_token_ids, logprobs and stream_options are read on both sides); split, they would drift.
+The logprobs objects' own shapes are openai_logprobs.py's.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.common.errors import InvalidRequest
+from services.common.errors import DistServeError, InvalidRequest
+from services.common.logprobs import MAX_LOGPROBS, TokenLogprobs
 from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason, SamplingParams
 from services.gateway.chat_template import ROLES, ChatPrompt
 from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
+from services.gateway.openai_logprobs import LogprobsWriter, TokenTexts, prompt_logprobs
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
@@ -62,6 +65,11 @@ class CompletionCall:
     return_token_ids: bool
     request_id: str | None  # the body's request_id; None: the header's, or a new one
     truncate_prompt_tokens: int | None  # keep the prompt's last k tokens (-1: as fit)
+    # Alternatives per token in the reply's logprobs (completions' logprobs, chat's
+    # top_logprobs); None: no logprobs. Tokens written as `token_id:<id>`.
+    logprobs: int | None = None
+    tokens_as_ids: bool = False
+    prompt_logprobs: bool = False  # the reply carries `prompt_logprobs` (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,11 @@ def parse(
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
     )
+    logprobs = _logprobs(endpoint, values)
+    prompt_k = values.get("prompt_logprobs")
+    if echo and endpoint == COMPLETIONS and logprobs is not None:  # the prompt's, echoed
+        prompt_k = max(prompt_k or 0, logprobs)
+    params = dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_k)
     truncate = values.get("truncate_prompt_tokens")
     if truncate is not None and truncate != -1 and truncate < 1:
         raise InvalidRequest(
@@ -179,7 +192,33 @@ def parse(
         return_token_ids=values.get("return_token_ids", False),
         request_id=values.get("request_id"),
         truncate_prompt_tokens=truncate,
+        logprobs=logprobs,
+        tokens_as_ids=values.get("return_tokens_as_token_ids", False),
+        prompt_logprobs=prompt_k is not None,
     )
+
+
+def _logprobs(endpoint: str, values: dict) -> int | None:
+    """The k of the reply's logprobs: completions' `logprobs` (false: none), chat's
+    `top_logprobs` when `logprobs` is true (else top_logprobs must not ask for any)."""
+    if endpoint == COMPLETIONS:
+        k = values.get("logprobs")
+        return None if k is False else k
+    k = values.get("top_logprobs")
+    if not values.get("logprobs"):
+        if k:
+            raise InvalidRequest(
+                "'top_logprobs' needs 'logprobs': true (it says how many alternatives to "
+                "return beside each token's log-probability)",
+                param="top_logprobs",
+            )
+        return None
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {k}",
+            param="top_logprobs",
+        )
+    return k or 0
 
 
 def _logit_bias(value: dict) -> dict[int, object]:
@@ -380,36 +419,80 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 @dataclass(frozen=True)
 class Reply:
     """Writes the JSON replies of one call: its id, creation time and model are fixed. Token
-    ids are added only when the call asked for them (return_token_ids)."""
+    ids are added only when the call asked for them (return_token_ids), logprobs likewise
+    (their text from `token_texts`; openai_logprobs.py has their shapes)."""
 
     call: CompletionCall
     id: str
     created: int
     model: str
     prompt_ids: list[int]
+    token_texts: TokenTexts | None = None
+    writer: LogprobsWriter | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.call.logprobs is not None and self.token_texts is not None:
+            writer = LogprobsWriter(self.call.logprobs, self.token_texts, self.call.tokens_as_ids)
+            object.__setattr__(self, "writer", writer)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs],
+        prompt: Sequence[TokenLogprobs] | None,
+        first: bool,
+    ) -> dict | None:
+        """A choice's `logprobs`: its tokens' (after the echoed prompt's, on completions'
+        first), or None when not asked."""
+        if self.writer is None:
+            return None
+        if self.call.endpoint == CHAT:
+            return self.writer.chat(logprobs)
+        positions = list(zip(token_ids, logprobs, strict=True))
+        if first and self.call.echo:
+            if prompt is None or len(prompt) != len(self.prompt_ids) - 1:
+                raise DistServeError(f"request {self.id}: its prompt's logprobs did not come")
+            positions = [*zip(self.prompt_ids, [None, *prompt], strict=True), *positions]
+        return self.writer.completion(positions)
+
+    def _prompt_logprobs(self, prompt: Sequence[TokenLogprobs] | None) -> dict:
+        """{"prompt_logprobs": ...} when the call asked for them, else nothing."""
+        if not self.call.prompt_logprobs or self.token_texts is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(prompt or (), self.token_texts)}
+
     def whole(
-        self, text: str, reason: FinishReason | None, used: dict, token_ids: list[int]
+        self,
+        text: str,
+        reason: FinishReason | None,
+        used: dict,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs] = (),
+        prompt: Sequence[TokenLogprobs] | None = None,
     ) -> dict:
-        """The non-streaming reply."""
+        """The non-streaming reply (`logprobs` of token_ids, `prompt` of the prompt's
+        positions 1.., when asked)."""
         ids = self.call.return_token_ids
+        lps = self._logprobs(token_ids, logprobs, prompt, first=True)
         if self.call.endpoint == CHAT:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": lps,
                 "finish_reason": finish_reason(reason),
                 **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion"), "choices": [choice], "usage": used}
+            out.update(self._prompt_logprobs(prompt))
             return {**out, "prompt_token_ids": self.prompt_ids} if ids else out
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": lps}
         choice["finish_reason"] = finish_reason(reason)
         if ids:
             choice.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
+        choice.update(self._prompt_logprobs(prompt))
         return {**self._head("text_completion"), "choices": [choice], "usage": used}
 
     def chunk(
@@ -420,10 +503,15 @@ class Reply:
         used: dict,
         *,
         first: bool = False,
+        logprobs: Sequence[TokenLogprobs] = (),
+        prompt: Sequence[TokenLogprobs] | None = None,
     ) -> dict:
-        """One streamed chunk; `first` adds the assistant role (chat) and the prompt's ids
-        (return_token_ids); `used` is the usage so far (sent with continuous_usage_stats)."""
+        """One streamed chunk; `first` adds the assistant role (chat), the prompt's ids
+        (return_token_ids) and its logprobs (prompt_logprobs, and completions' echo);
+        `used` is the usage so far (sent with continuous_usage_stats)."""
         ids = self.call.return_token_ids
+        lps = self._logprobs(token_ids, logprobs, prompt, first)
+        extra = self._prompt_logprobs(prompt) if first else {}
         if self.call.endpoint == CHAT:
             delta: dict = {"role": "assistant", "content": text} if first else {}
             if text and not first:
@@ -431,20 +519,21 @@ class Reply:
             choice = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": lps,
                 "finish_reason": finish_reason(reason),
                 **({"token_ids": token_ids} if ids else {}),
             }
-            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice], **extra}
             if ids and first:
                 out["prompt_token_ids"] = self.prompt_ids
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": lps}
             choice["finish_reason"] = finish_reason(reason)
             if ids:
                 choice["token_ids"] = token_ids
                 if first:
                     choice["prompt_token_ids"] = self.prompt_ids
+            choice.update(extra)
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.call.include_usage:
             out["usage"] = used if self.call.continuous_usage else None

@@ -79,6 +79,11 @@ def _request_schema(endpoint: str) -> dict:
     }
 
 
+# A choice's logprobs (null unless asked): completions' {tokens, token_logprobs, top_logprobs,
+# text_offset} or chat's {content: [...]} (services/gateway/openai_logprobs.py).
+_LOGPROBS = {"anyOf": [{"type": "object"}, {"type": "null"}]}
+
+
 def _completion_reply(chat: bool) -> dict:
     if chat:
         choice = {
@@ -92,6 +97,7 @@ def _completion_reply(chat: bool) -> dict:
     else:
         choice = {"index": {"type": "integer"}, "text": {"type": "string"}}
         choice["finish_reason"] = _FINISH
+    choice["logprobs"] = _LOGPROBS
     return {
         "type": "object",
         "properties": {
@@ -116,6 +122,7 @@ def _chunk(chat: bool) -> dict:
     else:
         choice = {"index": {"type": "integer"}, "text": {"type": "string"}}
         choice["finish_reason"] = _FINISH
+    choice["logprobs"] = _LOGPROBS
     return {
         "type": "object",
         "required": ["id", "object", "choices"],

@@ -49,11 +49,13 @@ class Request:
         the prompt, fewer are left to generate, and the workers see a new call. (A seeded
         sampler does not replay its random stream: only greedy output is the same as without
         the move; nor do presence and frequency penalties, which count generated tokens only,
-        see the moved tokens, now part of the prompt.)"""
+        see the moved tokens, now part of the prompt.) Once a token was sent, so were the
+        prompt's logprobs (with the first): the rest does not ask for them again."""
         params = dataclasses.replace(
             self.params,
             max_tokens=self.params.max_tokens - len(sent),
             min_tokens=max(0, self.params.min_tokens - len(sent)),
+            prompt_logprobs=None if sent else self.params.prompt_logprobs,
         )
         return dataclasses.replace(
             self.attempt(), prompt_ids=[*self.prompt_ids, *sent], params=params

@@ -15,6 +15,7 @@ context travels with every downstream call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -29,7 +30,7 @@ from services.common.slo import Slo
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission
-from services.gateway.events import Done, Output, Tokens
+from services.gateway.events import Done, Output
 from services.gateway.handoff import Handoff
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.observe import RequestObserver
@@ -113,11 +114,13 @@ class Router:
                     if isinstance(out, Done) or text.stopped:
                         reason = out.reason if isinstance(out, Done) else FinishReason.STOP
                         seen.tokens_out(len(ids))
-                        yield Done(ids, reason, delta + text.finish())
+                        yield Done(
+                            ids, reason, delta + text.finish(), out.logprobs, out.prompt_logprobs
+                        )
                         return
                     if ids:
                         seen.tokens_out(len(ids))
-                        yield Tokens(ids, delta)
+                        yield dataclasses.replace(out, text=delta)
         except grpc.aio.AioRpcError as e:
             error = _remote(e)
             raise error from e

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common import clock, telemetry
-from services.common.convert import finish_to_pb
+from services.common.convert import finish_to_pb, logprobs_list_to_pb
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import (
     common_pb2,
@@ -62,6 +62,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 token_ids=out.token_ids,
                 text=out.text,
                 finish_reason=finish_to_pb(reason),
+                logprobs=logprobs_list_to_pb(out.logprobs),
+                prompt_logprobs=logprobs_list_to_pb(out.prompt_logprobs),
             )
             if reason is not None:
                 reply.usage.CopyFrom(

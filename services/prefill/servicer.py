@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from services.common import telemetry
-from services.common.convert import finish_to_pb, sampling_from_pb
+from services.common.convert import (
+    finish_to_pb,
+    logprobs_list_to_pb,
+    logprobs_to_pb,
+    sampling_from_pb,
+)
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
 from services.worker.prefix_log import prefix_cache_stats
@@ -47,6 +52,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
             if result.handle is not None:
                 reply.kv.CopyFrom(result.handle.to_pb())
+            if result.first_token_logprobs is not None:
+                reply.first_token_logprobs.CopyFrom(logprobs_to_pb(result.first_token_logprobs))
+            reply.prompt_logprobs.extend(logprobs_list_to_pb(result.prompt_logprobs))
             yield prefill_pb2.PrefillEvent(done=reply)
             delivered = True
         finally:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from services.common import clock, telemetry
 from services.common.errors import InvalidRequest, Unavailable, UnsupportedModel
 from services.common.kv_handle import KvHandle, RankSource
+from services.common.logprobs import TokenLogprobs
 from services.common.metrics import EngineSteps, PrefillPhases, phase_histogram
 from services.common.sampling import FinishReason, SamplingParams
 from services.engine.commands import Abort, AddRequest, Release
@@ -40,6 +41,9 @@ class PrefillResult:
     compute_ms: float
     batch_size: int
     batch_tokens: int
+    # Asked for by the request's sampling: the first token's, and the prompt's (positions 1..).
+    first_token_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class PrefillWorker:
@@ -193,6 +197,8 @@ class PrefillWorker:
             compute_ms=info.seconds * 1000,
             batch_size=info.batch_size,
             batch_tokens=info.batch_tokens,
+            first_token_logprobs=out.logprobs[0] if out.logprobs else None,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:

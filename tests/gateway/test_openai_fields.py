@@ -46,8 +46,8 @@ KNOWN = [
     ("frequency_penalty", BOTH, HONOURED, 2.0),
     ("presence_penalty", BOTH, HONOURED, 2.0),
     ("logit_bias", BOTH, HONOURED, {"5": 100}),
-    ("logprobs", C, REFUSED, 2),
-    ("logprobs", H, REFUSED, True),
+    ("logprobs", (C,), HONOURED, 2),
+    ("logprobs", (H,), HONOURED, True),
     # OpenAI, completions
     ("prompt", (C,), HONOURED, "REQUIRED"),
     ("best_of", (C,), REFUSED, 2),
@@ -56,7 +56,7 @@ KNOWN = [
     # OpenAI, chat
     ("messages", (H,), HONOURED, "REQUIRED"),
     ("max_completion_tokens", (H,), HONOURED, 3),
-    ("top_logprobs", (H,), REFUSED, 2),
+    ("top_logprobs", (H,), HONOURED, 2),
     ("response_format", BOTH, REFUSED, {"type": "json_object"}),  # vLLM: completions too
     ("tools", (H,), REFUSED, [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", (H,), REFUSED, "required"),
@@ -88,14 +88,14 @@ KNOWN = [
     ("skip_special_tokens", BOTH, REFUSED, False),
     ("spaces_between_special_tokens", BOTH, REFUSED, False),
     ("truncate_prompt_tokens", BOTH, HONOURED, 2),
-    ("prompt_logprobs", BOTH, REFUSED, 1),
+    ("prompt_logprobs", BOTH, HONOURED, 1),
     ("allowed_token_ids", BOTH, REFUSED, [5, 6]),
     ("add_special_tokens", BOTH, HONOURED, "FLIPPED"),
     ("structured_outputs", BOTH, REFUSED, {"regex": "a+"}),
     ("priority", BOTH, REFUSED, 1),
     ("request_id", BOTH, HONOURED, "walk-1"),
     ("logits_processors", BOTH, REFUSED, ["my.Processor"]),
-    ("return_tokens_as_token_ids", BOTH, REFUSED, True),
+    ("return_tokens_as_token_ids", BOTH, HONOURED, True),
     ("return_token_ids", BOTH, HONOURED, True),
     ("cache_salt", BOTH, REFUSED, "salt"),
     ("kv_transfer_params", BOTH, REFUSED, {"do_remote_prefill": True}),
@@ -235,6 +235,19 @@ class Walk:
             reply["prompt_token_ids"]
         )  # fmt: skip
 
+    def reference(self, ids: list[int]):
+        """transformers' log_softmax at every position of `ids` (T, V), fp32: the logprobs'
+        reference."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not hasattr(self, "lm"):
+            self.lm = AutoModelForCausalLM.from_pretrained(
+                self.hf.name_or_path, torch_dtype=torch.float32
+            )
+        with torch.no_grad():
+            return torch.log_softmax(self.lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+
     def template_ids(self, messages: list[dict], **kwargs) -> list[int]:
         """transformers' rendering and tokenization of a conversation (the reference)."""
         return self.hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
@@ -362,8 +375,70 @@ def effect_of(name: str, walk: Walk, value) -> None:
         want = walk.template_ids(MESSAGES, add_generation_prompt=True, **value)
         assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
         assert "<think>" in walk.hf.decode(want)
+    elif name in ("logprobs", "top_logprobs"):
+        _check_logprobs(walk, name, value)
+    elif name == "prompt_logprobs":
+        reply = walk.ok(return_token_ids=True, prompt_logprobs=value)
+        prompt = walk.prompt_ids(reply)
+        got = (reply["choices"][0] if e == C else reply)["prompt_logprobs"]
+        ref = walk.reference(prompt)
+        assert got[0] is None and len(got) == len(prompt)
+        for i, position in enumerate(got[1:], start=1):
+            assert len(position) <= value + 1
+            entry = position[str(prompt[i])]
+            assert abs(entry["logprob"] - float(ref[i - 1, prompt[i]])) < 1e-4
+            assert entry["decoded_token"] == walk.hf.decode([prompt[i]])
+        assert text(e, reply) == text(e, walk.ref)  # the answer is the same
+    elif name == "return_tokens_as_token_ids":
+        asked = {"logprobs": 1} if e == C else {"logprobs": True}
+        reply = walk.ok(return_token_ids=True, return_tokens_as_token_ids=value, **asked)
+        lp = reply["choices"][0]["logprobs"]
+        tokens = lp["tokens"] if e == C else [c["token"] for c in lp["content"]]
+        assert tokens == [f"token_id:{t}" for t in reply["choices"][0]["token_ids"]]
     else:
         raise AssertionError(f"no effect check for the honoured field {name!r}")
+
+
+def _check_logprobs(walk: Walk, name: str, value) -> None:
+    """Each generated token's logprob and its top-k are transformers' log_softmax over the
+    prompt and the answer (teacher-forced), streamed or not; top_logprobs needs logprobs."""
+    e = walk.endpoint
+    k = value if name == "top_logprobs" else (value if e == C else 0)
+    fields = {"logprobs": True, "top_logprobs": value} if name == "top_logprobs" else {name: value}
+    reply = walk.ok(return_token_ids=True, **fields)
+    ids = reply["choices"][0]["token_ids"]
+    assert ids == walk.ref_ids  # logprobs change no token
+    ref = walk.reference(walk.prompt_ids(reply) + ids)[len(walk.prompt_ids(reply)) - 1 :]
+    lp = reply["choices"][0]["logprobs"]
+    if e == C:
+        assert lp["tokens"] == [walk.hf.decode([t]) for t in ids]
+        rows = [(v, sorted(top.values(), reverse=True)) for v, top in
+                zip(lp["token_logprobs"], lp["top_logprobs"], strict=True)]  # fmt: skip
+    else:
+        assert [c["token"] for c in lp["content"]] == [walk.hf.decode([t]) for t in ids]
+        rows = [(c["logprob"], [t["logprob"] for t in c["top_logprobs"]]) for c in lp["content"]]
+    assert len(rows) == len(ids)
+    for (chosen, top), token, row in zip(rows, ids, ref, strict=False):
+        assert abs(chosen - float(row[token])) < 1e-4
+        want = row.topk(k).values.tolist()
+        if e == C:  # greedy: the chosen token is among the k (keyed by text: two may merge)
+            assert 1 <= len(top) <= max(k, 1)
+            assert all(min(abs(v - w) for w in want or [chosen]) < 1e-4 for v in top)
+        else:
+            assert len(top) == k
+            assert all(abs(a - b) < 1e-4 for a, b in zip(top, want, strict=True))
+    status, chunks = walk.send(stream=True, **fields)
+    if e == C:
+        streamed = [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for v in c["choices"][0]["logprobs"]["token_logprobs"]]  # fmt: skip
+        assert streamed == lp["token_logprobs"]
+    else:
+        streamed = [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for v in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
+        assert streamed == lp["content"]
+    if name == "top_logprobs":
+        status, reply = walk.send(top_logprobs=value)  # without logprobs: true
+        assert status == 400 and reply["error"]["param"] == "top_logprobs"
 
 
 @pytest.mark.parametrize("endpoint", BOTH)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.logprobs import TokenLogprobs
 from services.gateway.chat_template import ChatPrompt
 from services.gateway.openai_protocol import CHAT, COMPLETIONS, Reply, parse, parse_tokenize
 
@@ -104,7 +105,7 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
     [
         (COMPLETIONS, {"prompt": "x", "n": 2}, "n"),
         (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo"),
-        (COMPLETIONS, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options"),
         (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"usage": True}},
@@ -174,7 +175,7 @@ def test_a_refused_field_says_why_and_what_to_send_instead():
     )
     # JSON equality: 0.0 is the default 0, but true is not 1 and false is not 0.
     assert parse(COMPLETIONS, {"prompt": "x", "n": 1.0, "frequency_penalty": 0.0})
-    for body in ({"n": True}, {"logprobs": 0}):
+    for body in ({"n": True}, {"use_beam_search": 0}):
         with pytest.raises(InvalidRequest):
             parse(COMPLETIONS, {"prompt": "x", **body})
 
@@ -256,3 +257,103 @@ def test_return_token_ids_and_continuous_usage_add_to_the_replies():
     assert first["prompt_token_ids"] == [1, 2] and first["choices"][0]["token_ids"] == [7]
     whole = chat.whole("ab", "stop", used, [7, 8])
     assert whole["prompt_token_ids"] == [1, 2] and whole["choices"][0]["token_ids"] == [7, 8]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "want"),
+    [
+        (COMPLETIONS, {"logprobs": 3}, (3, None)),
+        (COMPLETIONS, {"logprobs": 0}, (0, None)),
+        (COMPLETIONS, {"logprobs": False}, (None, None)),
+        (COMPLETIONS, {"logprobs": 2, "echo": True}, (2, 2)),  # the echoed prompt's too
+        (COMPLETIONS, {"logprobs": 2, "echo": True, "prompt_logprobs": 5}, (2, 5)),
+        (COMPLETIONS, {"prompt_logprobs": 0}, (None, 0)),
+        (CHAT, {"logprobs": True}, (0, None)),
+        (CHAT, {"logprobs": True, "top_logprobs": 20}, (20, None)),
+        (CHAT, {"logprobs": False, "top_logprobs": 0}, (None, None)),
+        (CHAT, {"prompt_logprobs": 4}, (None, 4)),
+    ],
+)
+def test_logprobs_fields_become_sampling_parameters(endpoint, body, want):
+    prompt = {"prompt": "x"} if endpoint == COMPLETIONS else {"messages": HI}
+    params = parse(endpoint, {**prompt, **body}, render).params
+    assert (params.logprobs, params.prompt_logprobs) == want
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        (COMPLETIONS, {"logprobs": 21}, "logprobs"),
+        (COMPLETIONS, {"logprobs": -1}, "logprobs"),
+        (COMPLETIONS, {"logprobs": True}, "logprobs"),
+        (COMPLETIONS, {"prompt_logprobs": 21}, "prompt_logprobs"),
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        (CHAT, {"logprobs": 3}, "logprobs"),
+        (CHAT, {"prompt_logprobs": 99}, "prompt_logprobs"),
+    ],
+)  # fmt: skip
+def test_bad_logprobs_fields_are_refused_by_name(endpoint, body, param):
+    prompt = {"prompt": "x"} if endpoint == COMPLETIONS else {"messages": HI}
+    with pytest.raises(InvalidRequest) as err:
+        parse(endpoint, {**prompt, **body}, render)
+    assert err.value.param == param
+
+
+def texts(ids):
+    return [f"<{t}>" for t in ids]
+
+
+LP = [
+    TokenLogprobs(7, -0.5, 1, (7, 9, 3), (-0.5, -1.5, -2.0)),
+    TokenLogprobs(3, -2.0, 3, (7, 9, 3), (-0.25, -1.0, -2.0)),
+]
+PROMPT_LP = [TokenLogprobs(2, float("-inf"), 90, (4, 5), (-0.1, -2.5))]
+
+
+def test_completion_logprobs_have_vllms_shape_and_offsets_run_on_across_chunks():
+    call = parse(COMPLETIONS, {"prompt": "x", "logprobs": 1, "echo": True, "stream": True})
+    reply = Reply(call, "cmpl-1", 1, "m", [1, 2], texts)
+    first = reply.chunk("x<7>", None, [7], {}, first=True, logprobs=LP[:1], prompt=PROMPT_LP)
+    assert first["choices"][0]["logprobs"] == {
+        "tokens": ["<1>", "<2>", "<7>"],
+        "token_logprobs": [None, -9999.0, -0.5],  # nothing predicts the first; -inf floored
+        "top_logprobs": [None, {"<2>": -9999.0, "<4>": -0.1}, {"<7>": -0.5}],
+        "text_offset": [0, 3, 6],
+    }
+    assert first["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -9999.0, "rank": 90, "decoded_token": "<2>"},
+         "4": {"logprob": -0.1, "rank": 1, "decoded_token": "<4>"},
+         "5": {"logprob": -2.5, "rank": 2, "decoded_token": "<5>"}},
+    ]  # fmt: skip
+    second = reply.chunk("<3>", "length", [3], {}, logprobs=LP[1:])["choices"][0]
+    assert second["logprobs"] == {
+        "tokens": ["<3>"],
+        "token_logprobs": [-2.0],
+        "top_logprobs": [{"<3>": -2.0, "<7>": -0.25}],  # the chosen one, and the top 1
+        "text_offset": [9],
+    }
+    assert "prompt_logprobs" not in second
+
+
+def test_chat_logprobs_have_openais_shape_and_tokens_may_be_ids():
+    body = {"messages": HI, "logprobs": True, "top_logprobs": 2}
+    reply = Reply(parse(CHAT, body, render), "c", 1, "m", [1], texts)
+    whole = reply.whole("<7><3>", "stop", {}, [7, 3], LP)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert content[1] == {
+        "token": "<3>", "logprob": -2.0, "bytes": list(b"<3>"),
+        "top_logprobs": [{"token": "<7>", "logprob": -0.25, "bytes": list(b"<7>")},
+                         {"token": "<9>", "logprob": -1.0, "bytes": list(b"<9>")}],
+    }  # fmt: skip
+    assert "prompt_logprobs" not in whole
+    ids = Reply(parse(CHAT, {**body, "return_tokens_as_token_ids": True}, render), "c", 1, "m",
+                [1], texts)  # fmt: skip
+    assert (
+        ids.whole("", "stop", {}, [7], LP[:1])["choices"][0]["logprobs"]["content"][0]["token"]
+        == "token_id:7"
+    )
+    plain = Reply(parse(CHAT, {"messages": HI}, render), "c", 1, "m", [1], texts)
+    assert plain.whole("", "stop", {}, [7])["choices"][0]["logprobs"] is None
