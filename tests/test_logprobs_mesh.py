@@ -25,6 +25,8 @@ SAMPLING = {
         max_tokens=10, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
         logit_bias={777: 4.0}, logprobs=2,
     ),
+    # Seeded sampling: decode's draws continue from prefill's (Sequence.skip_draw).
+    "seeded": dict(max_tokens=10, temperature=1.5, seed=5, ignore_eos=True, logprobs=2),
 }  # fmt: skip
 
 

@@ -567,7 +567,10 @@ class LLMEngine:
         return True
 
     def _append_first(self, seq: Sequence, token: int) -> None:
-        """A pulled request's first token (sampled by prefill); it is in no queue here."""
+        """A pulled request's first token (sampled by prefill); it is in no queue here. Its
+        random stream moves past the draw prefill made for it, so the next token gets the draw
+        it gets on one instance: seeded sampling through the mesh is colocated's."""
+        seq.skip_draw()
         seq.append(token)
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
