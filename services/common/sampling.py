@@ -37,7 +37,8 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes sampling
     reproducible for the same prompt and parameters. Generation stops at max_tokens, at an EOS
     token (unless ignore_eos), at any of stop_token_ids, or when the text contains a stop string
-    (the stop string itself is not returned).
+    (the stop string itself is returned only with include_stop_str_in_output). The text skips
+    special tokens unless skip_special_tokens is False.
 
     Logits processors (vLLM's and OpenAI's meanings; the order they apply in is sampler.py's):
     presence_penalty and frequency_penalty subtract `presence * (count > 0) + frequency * count`
@@ -70,6 +71,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -97,6 +100,9 @@ class SamplingParams:
         return self.penalized or bool(self.logit_bias) or self.min_p > 0.0 or self.min_tokens > 0
 
     def validate(self) -> None:
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequest(f"{flag} must be true or false", param=flag)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequest(
                 f"max_tokens must be an integer, got {self.max_tokens!r}", param="max_tokens"

@@ -2,7 +2,8 @@
 
 Used by the engine (to stop generation at a stop string) and by the gateway (to stream text).
 While stop strings are set, the last (longest stop string - 1) characters are held back, so that
-a stop string split across tokens is never partly streamed; the stop string itself is cut.
+a stop string split across tokens is never partly streamed; the stop string itself is cut
+(kept, with include_stop).
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ class TextStream:
         prompt_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        *,
+        include_stop: bool = False,
+        skip_special: bool = True,
     ) -> None:
         """min_tokens: stop strings are looked for only once more than this many ids were
-        added (as vLLM does): text of the first min_tokens ids never stops the stream."""
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        added (as vLLM does): text of the first min_tokens ids never stops the stream.
+        include_stop: the stop string that ends the text is kept; skip_special: special
+        tokens are left out of the text."""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special)
+        self._include_stop = include_stop
         self._stop = tuple(stop)
         self._unchecked_ids = min_tokens
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
@@ -58,9 +65,10 @@ class TextStream:
         if self._stop and not self.stopped:
             start = max(0, self._searched - self._holdback)
             self._searched = len(text)
-            hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
+            hits = [(i, len(s)) for s in self._stop if (i := text.find(s, start)) >= 0]
             if hits:
-                self._end = min(hits)
+                at, length = min(hits)
+                self._end = at + length if self._include_stop else at
                 self.stopped = True
         end = len(text) if self._end is None else self._end
         if not (final or self.stopped):

@@ -111,9 +111,10 @@ class Tokenizer:
             return None
         return self._backend.id_to_token(token_id)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` without special tokens; incomplete UTF-8 sequences become U+FFFD."""
-        return self._backend.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (without special tokens unless told); incomplete UTF-8 sequences
+        become U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded alone, special tokens included (logprobs' token strings, as vLLM
@@ -128,34 +129,40 @@ class IncrementalDetokenizer:
     holding it back while it ends in U+FFFD, the mark of a character whose bytes are still coming.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special: bool = True
+    ) -> None:
+        self._skip = skip_special
         self._tok = tokenizer
         self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = tokenizer.decode(self._ids)
+        self._prefix_text = self._decode(self._ids)
         self.text = ""  # everything emitted so far
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append generated ids; return the text that is now complete (maybe empty)."""
         self._ids.extend(new_ids)
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
             return ""
         return self._emit(full)
 
     def flush(self) -> str:
         """At the end of the stream: whatever is left, even an incomplete character."""
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(self._prefix_text):
             return ""
         return self._emit(full)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def _emit(self, full: str) -> str:
         delta = full[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._prefix_text = self._tok.decode(self._ids[self._prefix_offset :])
+        self._prefix_text = self._decode(self._ids[self._prefix_offset :])
         self.text += delta
         return delta
 

@@ -80,7 +80,14 @@ class Sequence:
         self.rng = random.Random(params.seed if params.seed is not None else default_seed)
         # Text is tracked when a tokenizer is given (stop strings need one).
         self.text_stream = (
-            TextStream(tokenizer, prompt_ids, params.stop, params.min_tokens)
+            TextStream(
+                tokenizer,
+                prompt_ids,
+                params.stop,
+                params.min_tokens,
+                include_stop=params.include_stop_str_in_output,
+                skip_special=params.skip_special_tokens,
+            )
             if tokenizer is not None
             else None
         )

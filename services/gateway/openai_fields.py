@@ -195,7 +195,6 @@ _C, _H = (COMPLETIONS,), (CHAT,)
 _RENDER = (CHAT, TOKENIZE_CHAT)  # what renders messages with the chat template
 _NO_TOOLS = "tool calling is not supported yet; send no tools"
 _NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
-_NO_DETOK = "the gateway's detokenizer does not offer this yet"
 
 FIELDS: tuple[Field, ...] = (
     # The prompt ------------------------------------------------------------------------------
@@ -227,7 +226,8 @@ FIELDS: tuple[Field, ...] = (
     _h("ignore_eos", BOTH, "Keep generating past the end-of-sequence token.", BOOL, VLLM),
     _h("min_tokens", BOTH, "EOS, stop_token_ids and stop strings do not end generation before "
        "this many tokens (at most max_tokens).", INT, VLLM, extra={"minimum": 0, "default": 0}),
-    _r("include_stop_str_in_output", BOTH, _NO_DETOK, (False,), VLLM),
+    _h("include_stop_str_in_output", BOTH, "Keep the stop string that ended the text at its "
+       "end.", BOOL, VLLM),
     # Sampling --------------------------------------------------------------------------------
     _h("temperature", BOTH, "0 is greedy; higher samples more freely.", NUMBER,
        extra={"minimum": 0, "default": 1}),
@@ -298,10 +298,10 @@ FIELDS: tuple[Field, ...] = (
        extra={"minimum": 0, "maximum": MAX_LOGPROBS}),
     _h("return_tokens_as_token_ids", BOTH, "Write logprobs' tokens as `token_id:<id>`.", BOOL,
        VLLM),
-    _r("skip_special_tokens", BOTH, f"{_NO_DETOK}: special tokens are always skipped", (True,),
-       VLLM),
-    _r("spaces_between_special_tokens", BOTH, f"{_NO_DETOK}: special tokens are always skipped",
-       (True,), VLLM),
+    _h("skip_special_tokens", BOTH, "false: write special tokens (e.g. <|im_end|>) into the "
+       "text; default true.", BOOL, VLLM),
+    _r("spaces_between_special_tokens", BOTH, "special tokens are spaced as the model's tokenizer "
+       "decodes them (vLLM applies this to slow tokenizers only)", (True,), VLLM),
     _r("modalities", _H, "this server answers with text only", (["text"],)),
     _r("audio", _H, "this server answers with text only"),
     # Tokenization and the chat template ------------------------------------------------------

@@ -155,6 +155,8 @@ def parse(
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=values.get("ignore_eos", False),
+        include_stop_str_in_output=values.get("include_stop_str_in_output", False),
+        skip_special_tokens=values.get("skip_special_tokens", True),
         presence_penalty=values.get("presence_penalty", 0.0),
         frequency_penalty=values.get("frequency_penalty", 0.0),
         repetition_penalty=values.get(

@@ -92,7 +92,15 @@ class Router:
         """The request's answer, event by event, each with the text it completed. `parent` is
         the caller's trace context (from Envoy or the client); `operation` its GenAI operation
         name (`text_completion`, `chat`); `received` when the API got it (monotonic s)."""
-        text = TextStream(self.tokenizer, req.prompt_ids, req.params.stop, req.params.min_tokens)
+        p = req.params
+        text = TextStream(
+            self.tokenizer,
+            req.prompt_ids,
+            p.stop,
+            p.min_tokens,
+            include_stop=p.include_stop_str_in_output,
+            skip_special=p.skip_special_tokens,
+        )
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         if self.feed is not None:
             self.feed.arrived(seen.arrival_unix_s, seen.prompt_tokens)

@@ -83,9 +83,9 @@ KNOWN = [
     ("use_beam_search", BOTH, REFUSED, True),
     ("length_penalty", BOTH, REFUSED, 0.5),
     ("stop_token_ids", BOTH, HONOURED, "FROM_REFERENCE"),
-    ("include_stop_str_in_output", BOTH, REFUSED, True),
+    ("include_stop_str_in_output", BOTH, HONOURED, True),
     ("ignore_eos", BOTH, HONOURED, True),
-    ("skip_special_tokens", BOTH, REFUSED, False),
+    ("skip_special_tokens", BOTH, HONOURED, False),
     ("spaces_between_special_tokens", BOTH, REFUSED, False),
     ("truncate_prompt_tokens", BOTH, HONOURED, 2),
     ("prompt_logprobs", BOTH, HONOURED, 1),
@@ -333,6 +333,15 @@ def effect_of(name: str, walk: Walk, value) -> None:
         status, chunks = walk.send(return_token_ids=value, stream=True)
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
         assert walk.prompt_ids(chunks[0]) == want
+    elif name == "include_stop_str_in_output":
+        full = text(e, walk.ref)
+        stop = full[len(full) // 2 :][:2]
+        reply = walk.ok(stop=stop, include_stop_str_in_output=value)
+        assert text(e, reply) == full[: full.index(stop) + len(stop)]
+    elif name == "skip_special_tokens":  # token 2 is <|im_start|>, a special token
+        forced = walk.ok(logit_bias={"2": 100}, skip_special_tokens=value)
+        assert text(e, forced) == "<|im_start|>" * 6
+        assert text(e, walk.ok(logit_bias={"2": 100})) == ""
     elif name == "logit_bias":
         assert set(_ids(walk, logit_bias=value)) == {5}
     elif name == "min_p":  # keeping only tokens as likely as the likeliest is greedy
