@@ -13,6 +13,7 @@ The logprobs objects' own shapes are openai_logprobs.py's.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
 from services.gateway.openai_logprobs import LogprobsWriter, TokenTexts, prompt_logprobs
+from services.gateway.tool_parsers import ToolParser, tool_calls
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
@@ -70,6 +72,8 @@ class CompletionCall:
     logprobs: int | None = None
     tokens_as_ids: bool = False
     prompt_logprobs: bool = False  # the reply carries `prompt_logprobs` (vLLM's)
+    # tool_choice "auto" with tools: the answer is read by this parser into tool_calls
+    tool_parser: ToolParser | None = None
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,12 @@ def parse(
     body: object,
     render_chat: RenderChat | None = None,
     defaults: GenerationDefaults = NO_DEFAULTS,
+    tool_parser: ToolParser | None = None,
 ) -> CompletionCall:
     """Check a request body against openai_fields.FIELDS and build the call. `render_chat`
     renders chat messages (CHAT only). `defaults` (the model's generation_config.json) stand in
     for sampling fields the body leaves out; its max_tokens caps a request that names none.
+    `tool_parser` (the gateway's --tool-call-parser) reads the answers of tool_choice "auto".
     Raises InvalidRequest, naming the field, for anything that is off."""
     values = checked(endpoint, body)
     stream = values.get("stream", False)
@@ -124,7 +130,9 @@ def parse(
     stop_token_ids = tuple(values.get("stop_token_ids", ()))
     echo = values.get("echo", False)
     continued = ""
+    parser = None
     if endpoint == CHAT:
+        parser = _tool_choice(values, tool_parser)
         messages = _messages(values["messages"])
         chat = render(values, messages, render_chat)
         prompt: str | list[int] = chat.text
@@ -195,7 +203,75 @@ def parse(
         logprobs=logprobs,
         tokens_as_ids=values.get("return_tokens_as_token_ids", False),
         prompt_logprobs=prompt_k is not None,
+        tool_parser=parser,
     )
+
+
+def _tool_choice(values: dict, parser: ToolParser | None) -> ToolParser | None:
+    """The parser of the answer: `parser` under tool_choice "auto" (the default when tools
+    are sent), None under "none". Checks every tool; refuses "auto" without a parser (as
+    vLLM does), and "required" or a named function, which need generation constrained to the
+    tools' schemas."""
+    tools = values.get("tools") or []
+    choice = values.get("tool_choice", "auto" if tools else "none")
+    names = [_tool_name(i, t) for i, t in enumerate(tools)]
+    if choice == "none":
+        return None
+    if not tools:
+        raise InvalidRequest(
+            f"'tool_choice' = {show(choice)} needs 'tools' to choose from: send tools, or "
+            'tool_choice "none"',
+            param="tool_choice",
+        )
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                '\'tool_choice\' as an object must be {"type": "function", "function": '
+                '{"name": ...}}',
+                param="tool_choice",
+            )
+        if name not in names:
+            raise InvalidRequest(
+                f"'tool_choice' names the function {show(name)}, which is not among the "
+                f"tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    if choice != "auto":
+        raise InvalidRequest(
+            f"'tool_choice' = {show(choice)} is not supported: forcing a call needs generation "
+            "constrained to the tool's JSON schema (structured output), which this server does "
+            'not have yet; send "auto" (the model decides, its calls are parsed) or "none"',
+            param="tool_choice",
+        )
+    if parser is None:
+        raise InvalidRequest(
+            "'tools' with tool_choice \"auto\" needs a tool-call parser to read the model's "
+            "calls, and this gateway has none: start it with --tool-call-parser NAME (hermes, "
+            'llama3_json), or send tool_choice "none" (the tools reach the chat template, '
+            "the answer stays text)",
+            param="tools",
+        )
+    return parser
+
+
+def _tool_name(i: int, tool: object) -> str:
+    """A tool's function name, the tool checked: OpenAI's function tool shape."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if function is None or tool.get("type") != "function" or not isinstance(name, str) or not name:
+        raise InvalidRequest(
+            f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+            '"parameters": {...}}}}} (only function tools exist)',
+            param="tools",
+        )
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest(
+            f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+        )
+    return name
 
 
 def _logprobs(endpoint: str, values: dict) -> int | None:
@@ -270,6 +346,8 @@ def render(values: dict, messages: list[dict], render_chat: RenderChat) -> ChatP
     variables["add_generation_prompt"] = generation
     if "documents" in values:
         variables["documents"] = values["documents"]
+    if values.get("tools"):  # as transformers' apply_chat_template(tools=...) passes them
+        variables["tools"] = values["tools"]
     chat = render_chat(messages, variables)
     if not cont:
         return chat
@@ -389,15 +467,68 @@ def _messages(messages: list) -> list[dict]:
             )
         if name is not None:
             message["name"] = name
+        message.update(_tool_fields(i, m))
         for key, value in m.items():
-            if key not in ("role", "content", "name") and value not in (None, [], {}, ""):
+            if key not in ("role", "content", "name", *message) and value not in (
+                None,
+                [],
+                {},
+                "",
+            ):
                 raise InvalidRequest(
                     f"messages[{i}].{key} is not supported: this server gives the chat template "
-                    "a message's role, content and name (tool calls in messages are not "
-                    "supported yet)",
+                    "a message's role, content and name, an assistant's tool_calls and a tool "
+                    "message's tool_call_id",
                     param="messages",
                 )
         out.append(message)
+    return out
+
+
+def _tool_fields(i: int, m: dict) -> dict:
+    """An assistant message's `tool_calls` (their arguments as objects, as chat templates
+    read them and as vLLM passes them) or a tool message's `tool_call_id`."""
+    out: dict = {}
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls must be an array", param="messages")
+        out["tool_calls"] = [_template_call(f"messages[{i}].tool_calls[{j}]", c)
+                             for j, c in enumerate(calls)]  # fmt: skip
+    call_id = m.get("tool_call_id")
+    if m["role"] == "tool" and call_id is not None:
+        if not isinstance(call_id, str):
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id must be a string, got {show(call_id)}",
+                param="messages",
+            )
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _template_call(where: str, call: object) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or call.get("type", "function") != "function":
+        raise InvalidRequest(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+            '"arguments": "<JSON>"}}}}',
+            param="messages",
+        )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(
+            f"{where}.function.arguments must be a JSON object written as a string",
+            param="messages",
+        )
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
     return out
 
 
@@ -478,11 +609,18 @@ class Reply:
         ids = self.call.return_token_ids
         lps = self._logprobs(token_ids, logprobs, prompt, first=True)
         if self.call.endpoint == CHAT:
+            message: dict = {"role": "assistant", "content": text}
+            reason_text = finish_reason(reason)
+            parsed = self.call.tool_parser and self.call.tool_parser.parse(text)
+            if parsed and parsed.calls:  # unreadable calls stay content (as vLLM)
+                message = {**message, "content": parsed.content or None}
+                message["tool_calls"] = tool_calls(parsed)
+                reason_text = "tool_calls"
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": lps,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": reason_text,
                 **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion"), "choices": [choice], "usage": used}
@@ -505,10 +643,14 @@ class Reply:
         first: bool = False,
         logprobs: Sequence[TokenLogprobs] = (),
         prompt: Sequence[TokenLogprobs] | None = None,
+        tool_deltas: Sequence[dict] = (),
+        called: bool = False,
     ) -> dict:
         """One streamed chunk; `first` adds the assistant role (chat), the prompt's ids
         (return_token_ids) and its logprobs (prompt_logprobs, and completions' echo);
-        `used` is the usage so far (sent with continuous_usage_stats)."""
+        `used` is the usage so far (sent with continuous_usage_stats). `tool_deltas` are
+        `delta.tool_calls` (tool_parsers.ToolCallStream); `called`: the answer called tools,
+        so the last chunk's finish_reason is `tool_calls`."""
         ids = self.call.return_token_ids
         lps = self._logprobs(token_ids, logprobs, prompt, first)
         extra = self._prompt_logprobs(prompt) if first else {}
@@ -516,11 +658,13 @@ class Reply:
             delta: dict = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_deltas:
+                delta["tool_calls"] = list(tool_deltas)
             choice = {
                 "index": 0,
                 "delta": delta,
                 "logprobs": lps,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": "tool_calls" if called and reason else finish_reason(reason),
                 **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion.chunk"), "choices": [choice], **extra}
