@@ -10,6 +10,7 @@ from distserve.local_mesh import add_emulation_options, emulated_mesh
 from distserve.role_args import add_role_args, role_args
 from services.common.errors import InvalidRequest
 from services.edge.options import add_edge_options
+from services.gateway.tool_parsers import PARSERS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: the model's generation_config.json sampling defaults apply to requests "
         "that omit them; vllm: ignore the file",
+    )
+    up.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="the model's tool-call format, for requests with tools (the gateway's flag)",
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill instances")
     up.add_argument("--decode", type=int, default=1, help="decode instances")
@@ -106,6 +112,8 @@ def _up(args: argparse.Namespace) -> int:
         gateway_args += ["--served-model-name", served]
     if args.chat_template:
         gateway_args += ["--chat-template", str(args.chat_template.resolve())]
+    if args.tool_call_parser:
+        gateway_args += ["--tool-call-parser", args.tool_call_parser]
     if args.max_tokens:
         gateway_args += ["--max-tokens", str(args.max_tokens)]
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):

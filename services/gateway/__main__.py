@@ -38,6 +38,7 @@ from services.gateway.request import Limits
 from services.gateway.router import Router
 from services.gateway.routing import POLICIES, Routing
 from services.gateway.servicer import GatewayServicer, RegistryServicer
+from services.gateway.tool_parsers import PARSERS
 
 log = logging.getLogger("distserve.gateway")
 
@@ -57,6 +58,7 @@ class GatewayConfig:
     served_model_name: str | None = None  # name in the HTTP API; default: Hub id, else folder
     chat_template: Path | None = None  # a template file replacing the model folder's
     generation_config: bool = True  # apply generation_config.json's sampling defaults (auto)
+    tool_call_parser: str | None = None  # reads tool calls from answers (tool_parsers.PARSERS)
     max_body_bytes: int = 8 * 2**20  # largest HTTP request body
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
@@ -93,6 +95,14 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         default="auto",
         help="auto: generation_config.json's temperature, top_p, top_k and max_new_tokens are "
         "the defaults of requests that omit them; vllm: ignore the file (the API's defaults)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="the model's tool-call format (hermes: Hermes/Qwen <tool_call> tags; llama3_json: "
+        "Llama 3 JSON): requests with tools and tool_choice auto get tool_calls read from the "
+        "answer; without it, such requests are refused (vLLM's flag; its "
+        "--enable-auto-tool-choice is implied)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
@@ -182,6 +192,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         revision=a.revision,
         chat_template=a.chat_template,
         generation_config=a.generation_config == "auto",
+        tool_call_parser=a.tool_call_parser,
         host=a.host,
         port=a.port,
         worker_lease_s=a.worker_lease_s,
@@ -272,6 +283,7 @@ async def serve(config: GatewayConfig) -> None:
                 engine=engine,
                 generation=defaults,
                 serve_metrics=config.metrics_port >= 0,
+                tool_call_parser=config.tool_call_parser,
             ),
             router,
             routing,

@@ -50,6 +50,7 @@ from services.gateway.request import (
 )
 from services.gateway.router import Router
 from services.gateway.routing import Routing
+from services.gateway.tool_parsers import ToolCallStream, tool_parser
 
 log = logging.getLogger("distserve.gateway.http")
 
@@ -71,6 +72,7 @@ class HttpApiConfig:
     # Sampling defaults of a request that sets none (generation_config.json, --generation-config)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     serve_metrics: bool = True  # GET /metrics: the gateway's Prometheus metrics
+    tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
 
 
 class HttpApi:
@@ -92,6 +94,8 @@ class HttpApi:
         self.limits = limits
         self.chat_template = chat_template
         self.created = int(time.time())
+        parser = config.tool_call_parser
+        self.tool_parser = None if parser is None else tool_parser(parser)
         self._openapi = json.dumps(openapi_document(config.model_names[0]), indent=1)
 
     def app(self) -> web.Application:
@@ -220,7 +224,11 @@ class HttpApi:
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         received = clock.monotonic()
         call = oai.parse(
-            endpoint, await _body(request), self.chat_template.render, self.config.generation
+            endpoint,
+            await _body(request),
+            self.chat_template.render,
+            self.config.generation,
+            self.tool_parser,
         )
         model = self._served(call.model)
         req = await build_request(
@@ -295,14 +303,19 @@ class HttpApi:
         await response.prepare(request)
         prompt = len(req.prompt_ids)
         used, last = len(first.token_ids), first
+        parser = reply.call.tool_parser
+        tools = None if parser is None else ToolCallStream(parser)
+        text, deltas, called = _pieces(tools, echo + first.text, isinstance(first, Done))
         chunk = reply.chunk(
-            echo + first.text,
+            text,
             _reason(first),
             first.token_ids,
             oai.usage(prompt, used),
             first=True,
             logprobs=first.logprobs,
             prompt=first.prompt_logprobs,
+            tool_deltas=deltas,
+            called=called,
         )
         await _event(response, chunk)
         # Tokens whose text is held back still carry ids or logprobs when those were asked.
@@ -311,13 +324,16 @@ class HttpApi:
             async for out in events:
                 used += len(out.token_ids)
                 last = out
-                if out.text or isinstance(out, Done) or (every and out.token_ids):
+                text, deltas, called = _pieces(tools, out.text, isinstance(out, Done))
+                if text or deltas or isinstance(out, Done) or (every and out.token_ids):
                     chunk = reply.chunk(
-                        out.text,
+                        text,
                         _reason(out),
                         out.token_ids,
                         oai.usage(prompt, used),
                         logprobs=out.logprobs,
+                        tool_deltas=deltas,
+                        called=called,
                     )
                     await _event(response, chunk)
         except DistServeError as e:
@@ -353,6 +369,16 @@ def _not_served(what: str):
         return plain_error(404, message, "not_served")
 
     return handler
+
+
+def _pieces(tools: ToolCallStream | None, text: str, done: bool) -> tuple[str, list[dict], bool]:
+    """(content, delta.tool_calls, whether tools were called) of a streamed piece of text:
+    the text itself when no tool parser reads the answer."""
+    if tools is None:
+        return text, [], False
+    if done:
+        return tools.finish(text)
+    return (*tools.feed(text), False)
 
 
 def _reason(out: Output) -> FinishReason | None:

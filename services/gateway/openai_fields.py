@@ -125,6 +125,19 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
+_TOOL_CALL = {  # an assistant message's call, as the reply gave it
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
 MESSAGES = Kind(
     lambda x: isinstance(x, list),
     {
@@ -143,10 +156,54 @@ MESSAGES = Kind(
                     ]
                 },
                 "name": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                "tool_call_id": {"type": "string"},
             },
         },
     },
     "an array of message objects",
+)
+_FUNCTION_NAME = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "minLength": 1}},
+}
+TOOLS = Kind(
+    lambda x: isinstance(x, list),
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    **_FUNCTION_NAME,
+                    "properties": {
+                        **_FUNCTION_NAME["properties"],
+                        "description": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+    },
+    'an array of {"type": "function", "function": {"name": ..., "parameters": ...}}',
+)
+TOOL_CHOICE = Kind(
+    lambda x: x in ("none", "auto", "required") or isinstance(x, dict),
+    {
+        "oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"const": "function"}, "function": _FUNCTION_NAME},
+            },
+        ]
+    },
+    '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 )
 
 
@@ -193,7 +250,7 @@ def _r(name, endpoints, about, defaults=(), origin=OPENAI) -> Field:
 
 _C, _H = (COMPLETIONS,), (CHAT,)
 _RENDER = (CHAT, TOKENIZE_CHAT)  # what renders messages with the chat template
-_NO_TOOLS = "tool calling is not supported yet; send no tools"
+_OLD_FUNCTIONS = "OpenAI's deprecated form of tools; send `tools` and `tool_choice`"
 _NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
 
 FIELDS: tuple[Field, ...] = (
@@ -325,11 +382,16 @@ FIELDS: tuple[Field, ...] = (
     _r("chat_template", (*_RENDER,), "this server renders with the model's own chat template "
        "(its tokenizer_config.json); a per-request template is not accepted", origin=VLLM),
     _r("mm_processor_kwargs", (*_RENDER,), "multimodal input is not supported", origin=VLLM),
-    _r("tools", (*_RENDER,), _NO_TOOLS, ([],)),
-    _r("tool_choice", _H, _NO_TOOLS, ("none", "auto")),
-    _r("parallel_tool_calls", _H, _NO_TOOLS, (True,)),
-    _r("functions", _H, _NO_TOOLS, ([],)),
-    _r("function_call", _H, _NO_TOOLS, ("none", "auto")),
+    _h("tools", _RENDER, "Functions the model may call: the chat template's `tools` "
+       "variable. With tool_choice `auto` the answer is read by the gateway's "
+       "`--tool-call-parser` into `message.tool_calls` (without a parser: a 400).", TOOLS),
+    _h("tool_choice", _H, "`auto` (the default with tools): the model decides, its calls "
+       "are parsed; `none`: tools reach the template, the answer is text. `required` and a "
+       "named function need constrained generation, not built yet: a 400.", TOOL_CHOICE),
+    _r("parallel_tool_calls", _H, "the model writes as many calls as it chooses; this server "
+       "cannot hold it to one (that needs constrained generation)", (True,)),
+    _r("functions", _H, _OLD_FUNCTIONS, ([],)),
+    _r("function_call", _H, _OLD_FUNCTIONS, ("none", "auto")),
     _r("reasoning_effort", _H, "this server has no reasoning control; a template variable for "
        'it goes in chat_template_kwargs (e.g. {"reasoning_effort": "low"})'),
     _r("include_reasoning", _H, "no reasoning parser separates reasoning from the answer",

@@ -5,9 +5,10 @@ openai_fields.FIELDS (checked there); this module turns the honoured ones into a
 sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
 API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~550 lines): a request's fields and the reply they shape are one contract (echo,
+Why one file (~570 lines): a request's fields and the reply they shape are one contract (echo,
 return_token_ids, logprobs and stream_options are read on both sides); split, they would drift.
-The logprobs objects' own shapes are openai_logprobs.py's.
+The logprobs objects' own shapes are openai_logprobs.py's; the tools' request checks are
+openai_tools.py's, their parsers tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
 from services.gateway.openai_logprobs import LogprobsWriter, TokenTexts, prompt_logprobs
+from services.gateway.openai_tools import tool_choice, tool_fields
+from services.gateway.tool_parsers import ToolParser, tool_calls
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
@@ -70,6 +73,8 @@ class CompletionCall:
     logprobs: int | None = None
     tokens_as_ids: bool = False
     prompt_logprobs: bool = False  # the reply carries `prompt_logprobs` (vLLM's)
+    # tool_choice "auto" with tools: the answer is read by this parser into tool_calls
+    tool_parser: ToolParser | None = None
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,12 @@ def parse(
     body: object,
     render_chat: RenderChat | None = None,
     defaults: GenerationDefaults = NO_DEFAULTS,
+    tool_parser: ToolParser | None = None,
 ) -> CompletionCall:
     """Check a request body against openai_fields.FIELDS and build the call. `render_chat`
     renders chat messages (CHAT only). `defaults` (the model's generation_config.json) stand in
     for sampling fields the body leaves out; its max_tokens caps a request that names none.
+    `tool_parser` (the gateway's --tool-call-parser) reads the answers of tool_choice "auto".
     Raises InvalidRequest, naming the field, for anything that is off."""
     values = checked(endpoint, body)
     stream = values.get("stream", False)
@@ -124,7 +131,9 @@ def parse(
     stop_token_ids = tuple(values.get("stop_token_ids", ()))
     echo = values.get("echo", False)
     continued = ""
+    parser = None
     if endpoint == CHAT:
+        parser = tool_choice(values, tool_parser)
         messages = _messages(values["messages"])
         chat = render(values, messages, render_chat)
         prompt: str | list[int] = chat.text
@@ -197,6 +206,7 @@ def parse(
         logprobs=logprobs,
         tokens_as_ids=values.get("return_tokens_as_token_ids", False),
         prompt_logprobs=prompt_k is not None,
+        tool_parser=parser,
     )
 
 
@@ -272,6 +282,8 @@ def render(values: dict, messages: list[dict], render_chat: RenderChat) -> ChatP
     variables["add_generation_prompt"] = generation
     if "documents" in values:
         variables["documents"] = values["documents"]
+    if values.get("tools"):  # as transformers' apply_chat_template(tools=...) passes them
+        variables["tools"] = values["tools"]
     chat = render_chat(messages, variables)
     if not cont:
         return chat
@@ -391,12 +403,18 @@ def _messages(messages: list) -> list[dict]:
             )
         if name is not None:
             message["name"] = name
+        message.update(tool_fields(i, m))
         for key, value in m.items():
-            if key not in ("role", "content", "name") and value not in (None, [], {}, ""):
+            if key not in ("role", "content", "name", *message) and value not in (
+                None,
+                [],
+                {},
+                "",
+            ):
                 raise InvalidRequest(
                     f"messages[{i}].{key} is not supported: this server gives the chat template "
-                    "a message's role, content and name (tool calls in messages are not "
-                    "supported yet)",
+                    "a message's role, content and name, an assistant's tool_calls and a tool "
+                    "message's tool_call_id",
                     param="messages",
                 )
         out.append(message)
@@ -480,11 +498,18 @@ class Reply:
         ids = self.call.return_token_ids
         lps = self._logprobs(token_ids, logprobs, prompt, first=True)
         if self.call.endpoint == CHAT:
+            message: dict = {"role": "assistant", "content": text}
+            reason_text = finish_reason(reason)
+            parsed = self.call.tool_parser and self.call.tool_parser.parse(text)
+            if parsed and parsed.calls:  # unreadable calls stay content (as vLLM)
+                message = {**message, "content": parsed.content or None}
+                message["tool_calls"] = tool_calls(parsed)
+                reason_text = "tool_calls"
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": lps,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": reason_text,
                 **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion"), "choices": [choice], "usage": used}
@@ -507,10 +532,14 @@ class Reply:
         first: bool = False,
         logprobs: Sequence[TokenLogprobs] = (),
         prompt: Sequence[TokenLogprobs] | None = None,
+        tool_deltas: Sequence[dict] = (),
+        called: bool = False,
     ) -> dict:
         """One streamed chunk; `first` adds the assistant role (chat), the prompt's ids
         (return_token_ids) and its logprobs (prompt_logprobs, and completions' echo);
-        `used` is the usage so far (sent with continuous_usage_stats)."""
+        `used` is the usage so far (sent with continuous_usage_stats). `tool_deltas` are
+        `delta.tool_calls` (tool_parsers.ToolCallStream); `called`: the answer called tools,
+        so the last chunk's finish_reason is `tool_calls`."""
         ids = self.call.return_token_ids
         lps = self._logprobs(token_ids, logprobs, prompt, first)
         extra = self._prompt_logprobs(prompt) if first else {}
@@ -518,11 +547,13 @@ class Reply:
             delta: dict = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_deltas:
+                delta["tool_calls"] = list(tool_deltas)
             choice = {
                 "index": 0,
                 "delta": delta,
                 "logprobs": lps,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": "tool_calls" if called and reason else finish_reason(reason),
                 **({"token_ids": token_ids} if ids else {}),
             }
             out = {**self._head("chat.completion.chunk"), "choices": [choice], **extra}

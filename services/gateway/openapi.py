@@ -38,7 +38,39 @@ _USAGE = {
     },
 }
 _MODEL_PATH_PARAM = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "tool_calls", None]}
+# message.tool_calls: the calls the --tool-call-parser read (tool_choice auto).
+_TOOL_CALLS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+    },
+}
+# delta.tool_calls: a call's index, id, type and name once, then its arguments in pieces.
+_TOOL_CALL_DELTAS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["index"],
+        "properties": {
+            "index": {"type": "integer"},
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+    },
+}
 _ERRORS = {
     "400": "Invalid JSON, a parameter of the wrong type or out of range, or an unsupported "
     "parameter (the `param` field names it)",
@@ -90,7 +122,11 @@ def _completion_reply(chat: bool) -> dict:
             "index": {"type": "integer"},
             "message": {
                 "type": "object",
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},
+                    "tool_calls": _TOOL_CALLS,
+                },
             },
             "finish_reason": _FINISH,
         }
@@ -116,7 +152,11 @@ def _chunk(chat: bool) -> dict:
     if chat:
         delta = {
             "type": "object",
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": {"type": "string"},
+                "tool_calls": _TOOL_CALL_DELTAS,
+            },
         }
         choice = {"index": {"type": "integer"}, "delta": delta, "finish_reason": _FINISH}
     else:

@@ -58,8 +58,8 @@ KNOWN = [
     ("max_completion_tokens", (H,), HONOURED, 3),
     ("top_logprobs", (H,), HONOURED, 2),
     ("response_format", BOTH, REFUSED, {"type": "json_object"}),  # vLLM: completions too
-    ("tools", (H,), REFUSED, [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", (H,), REFUSED, "required"),
+    ("tools", (H,), HONOURED, [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", (H,), HONOURED, "none"),
     ("parallel_tool_calls", (H,), REFUSED, False),
     ("functions", (H,), REFUSED, [{"name": "f"}]),
     ("function_call", (H,), REFUSED, {"name": "f"}),
@@ -135,10 +135,11 @@ MESSAGES = [
 ]
 CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Prefill runs"}]
 EOS_PROMPT = "Stop right here"  # its greedy first tokens are made EOS ids of the test's model
-# A chat template that reads what transformers' apply_chat_template passes (documents,
+# A chat template that reads what transformers' apply_chat_template passes (tools, documents,
 # add_generation_prompt) and a kwarg of its own (enable_thinking, as Qwen3's does).
 TEMPLATE = (
-    "{{ bos_token }}{% if documents %}<|im_start|>system\n"
+    "{{ bos_token }}{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}{% if documents %}<|im_start|>system\n"
     "{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}<|im_end|>\n"
     "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -384,6 +385,20 @@ def effect_of(name: str, walk: Walk, value) -> None:
         want = walk.template_ids(MESSAGES, add_generation_prompt=True, **value)
         assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
         assert "<think>" in walk.hf.decode(want)
+    elif name in ("tools", "tool_choice"):
+        # This gateway has no --tool-call-parser (tests/gateway/test_tools.py has one): tools
+        # under "auto" (the default) are refused naming the flag; under "none" they reach the
+        # template as transformers passes them, and the answer is text.
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        status, reply = walk.send(tools=tools)
+        assert status == 400 and reply["error"]["param"] == "tools"
+        assert "--tool-call-parser" in reply["error"]["message"]
+        reply = walk.ok(return_token_ids=True, tools=tools, tool_choice="none")
+        want = walk.template_ids(MESSAGES, tools=tools, add_generation_prompt=True)
+        assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
+        assert "tool_calls" not in reply["choices"][0]["message"]
+        status, reply = walk.send(tools=tools, tool_choice="required")
+        assert status == 400 and reply["error"]["param"] == "tool_choice"
     elif name in ("logprobs", "top_logprobs"):
         _check_logprobs(walk, name, value)
     elif name == "prompt_logprobs":

@@ -1,0 +1,127 @@
+"""The request side of tool calling: which parser reads a chat answer (tool_choice), and an
+assistant's tool_calls and a tool message's tool_call_id as the chat template gets them.
+
+openai_protocol.parse calls these; tool_parsers.py reads the answers.
+"""
+
+from __future__ import annotations
+
+import json
+
+from services.common.errors import InvalidRequest
+from services.gateway.openai_fields import show
+from services.gateway.tool_parsers import ToolParser
+
+
+def tool_choice(values: dict, parser: ToolParser | None) -> ToolParser | None:
+    """The parser of the answer: `parser` under tool_choice "auto" (the default when tools
+    are sent), None under "none". Checks every tool; refuses "auto" without a parser (as
+    vLLM does), and "required" or a named function, which need generation constrained to the
+    tools' schemas."""
+    tools = values.get("tools") or []
+    choice = values.get("tool_choice", "auto" if tools else "none")
+    names = [_tool_name(i, t) for i, t in enumerate(tools)]
+    if choice == "none":
+        return None
+    if not tools:
+        raise InvalidRequest(
+            f"'tool_choice' = {show(choice)} needs 'tools' to choose from: send tools, or "
+            'tool_choice "none"',
+            param="tool_choice",
+        )
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequest(
+                '\'tool_choice\' as an object must be {"type": "function", "function": '
+                '{"name": ...}}',
+                param="tool_choice",
+            )
+        if name not in names:
+            raise InvalidRequest(
+                f"'tool_choice' names the function {show(name)}, which is not among the "
+                f"tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    if choice != "auto":
+        raise InvalidRequest(
+            f"'tool_choice' = {show(choice)} is not supported: forcing a call needs generation "
+            "constrained to the tool's JSON schema (structured output), which this server does "
+            'not have yet; send "auto" (the model decides, its calls are parsed) or "none"',
+            param="tool_choice",
+        )
+    if parser is None:
+        raise InvalidRequest(
+            "'tools' with tool_choice \"auto\" needs a tool-call parser to read the model's "
+            "calls, and this gateway has none: start it with --tool-call-parser NAME (hermes, "
+            'llama3_json), or send tool_choice "none" (the tools reach the chat template, '
+            "the answer stays text)",
+            param="tools",
+        )
+    return parser
+
+
+def _tool_name(i: int, tool: object) -> str:
+    """A tool's function name, the tool checked: OpenAI's function tool shape."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if function is None or tool.get("type") != "function" or not isinstance(name, str) or not name:
+        raise InvalidRequest(
+            f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+            '"parameters": {...}}}}} (only function tools exist)',
+            param="tools",
+        )
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest(
+            f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+        )
+    return name
+
+
+def tool_fields(i: int, m: dict) -> dict:
+    """An assistant message's `tool_calls` (their arguments as objects, as chat templates
+    read them and as vLLM passes them) or a tool message's `tool_call_id`."""
+    out: dict = {}
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls must be an array", param="messages")
+        out["tool_calls"] = [_template_call(f"messages[{i}].tool_calls[{j}]", c)
+                             for j, c in enumerate(calls)]  # fmt: skip
+    call_id = m.get("tool_call_id")
+    if m["role"] == "tool" and call_id is not None:
+        if not isinstance(call_id, str):
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id must be a string, got {show(call_id)}",
+                param="messages",
+            )
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _template_call(where: str, call: object) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or call.get("type", "function") != "function":
+        raise InvalidRequest(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+            '"arguments": "<JSON>"}}}}',
+            param="messages",
+        )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(
+            f"{where}.function.arguments must be a JSON object written as a string",
+            param="messages",
+        )
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
