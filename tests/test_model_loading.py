@@ -246,7 +246,7 @@ def test_a_model_without_a_chat_template_refuses_chat_with_a_400(tiny_model, tmp
 
 def test_generation_defaults_are_read_and_checked(tiny_model, tmp_path):
     from services.common.errors import ModelLoadError
-    from services.common.model_config import GenerationDefaults
+    from services.common.generation_defaults import GenerationDefaults
 
     assert GenerationDefaults.from_dir(tiny_model) == GenerationDefaults()  # EOS ids only
     folder = copy_model(
@@ -267,7 +267,7 @@ def test_generation_defaults_are_read_and_checked(tiny_model, tmp_path):
 def test_a_requests_own_sampling_values_win_over_the_models_defaults():
     from services.common.convert import sampling_from_pb
     from services.common.gen.distserve.v1 import common_pb2
-    from services.common.model_config import GenerationDefaults
+    from services.common.generation_defaults import GenerationDefaults
     from services.gateway.openai_protocol import COMPLETIONS, parse
 
     defaults = GenerationDefaults(

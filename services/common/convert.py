@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.common.gen.distserve.v1 import common_pb2
+from services.common.generation_defaults import GenerationDefaults
 from services.common.logprobs import TokenLogprobs
-from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16

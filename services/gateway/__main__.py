@@ -14,10 +14,11 @@ from aiohttp import web
 
 from services.common import clock, mesh_tls, telemetry
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.generation_defaults import GenerationDefaults
 from services.common.hub import refuse_at_start, resolve_model
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
-from services.common.model_config import GenerationDefaults, ModelConfig
+from services.common.model_config import ModelConfig
 from services.common.server import (
     announce_ready,
     run,

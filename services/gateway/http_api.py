@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import clock, telemetry
 from services.common.errors import DistServeError, InvalidRequest, NotFound
-from services.common.model_config import GenerationDefaults
+from services.common.generation_defaults import GenerationDefaults
 from services.common.sampling import FinishReason
 from services.common.tokenizer import Tokenizer
 from services.gateway import openai_fields as fields

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import DistServeError, InvalidRequest
+from services.common.generation_defaults import GenerationDefaults
 from services.common.logprobs import MAX_LOGPROBS, TokenLogprobs
-from services.common.model_config import GenerationDefaults
 from services.common.sampling import FinishReason, SamplingParams
 from services.gateway.chat_template import ROLES, ChatPrompt
 from services.gateway.openai_fields import CHAT as CHAT

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from services.common.convert import sampling_from_pb
 from services.common.errors import DeadlineExceeded, InvalidRequest
-from services.common.model_config import GenerationDefaults, ModelConfig
+from services.common.generation_defaults import GenerationDefaults
+from services.common.model_config import ModelConfig
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 

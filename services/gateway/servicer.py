@@ -10,7 +10,7 @@ from services.common.gen.distserve.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
-from services.common.model_config import GenerationDefaults
+from services.common.generation_defaults import GenerationDefaults
 from services.common.tokenizer import Tokenizer
 from services.gateway.events import Done
 from services.gateway.prefix_index import CachedBlocks
