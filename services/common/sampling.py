@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
+from services.common.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -46,6 +47,11 @@ class SamplingParams:
     one (sampling only); min_tokens masks EOS and stop_token_ids (and ignores stop strings)
     until that many tokens were generated; logit_bias adds a bias to a token id's logit.
     Each has a value that switches it off: 0, 0, 1, 0, 0, ().
+
+    structured_output: what the answer must match (a JSON schema, any JSON object, a regex, a
+    choice or a grammar; services/common/structured_output.py): only tokens its grammar allows
+    are sampled, and the request ends with finish reason stop once the answer is complete.
+    None: free text.
     """
 
     max_tokens: int = 16
@@ -63,6 +69,7 @@ class SamplingParams:
     min_tokens: int = 0
     # (token id, bias) pairs in id order; a dict {id: bias} is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -154,6 +161,12 @@ class SamplingParams:
                     f"stop_token_ids must be integers >= 0, got {t!r}", param="stop_token_ids"
                 )
         self._validate_processors()
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise InvalidRequest(
+                "structured_output must be a StructuredOutput", param="structured_output"
+            )
 
     def _validate_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
