@@ -22,6 +22,7 @@ from services.gateway.chat_template import ROLES, ChatPrompt
 from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
+from services.gateway.openai_structured import structured_output
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
@@ -153,6 +154,7 @@ def parse(
         min_p=values.get("min_p", 0.0),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
+        structured_output=structured_output(values),
     )
     truncate = values.get("truncate_prompt_tokens")
     if truncate is not None and truncate != -1 and truncate < 1:

@@ -49,11 +49,15 @@ class Request:
         the prompt, fewer are left to generate, and the workers see a new call. (A seeded
         sampler does not replay its random stream: only greedy output is the same as without
         the move; nor do presence and frequency penalties, which count generated tokens only,
-        see the moved tokens, now part of the prompt.)"""
+        see the moved tokens, now part of the prompt.) A structured-output constraint replays
+        the moved tokens: the new instance's matcher reads them first, so the answer goes on
+        from the same grammar state."""
+        structured = self.params.structured_output
         params = dataclasses.replace(
             self.params,
             max_tokens=self.params.max_tokens - len(sent),
             min_tokens=max(0, self.params.min_tokens - len(sent)),
+            structured_output=structured.replayed(len(sent)) if structured else None,
         )
         return dataclasses.replace(
             self.attempt(), prompt_ids=[*self.prompt_ids, *sent], params=params
