@@ -129,24 +129,34 @@ class GrammarMask:
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
         """Set to -inf, in place, the logits (B, V) of every token the matcher of row rows[i]
         does not allow next. The masks are computed on the CPU while a GPU still runs the
-        step's forward (nothing here waits for it) and copied over as (n, V/32) words."""
+        step's forward (nothing here waits for it); a GPU gets them as (n, V/32) words and
+        unpacks them itself, a CPU unpacks them with numpy (faster there than torch's shifts).
+        """
         import torch
 
         n = len(rows)
         if n > self.bitmask.shape[0]:
             self.bitmask = llg_np.allocate_token_bitmask(n, self.vocab_size)
-        words = self.bitmask[:n]  # (n, W) int32, C-contiguous
+        words = self.bitmask[:n]  # (n, W) int32, C-contiguous: bit j of word w is token 32w+j
         llg_np.fill_next_token_bitmask_par(
             self.executor, [(m.ll, i) for i, m in enumerate(matchers)], words
         )
+        vocab = logits.shape[-1]
         device = logits.device
-        if self._shifts is None or self._shifts.device != device:
-            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
-        packed = torch.from_numpy(words).to(device, non_blocking=True)  # (n, W)
-        bits = (packed[:, :, None] >> self._shifts) & 1  # (n, W, 32), bit j of word w
-        allowed = bits.view(n, -1)[:, : logits.shape[-1]].bool()  # (n, V)
+        if device.type == "cpu":
+            refused = np.unpackbits(~words.view(np.uint8), axis=1, bitorder="little")
+            banned = torch.from_numpy(refused[:, :vocab].view(np.bool_))  # (n, V)
+        else:
+            if self._shifts is None or self._shifts.device != device:
+                self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+            packed = torch.from_numpy(~words).to(device, non_blocking=True)  # (n, W)
+            bits = (packed[:, :, None] >> self._shifts) & 1  # (n, W, 32)
+            banned = bits.view(n, -1)[:, :vocab].bool()  # (n, V)
+        if n == logits.shape[0]:  # every row constrained (rows are distinct and ascending)
+            logits.masked_fill_(banned, float("-inf"))
+            return
         index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 def _first_line(text: str) -> str:
