@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import common_pb2
 from services.common.generation_defaults import GenerationDefaults
 from services.common.logprobs import TokenLogprobs
 from services.common.sampling import FinishReason, SamplingParams
+from services.common.structured_output import GuideKind, StructuredOutput
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -45,7 +47,65 @@ def sampling_from_pb(
         logit_bias=dict(pb.logit_bias),
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        structured_output=(
+            structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None
+        ),
     )
+
+
+def structured_from_pb(pb: common_pb2.StructuredOutput) -> StructuredOutput:
+    """A validated StructuredOutput (InvalidRequest naming `structured_output` if not)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "structured_output sets no kind: give json_schema, json_object, regex, choice or "
+            "grammar",
+            param="structured_output",
+        )
+    if kind == "json_object" and not pb.json_object:
+        raise InvalidRequest(
+            "structured_output.json_object must be true (unset structured_output for free text)",
+            param="structured_output",
+        )
+    spec: str | tuple[str, ...] = {
+        "json_schema": lambda: pb.json_schema,
+        "json_object": lambda: "",
+        "regex": lambda: pb.regex,
+        "choice": lambda: tuple(pb.choice.choices),
+        "grammar": lambda: pb.grammar,
+    }[kind]()
+    return StructuredOutput(
+        _KIND_FROM_PB[kind],
+        spec,
+        any_whitespace=not pb.disable_any_whitespace,
+        replay_tokens=pb.replay_tokens,
+    )
+
+
+def structured_to_pb(s: StructuredOutput) -> common_pb2.StructuredOutput:
+    pb = common_pb2.StructuredOutput(
+        disable_any_whitespace=not s.any_whitespace, replay_tokens=s.replay_tokens
+    )
+    if s.kind is GuideKind.JSON:
+        pb.json_schema = s.spec
+    elif s.kind is GuideKind.JSON_OBJECT:
+        pb.json_object = True
+    elif s.kind is GuideKind.REGEX:
+        pb.regex = s.spec
+    elif s.kind is GuideKind.CHOICE:
+        pb.choice.choices.extend(s.spec)
+    else:
+        pb.grammar = s.spec
+    return pb
+
+
+_KIND_FROM_PB = {
+    "json_schema": GuideKind.JSON,
+    "json_object": GuideKind.JSON_OBJECT,
+    "regex": GuideKind.REGEX,
+    "choice": GuideKind.CHOICE,
+    "grammar": GuideKind.GRAMMAR,
+}
 
 
 def _given(pb: common_pb2.SamplingParams, name: str, default: float | None, neutral: float):
@@ -79,6 +139,8 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         pb.prompt_logprobs = p.prompt_logprobs
+    if p.structured_output is not None:
+        pb.structured_output.CopyFrom(structured_to_pb(p.structured_output))
     return pb
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidRequest
 from services.common.logprobs import MAX_LOGPROBS
+from services.common.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -52,6 +53,11 @@ class SamplingParams:
     logprobs k (None: off) returns each generated token's log-probability and the k most likely
     tokens' at its position; prompt_logprobs k the same for every prompt token but the first.
     Both are of the model's raw distribution (services/common/logprobs.py), k in [0, 20].
+
+    structured_output: what the answer must match (a JSON schema, any JSON object, a regex, a
+    choice or a grammar; services/common/structured_output.py): only tokens its grammar allows
+    are sampled, and the request ends with finish reason stop once the answer is complete.
+    None: free text.
     """
 
     max_tokens: int = 16
@@ -73,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -167,6 +174,12 @@ class SamplingParams:
                     f"stop_token_ids must be integers >= 0, got {t!r}", param="stop_token_ids"
                 )
         self._validate_processors()
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise InvalidRequest(
+                "structured_output must be a StructuredOutput", param="structured_output"
+            )
 
     def _validate_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -30,6 +30,10 @@ tokenizer), and for that shape it models
 * **log-probabilities**: none to report either. Inventing them (a point mass on the hash's
   token) would pass for a model's distribution, so a request asking for `logprobs` or
   `prompt_logprobs` is refused (INVALID_ARGUMENT / HTTP 400 naming the field and this engine).
+* **structured output** is honoured: a constrained sequence's token is drawn by the hash among
+  the tokens its grammar allows next (the real grammar engine, the real per-step mask cost on
+  the CPU), so its answers match their schema, regex or choice as a real model's do, and end
+  when complete (or at max_tokens: a hash does not aim for the end as a trained model does).
 
 What it proves, and what it does not: docs/engine.md ("The emulated engine").
 """
@@ -240,6 +244,9 @@ class EmulatedRunner:
             h = int.from_bytes(ctx.digest.digest(), "little") ^ self.seed
             if seq.params.temperature > 0:
                 h ^= int(seq.draw() * 2**53)
+            if seq.matcher is not None:
+                out.append(_allowed_draw(seq, h))
+                continue
             token = _mix(h) % self.vocab
             while token in seq.stop_token_ids and seq.num_output_tokens < seq.params.min_tokens:
                 h += 1
@@ -275,6 +282,16 @@ def _slots(seq: Sequence, first: int, end: int, bs: int) -> list[int]:
     """Cache slots of positions [first, end) of a sequence."""
     blocks = seq.block_table.blocks
     return [blocks[p // bs] * bs + p % bs for p in range(first, end)]
+
+
+def _allowed_draw(seq: Sequence, h: int) -> int:
+    """A structured-output sequence's next token: drawn by the hash among those its grammar
+    allows next (stop ids left out while min_tokens is unmet, unless nothing else is allowed)."""
+    allowed = seq.matcher.allowed()
+    if seq.num_output_tokens < seq.params.min_tokens:
+        free = allowed[~np.isin(allowed, list(seq.stop_token_ids))]
+        allowed = free if len(free) else allowed
+    return int(allowed[_mix(h) % len(allowed)])
 
 
 def _mix(h: int) -> int:

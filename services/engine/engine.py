@@ -43,6 +43,7 @@ from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
 from services.engine.shards import check_tp
+from services.engine.structured import GrammarCompiler
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +134,10 @@ class LLMEngine:
         self.last_step: tuple[str, int, int] = ("none", 0, 0)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        # Structured output: specs compiled against this model's tokenizer (on first use).
+        self.grammars = GrammarCompiler(
+            self.model_dir / "tokenizer.json", mc.vocab_size, mc.eos_token_ids
+        )
 
     def _loaded(self, mc: ModelConfig, config: EngineConfig) -> tuple[ModelRunner, int, str]:
         """The real runner: the model's weights (this rank's share), its KV cache, attention;
@@ -291,6 +296,7 @@ class LLMEngine:
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        spec = params.structured_output
         seq = Sequence(
             request_id,
             ids,
@@ -299,6 +305,7 @@ class LLMEngine:
             max_context=self.max_model_len,
             tokenizer=self.tokenizer if (self.detokenize or params.stop) else None,
             default_seed=_stable_seed(self.config.seed, request_id),
+            matcher=self.grammars.matcher(spec, ids) if spec is not None else None,
         )
         self._requests[request_id] = seq
         return seq

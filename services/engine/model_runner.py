@@ -29,6 +29,7 @@ from services.engine.sampler import (
     token_state,
 )
 from services.engine.sequence import Sequence
+from services.engine.structured import GrammarMask
 
 
 class ModelRunner:
@@ -45,6 +46,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         # Token counts of the decode batch's penalized sequences (DecodeBatch keeps them).
         self.token_counts = TokenCounts(self.vocab_size, self.device)
+        # Structured output: the bitmask of the batch's constrained sequences, each step.
+        self.grammar_mask = GrammarMask(max_num_seqs, self.vocab_size)
         # Decode inputs, reused every step: numpy arrays sharing memory with CPU tensors.
         self._ids = np.zeros(max_num_seqs, dtype=np.int64)
         self._pos = np.zeros(max_num_seqs, dtype=np.int64)
@@ -207,12 +210,23 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Pick the next token of each sequence (uses one draw of its stream if not greedy).
         A batch where every sequence is greedy and none uses a logits processor is one argmax;
-        the processors' inputs are built only for the rows that use them."""
+        the processors' inputs are built only for the rows that use them.
+
+        Structured output comes first, as in vLLM (its bitmask is applied to the logits before
+        its sampler computes logprobs or applies a processor): the tokens a constrained
+        sequence's grammar does not allow next are set to -inf; other rows pay nothing."""
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            self._mask(logits, constrained, seqs)
         temps = [s.params.temperature for s in seqs]
         processed = [i for i, s in enumerate(seqs) if s.processed]
         if not processed and not any(temps):
             return logits.argmax(dim=-1).tolist()
         return self._sample(logits, seqs, temps, processed)
+
+    @torch.inference_mode()  # the mask changes the (inference) logits in place
+    def _mask(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        self.grammar_mask.apply(logits, rows, [seqs[i].matcher for i in rows])
 
     @torch.inference_mode()  # the processors change the (inference) logits in place
     def _sample(

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.logprobs import TokenLogprobs
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.text_stream import TextStream
 from services.common.tokenizer import Tokenizer
 from services.engine.block_pool import BlockTable
+
+if TYPE_CHECKING:
+    from services.engine.structured import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -54,7 +58,10 @@ class Sequence:
         max_context: int,
         tokenizer: Tokenizer | None,
         default_seed: int,
+        matcher: Matcher | None = None,
     ) -> None:
+        """matcher: the grammar state of a structured-output request (services/engine/
+        structured.py), advanced over each appended token; None: free text."""
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
@@ -98,6 +105,7 @@ class Sequence:
         self.bias_ids = [t for t, _ in params.logit_bias]
         self.bias_values = [b for _, b in params.logit_bias]
         self.counts_row: int | None = None
+        self.matcher = matcher
         # The prompt's logprobs, set by the prefill that computed them, until they are reported.
         self.prompt_logprobs: list[TokenLogprobs] | None = None
 
@@ -139,11 +147,19 @@ class Sequence:
         return max(0, -(-num_tokens // block_size) - len(self.block_table))
 
     def append(self, token_id: int) -> str:
-        """Add a sampled token, decide whether the sequence is finished; return new text."""
+        """Add a sampled token, decide whether the sequence is finished; return new text.
+
+        A structured-output answer stops once complete: when its grammar admits nothing more
+        (at once: the only token left would be EOS), or when it could end and EOS came (even
+        with ignore_eos, which never stretches an answer past its grammar)."""
         self.token_ids.append(token_id)
         stream = self.text_stream
         delta = stream.add((token_id,)) if stream is not None else ""
-        if (stream is not None and stream.stopped) or token_id in self.stop_token_ids:
+        complete = False
+        if self.matcher is not None:
+            self.matcher.consume(token_id)
+            complete = self.matcher.done
+        if (stream is not None and stream.stopped) or token_id in self.stop_token_ids or complete:
             self.finish_reason = FinishReason.STOP
         elif (
             self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_context

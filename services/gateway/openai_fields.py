@@ -93,6 +93,37 @@ STOP = Kind(
     {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "a string or an array of strings",
 )
+STRINGS = Kind(
+    lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x),
+    {"type": "array", "items": {"type": "string"}},
+    "an array of strings",
+)
+GUIDED_JSON = Kind(
+    lambda x: isinstance(x, dict | str),
+    {"oneOf": [{"type": "object"}, {"type": "string"}]},
+    "a JSON schema (an object, or its JSON text)",
+)
+RESPONSE_FORMAT = Kind(
+    lambda x: isinstance(x, dict),
+    {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["schema"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+    },
+    'an object such as {"type": "json_object"}',
+)
 TOKEN_IDS = Kind(
     _is_token_ids, {"type": "array", "items": {"type": "integer"}}, "an array of integers"
 )
@@ -251,7 +282,6 @@ def _r(name, endpoints, about, defaults=(), origin=OPENAI) -> Field:
 _C, _H = (COMPLETIONS,), (CHAT,)
 _RENDER = (CHAT, TOKENIZE_CHAT)  # what renders messages with the chat template
 _OLD_FUNCTIONS = "OpenAI's deprecated form of tools; send `tools` and `tool_choice`"
-_NO_STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
 
 FIELDS: tuple[Field, ...] = (
     # The prompt ------------------------------------------------------------------------------
@@ -400,15 +430,30 @@ FIELDS: tuple[Field, ...] = (
     _r("web_search_options", _H, "this server does not search the web"),
     _r("prediction", _H, "predicted outputs are not supported"),
     # Structured output -----------------------------------------------------------------------
-    _r("response_format", BOTH, _NO_STRUCTURED, ({"type": "text"},)),
-    _r("structured_outputs", BOTH, _NO_STRUCTURED, origin=VLLM),
-    _r("guided_json", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("guided_regex", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("guided_choice", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("guided_grammar", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("guided_decoding_backend", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("guided_whitespace_pattern", BOTH, _NO_STRUCTURED, origin=VLLM_OLD),
-    _r("structural_tag", _H, _NO_STRUCTURED, origin=VLLM_OLD),
+    _h("response_format", BOTH, '`{"type": "json_object"}`: the answer is a JSON object; '
+       '`{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`: a JSON value '
+       "valid against `schema` (enforced while sampling, whatever `strict` says); "
+       '`{"type": "text"}`: free text. The request ends (`stop`) once the answer is complete.',
+       RESPONSE_FORMAT),
+    _h("structured_outputs", BOTH, "One constraint on the answer: `json` (a schema), `regex`, "
+       "`choice` (strings), `grammar` (Lark or GBNF) or `json_object: true`; with "
+       "`disable_any_whitespace` (JSON: no whitespace beyond the separators'). "
+       "`disable_fallback` holds either way (one grammar engine, no fallback).", OBJECT, VLLM),
+    _h("guided_json", BOTH, "The answer is JSON valid against this schema (an object, or its "
+       "JSON text).", GUIDED_JSON, VLLM_OLD),
+    _h("guided_regex", BOTH, "The answer matches this regular expression (Rust regex syntax).",
+       STRING, VLLM_OLD),
+    _h("guided_choice", BOTH, "The answer is exactly one of these strings.", STRINGS,
+       VLLM_OLD),
+    _h("guided_grammar", BOTH, "The answer follows this context-free grammar (Lark, or GBNF "
+       "as `root ::= ...`).", STRING, VLLM_OLD),
+    _r("guided_decoding_backend", BOTH, "this server's grammar engine is llguidance (vLLM's "
+       "`guidance`); no other is loaded", ("auto", "guidance"), VLLM_OLD),
+    _r("guided_whitespace_pattern", BOTH, "a custom whitespace pattern is not supported; "
+       "`structured_outputs.disable_any_whitespace` allows none beyond the separators'",
+       origin=VLLM_OLD),
+    _r("structural_tag", _H, "structural tags (grammars triggered inside free text) are not "
+       "supported yet", origin=VLLM_OLD),
     # Serving ---------------------------------------------------------------------------------
     _h("user", BOTH, "An end-user id, written to the gateway's log.", STRING),
     _h("safety_identifier", _H, "An end-user id (OpenAI's successor of `user`), written to the "

@@ -26,6 +26,7 @@ from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
 from services.gateway.openai_logprobs import LogprobsWriter, TokenTexts, prompt_logprobs
+from services.gateway.openai_structured import structured_output
 from services.gateway.openai_tools import tool_choice, tool_fields
 from services.gateway.tool_parsers import ToolParser, tool_calls
 
@@ -174,6 +175,7 @@ def parse(
         min_p=values.get("min_p", _default(defaults.min_p, 0.0)),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
+        structured_output=structured_output(values),
     )
     logprobs = _logprobs(endpoint, values)
     prompt_k = values.get("prompt_logprobs")

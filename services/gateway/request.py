@@ -51,12 +51,16 @@ class Request:
         sampler does not replay its random stream: only greedy output is the same as without
         the move; nor do presence and frequency penalties, which count generated tokens only,
         see the moved tokens, now part of the prompt.) Once a token was sent, so were the
-        prompt's logprobs (with the first): the rest does not ask for them again."""
+        prompt's logprobs (with the first): the rest does not ask for them again. A
+        structured-output constraint replays the moved tokens: the new instance's matcher reads
+        them first, so the answer goes on from the same grammar state."""
+        structured = self.params.structured_output
         params = dataclasses.replace(
             self.params,
             max_tokens=self.params.max_tokens - len(sent),
             min_tokens=max(0, self.params.min_tokens - len(sent)),
             prompt_logprobs=None if sent else self.params.prompt_logprobs,
+            structured_output=structured.replayed(len(sent)) if structured else None,
         )
         return dataclasses.replace(
             self.attempt(), prompt_ids=[*self.prompt_ids, *sent], params=params

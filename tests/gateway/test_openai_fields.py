@@ -8,9 +8,11 @@ list is refused too, naming the field meant. Then the other endpoints: /tokenize
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
+import jsonschema
 import pytest
 import requests
 
@@ -57,7 +59,15 @@ KNOWN = [
     ("messages", (H,), HONOURED, "REQUIRED"),
     ("max_completion_tokens", (H,), HONOURED, 3),
     ("top_logprobs", (H,), HONOURED, 2),
-    ("response_format", BOTH, REFUSED, {"type": "json_object"}),  # vLLM: completions too
+    (
+        "response_format",
+        BOTH,
+        HONOURED,
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "c", "schema": {"enum": ["red", "green", "blue"]}},
+        },
+    ),  # vLLM: completions too
     ("tools", (H,), HONOURED, [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", (H,), HONOURED, "none"),
     ("parallel_tool_calls", (H,), REFUSED, False),
@@ -91,7 +101,7 @@ KNOWN = [
     ("prompt_logprobs", BOTH, HONOURED, 1),
     ("allowed_token_ids", BOTH, REFUSED, [5, 6]),
     ("add_special_tokens", BOTH, HONOURED, "FLIPPED"),
-    ("structured_outputs", BOTH, REFUSED, {"regex": "a+"}),
+    ("structured_outputs", BOTH, HONOURED, {"regex": "[a-z]{2,4}-[0-9]"}),
     ("priority", BOTH, REFUSED, 1),
     ("request_id", BOTH, HONOURED, "walk-1"),
     ("logits_processors", BOTH, REFUSED, ["my.Processor"]),
@@ -116,10 +126,20 @@ KNOWN = [
     ("chat_template_kwargs", (H,), HONOURED, {"enable_thinking": False}),
     ("mm_processor_kwargs", (H,), REFUSED, {"size": 1}),
     # vLLM before its structured_outputs field
-    ("guided_json", BOTH, REFUSED, {"type": "object"}),
-    ("guided_regex", BOTH, REFUSED, "a+"),
-    ("guided_choice", BOTH, REFUSED, ["yes", "no"]),
-    ("guided_grammar", BOTH, REFUSED, "root ::= 'a'"),
+    (
+        "guided_json",
+        BOTH,
+        HONOURED,
+        {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    ),
+    ("guided_regex", BOTH, HONOURED, "[a-z]{2,4}-[0-9]"),
+    ("guided_choice", BOTH, HONOURED, ["yes", "no"]),
+    ("guided_grammar", BOTH, HONOURED, 'root ::= "x" [0-9] "y"'),
     ("guided_decoding_backend", BOTH, REFUSED, "xgrammar"),
     ("guided_whitespace_pattern", BOTH, REFUSED, " *"),
     ("structural_tag", (H,), REFUSED, "{}"),
@@ -259,6 +279,14 @@ def _ids(walk: Walk, **fields) -> list[int]:
 
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+STRUCTURED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def effect_of(name: str, walk: Walk, value) -> None:
@@ -380,6 +408,19 @@ def effect_of(name: str, walk: Walk, value) -> None:
         kwargs = {"add_generation_prompt": name == "documents", name: value}
         want = walk.template_ids(messages, **kwargs)
         assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
+    elif name in STRUCTURED:
+        # The answer (free text without the field) is what the constraint allows, complete.
+        reply = walk.ok(max_tokens=64, **{name: value})
+        assert reply["choices"][0]["finish_reason"] == "stop", (name, reply)
+        answer = text(e, reply)
+        if name in ("response_format", "guided_json"):
+            schema = value["json_schema"]["schema"] if name == "response_format" else value
+            jsonschema.validate(json.loads(answer), schema)
+        elif name == "guided_choice":
+            assert answer in value
+        else:
+            pattern = {"guided_grammar": "x[0-9]y"}.get(name, "[a-z]{2,4}-[0-9]")
+            assert re.fullmatch(pattern, answer), answer
     elif name == "chat_template_kwargs":
         reply = walk.ok(return_token_ids=True, chat_template_kwargs=value)
         want = walk.template_ids(MESSAGES, add_generation_prompt=True, **value)
