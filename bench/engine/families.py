@@ -30,7 +30,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from tests.engine.families import write_family
 
-SMALL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12)
+SMALL = dict(
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=2048
+)
 GATED = dict(intermediate_size=3072, num_key_value_heads=4)
 # Each family at about the `small` preset's size: its own names for the same shape.
 SIZES: dict[str, dict] = {
