@@ -416,8 +416,9 @@ FIELDS: tuple[Field, ...] = (
        "variable. With tool_choice `auto` the answer is read by the gateway's "
        "`--tool-call-parser` into `message.tool_calls` (without a parser: a 400).", TOOLS),
     _h("tool_choice", _H, "`auto` (the default with tools): the model decides, its calls "
-       "are parsed; `none`: tools reach the template, the answer is text. `required` and a "
-       "named function need constrained generation, not built yet: a 400.", TOOL_CHOICE),
+       "are parsed; `none`: tools reach the template, the answer is text; `required` or a "
+       "named function: the answer is constrained to one call of the tools (the named one).",
+       TOOL_CHOICE),
     _r("parallel_tool_calls", _H, "the model writes as many calls as it chooses; this server "
        "cannot hold it to one (that needs constrained generation)", (True,)),
     _r("functions", _H, _OLD_FUNCTIONS, ([],)),

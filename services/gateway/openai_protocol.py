@@ -21,6 +21,7 @@ from services.common.errors import DistServeError, InvalidRequest
 from services.common.generation_defaults import GenerationDefaults
 from services.common.logprobs import MAX_LOGPROBS, TokenLogprobs
 from services.common.sampling import FinishReason, SamplingParams
+from services.common.structured_output import StructuredOutput
 from services.gateway.chat_template import ROLES, ChatPrompt
 from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
@@ -132,9 +133,9 @@ def parse(
     stop_token_ids = tuple(values.get("stop_token_ids", ()))
     echo = values.get("echo", False)
     continued = ""
-    parser = None
+    parser = forced = None
     if endpoint == CHAT:
-        parser = tool_choice(values, tool_parser)
+        parser, forced = tool_choice(values, tool_parser)
         messages = _messages(values["messages"])
         chat = render(values, messages, render_chat)
         prompt: str | list[int] = chat.text
@@ -175,7 +176,7 @@ def parse(
         min_p=values.get("min_p", _default(defaults.min_p, 0.0)),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
-        structured_output=structured_output(values),
+        structured_output=_constraint(values, forced),
     )
     logprobs = _logprobs(endpoint, values)
     prompt_k = values.get("prompt_logprobs")
@@ -245,6 +246,19 @@ def _logit_bias(value: dict) -> dict[int, object]:
             )
         out[int(key)] = bias
     return out
+
+
+def _constraint(values: dict, forced: StructuredOutput | None) -> StructuredOutput | None:
+    """The answer's constraint: the request's structured output, or the one forcing a tool
+    call (tool_choice "required" or a named function); both at once is a 400."""
+    asked = structured_output(values)
+    if forced is not None and asked is not None:
+        raise InvalidRequest(
+            f"'tool_choice' = {show(values['tool_choice'])} constrains the answer to a tool "
+            "call, and so it cannot also follow response_format / structured output: send one",
+            param="tool_choice",
+        )
+    return forced or asked
 
 
 def _default(value: float | None, fallback: float) -> float:

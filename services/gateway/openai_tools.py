@@ -9,20 +9,28 @@ from __future__ import annotations
 import json
 
 from services.common.errors import InvalidRequest
+from services.common.structured_output import GuideKind, StructuredOutput
 from services.gateway.openai_fields import show
-from services.gateway.tool_parsers import ToolParser
+from services.gateway.tool_parsers import Llama3JsonParser, ToolParser
 
 
-def tool_choice(values: dict, parser: ToolParser | None) -> ToolParser | None:
-    """The parser of the answer: `parser` under tool_choice "auto" (the default when tools
-    are sent), None under "none". Checks every tool; refuses "auto" without a parser (as
-    vLLM does), and "required" or a named function, which need generation constrained to the
-    tools' schemas."""
+def tool_choice(
+    values: dict, parser: ToolParser | None
+) -> tuple[ToolParser | None, StructuredOutput | None]:
+    """The parser of the answer and, when a call is forced, the constraint that forces it.
+
+    "auto" (the default when tools are sent): `parser` (the gateway's --tool-call-parser)
+    reads the model's own calls; refused without one, as vLLM does. "none": no parser.
+    "required" and a named function: the answer is constrained (structured output) to one
+    call, `{"name": ..., "parameters": {...}}` of the named function or of any tool, its
+    parameters valid against the tool's schema, and read as such whatever the model's own
+    format (as vLLM forces them with its guided decoding). One call: parallel calls come
+    from "auto"."""
     tools = values.get("tools") or []
     choice = values.get("tool_choice", "auto" if tools else "none")
     names = [_tool_name(i, t) for i, t in enumerate(tools)]
     if choice == "none":
-        return None
+        return None, None
     if not tools:
         raise InvalidRequest(
             f"'tool_choice' = {show(choice)} needs 'tools' to choose from: send tools, or "
@@ -44,11 +52,14 @@ def tool_choice(values: dict, parser: ToolParser | None) -> ToolParser | None:
                 f"tools ({', '.join(names)})",
                 param="tool_choice",
             )
+        forced = [t for t in tools if t["function"]["name"] == name]
+        return Llama3JsonParser(), _one_call_of(forced)
+    if choice == "required":
+        return Llama3JsonParser(), _one_call_of(tools)
     if choice != "auto":
         raise InvalidRequest(
-            f"'tool_choice' = {show(choice)} is not supported: forcing a call needs generation "
-            "constrained to the tool's JSON schema (structured output), which this server does "
-            'not have yet; send "auto" (the model decides, its calls are parsed) or "none"',
+            f'\'tool_choice\' must be "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {show(choice)}',
             param="tool_choice",
         )
     if parser is None:
@@ -59,7 +70,25 @@ def tool_choice(values: dict, parser: ToolParser | None) -> ToolParser | None:
             "the answer stays text)",
             param="tools",
         )
-    return parser
+    return parser, None
+
+
+def _one_call_of(tools: list[dict]) -> StructuredOutput:
+    """The constraint of an answer that is one call of one of `tools`."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return StructuredOutput(GuideKind.JSON, json.dumps(schema), any_whitespace=False)
 
 
 def _tool_name(i: int, tool: object) -> str:

@@ -438,8 +438,12 @@ def effect_of(name: str, walk: Walk, value) -> None:
         want = walk.template_ids(MESSAGES, tools=tools, add_generation_prompt=True)
         assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
         assert "tool_calls" not in reply["choices"][0]["message"]
-        status, reply = walk.send(tools=tools, tool_choice="required")
-        assert status == 400 and reply["error"]["param"] == "tool_choice"
+        # Forced (no parser needed): one call, its parameters the empty object its schema allows.
+        empty = {"type": "object", "properties": {}, "additionalProperties": False}
+        closed = [{"type": "function", "function": {"name": "f", "parameters": empty}}]
+        reply = walk.ok(tools=closed, tool_choice="required", max_tokens=40)
+        [call] = reply["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("f", {})
     elif name in ("logprobs", "top_logprobs"):
         _check_logprobs(walk, name, value)
     elif name == "prompt_logprobs":

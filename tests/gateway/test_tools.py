@@ -326,11 +326,10 @@ def test_tool_choice_none_renders_tools_and_returns_text(server, model):
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"tool_choice": "required"}, "tool_choice", "structured output"),
         (
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
-            "structured output",
+            "cannot also follow response_format",
         ),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -347,3 +346,53 @@ def test_what_cannot_be_honoured_is_refused_by_name(server, model, fields, param
     r = requests.post(f"http://{address}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert words in r.json()["error"]["message"]
+
+
+# A city among two and nothing else: a forced call's answer is short whatever the random model
+# draws (an open string could run to max_tokens).
+BOUNDED = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+def test_a_forced_tool_call_is_one_call_valid_against_its_tools_schema(
+    server, model, choice, stream
+):
+    """tool_choice "required" or a named function: generation is constrained (structured
+    output) to one call of the tools (of the named one), its parameters valid against the
+    tool's schema; the reply holds it as tool_calls whatever the model (here a random one)."""
+    address, _ = server
+    fields = dict(
+        model=model.name, messages=[USER], tools=BOUNDED, tool_choice=choice, max_tokens=60
+    )
+    client = _client(address)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **fields))
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        name = deltas[0].function.name
+        arguments = "".join(d.function.arguments or "" for d in deltas)
+        reason = next(c.choices[0].finish_reason for c in chunks[::-1] if c.choices)
+    else:
+        reply = client.chat.completions.create(**fields)
+        [call] = reply.choices[0].message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+        reason = reply.choices[0].finish_reason
+    assert reason == "tool_calls"
+    assert name in ({"get_weather", "get_time"} if choice == "required" else {"get_time"})
+    assert json.loads(arguments)["city"] in ("Paris", "Rome")
