@@ -17,20 +17,31 @@ from types import MappingProxyType
 
 from services.common.errors import ModelLoadError, UnsupportedModel
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL, SLIDING = "full_attention", "sliding_attention"  # config.json's layer_types
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: base `theta` and an optional scaling of its frequencies."""
+    """Rotary embedding: base `theta` and an optional scaling of its frequencies (the math:
+    services/engine/rope.py)."""
 
     theta: float = 10000.0
     type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    # yarn only: the ramp between extrapolated and interpolated frequencies (in rotations over
+    # the original context), and the magnitude scales (0: unset). attention_factor multiplies
+    # cos and sin (None: derived from factor, mscale and mscale_all_dim, as transformers does);
+    # mscale_all_dim also scales the softmax of multi-head latent attention (DeepSeek).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True  # round the ramp's ends outward to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -94,20 +105,85 @@ def _check_opt(raw: dict) -> None:
         raise UnsupportedModel("OPT without layer_norm_elementwise_affine is not implemented")
 
 
+TOPK_METHODS = ("greedy", "group_limited_greedy")  # DeepSeek-V2's routers we implement
+
+
+def _deepseek_sparse(raw: dict, layer: int) -> bool:
+    """Whether a DeepSeek-V2 layer holds experts: those from `first_k_dense_replace` on
+    (transformers' DeepseekV2DecoderLayer's rule; the others keep a dense MLP)."""
+    return layer >= int(raw.get("first_k_dense_replace", 0))
+
+
 def _check_deepseek_v2(raw: dict) -> None:
-    dense = int(raw.get("first_k_dense_replace", 0))
-    if dense < int(raw.get("num_hidden_layers", 0)):
-        raise UnsupportedModel(
-            f"DeepSeek-V2 with mixture-of-experts layers (layers from first_k_dense_replace = "
-            f"{dense} on) is not implemented: its dense layers and multi-head latent attention "
-            "are (first_k_dense_replace >= num_hidden_layers)"
+    """Refuse the router options of DeepSeek's checkpoints that we do not implement, and check
+    the group-limited router's sizes."""
+    dense = raw.get("first_k_dense_replace", 0)
+    if not isinstance(dense, int) or dense < 0:
+        raise ModelLoadError(
+            f"config.json: first_k_dense_replace must be an integer >= 0, got {dense!r}"
         )
+    if dense >= int(raw.get("num_hidden_layers", 0)):
+        return  # every layer dense: no router to read
+    experts, top_k = experts_of(raw)
+    scoring = raw.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise UnsupportedModel(
+            f"DeepSeek-V2 with scoring_func {scoring!r} is not implemented; supported: 'softmax'"
+        )
+    method = raw.get("topk_method") or "greedy"
+    if method not in TOPK_METHODS:
+        raise UnsupportedModel(
+            f"DeepSeek-V2 with topk_method {method!r} is not implemented; supported: "
+            f"{', '.join(TOPK_METHODS)}"
+        )
+    if raw.get("norm_topk_prob"):
+        raise UnsupportedModel(
+            "DeepSeek-V2 with norm_topk_prob true is not implemented (transformers ignores it, "
+            "DeepSeek's own code renormalises instead of applying routed_scaling_factor); "
+            "DeepSeek-V2's checkpoints set it false"
+        )
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise UnsupportedModel(
+            f"DeepSeek-V2 with moe_layer_freq {raw['moe_layer_freq']!r} is not implemented "
+            "(transformers puts experts on every layer from first_k_dense_replace on); "
+            "supported: 1"
+        )
+    if method == "group_limited_greedy":
+        groups, top_groups = raw.get("n_group"), raw.get("topk_group")
+        if not isinstance(groups, int) or groups < 1 or experts % groups:
+            raise ModelLoadError(
+                f"config.json: group_limited_greedy needs n_group, an integer >= 1 dividing "
+                f"n_routed_experts ({experts}); got {groups!r}"
+            )
+        if not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+            raise ModelLoadError(
+                f"config.json: group_limited_greedy needs 1 <= topk_group <= n_group ({groups}); "
+                f"got {top_groups!r}"
+            )
+        if top_k > top_groups * (experts // groups):
+            raise ModelLoadError(
+                f"config.json: num_experts_per_tok ({top_k}) exceeds the experts of topk_group "
+                f"({top_groups}) groups of {experts // groups}"
+            )
 
 
 def _deepseek_latent(raw: dict) -> int:
     """MLA caches, per token and layer, the compressed KV (kv_lora_rank) and the shared rotary
     key (qk_rope_head_dim)."""
     return int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64))
+
+
+def latent_attention_params(raw: Mapping) -> int:
+    """Parameters of one layer of DeepSeek-V2's multi-head latent attention (the planner counts
+    weights with it): q (low-rank when q_lora_rank is set), kv_a with its norm, kv_b and o."""
+    h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    rank, rope = int(raw.get("kv_lora_rank", 512)), int(raw.get("qk_rope_head_dim", 64))
+    nope, v = int(raw.get("qk_nope_head_dim", 128)), int(raw.get("v_head_dim", 128))
+    q_rank = raw.get("q_lora_rank")
+    q_out = heads * (nope + rope)
+    q = h * q_out if q_rank is None else h * int(q_rank) + int(q_rank) + int(q_rank) * q_out
+    kv = h * (rank + rope) + rank + rank * heads * (nope + v)
+    return q + kv + heads * v * h
 
 
 def _check_phi3(raw: dict) -> None:
@@ -117,9 +193,9 @@ def _check_phi3(raw: dict) -> None:
 
 def experts_of(raw: dict) -> tuple[int, int]:
     """(experts per MoE layer, experts each token is routed to) of a mixture-of-experts
-    config.json: `num_local_experts` (Mixtral, and what transformers 5 writes) or `num_experts`
-    (Qwen3-MoE on the Hub), and `num_experts_per_tok`."""
-    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    config.json: `num_local_experts` (Mixtral, and what transformers 5 writes), `n_routed_experts`
+    (DeepSeek) or `num_experts` (Qwen3-MoE on the Hub), and `num_experts_per_tok`."""
+    key = next((k for k in ("num_local_experts", "n_routed_experts") if k in raw), "num_experts")
     try:
         experts, top_k = int(raw[key]), int(raw["num_experts_per_tok"])
     except KeyError as e:
@@ -196,7 +272,12 @@ ARCHITECTURES: dict[str, Family] = {
         sparse=_qwen3_moe_sparse,
     ),
     "DeepseekV2ForCausalLM": Family(
-        "deepseek_v2", biases=_llama_biases, check=_check_deepseek_v2, latent=_deepseek_latent
+        "deepseek_v2",
+        biases=_llama_biases,
+        intermediate="moe_intermediate_size",
+        check=_check_deepseek_v2,
+        latent=_deepseek_latent,
+        sparse=_deepseek_sparse,
     ),
     EMULATED: Family("emulated", activations=("silu", "relu", "gelu", "gelu_pytorch_tanh")),
 }
@@ -215,8 +296,11 @@ class ModelConfig:
     whole by every tensor-parallel rank; num_kv_heads is then 1 and head_dim the latent's width.
     A mixture of experts: `sparse_layers` hold `num_experts` experts of intermediate_size each,
     `experts_per_token` of them run per token; the other layers' dense MLP is
-    `dense_intermediate_size` wide. raw: the whole config.json, for what only the family's model
-    code reads.
+    `dense_intermediate_size` wide; `shared_intermediate_size`: the width of the shared experts
+    (DeepSeek-V2's n_shared_experts x the experts' width), one dense MLP every token of a
+    sparse layer also runs. Without a sparse layer (DeepSeek-V2 with first_k_dense_replace >=
+    num_hidden_layers) a model is dense: num_experts 0, intermediate_size the dense width.
+    raw: the whole config.json, for what only the family's model code reads.
     """
 
     architecture: str
@@ -244,6 +328,7 @@ class ModelConfig:
     experts_per_token: int = 0
     sparse_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
     raw: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -303,13 +388,16 @@ class ModelConfig:
             window = raw.get("sliding_window")
             window = int(window) if window else None
             latent = family.latent(raw)
-            experts, top_k = experts_of(raw) if family.sparse else (0, 0)
             sparse = tuple(i for i in range(layers) if family.sparse and family.sparse(raw, i))
+            experts, top_k = experts_of(raw) if sparse else (0, 0)
+            # A mixture of experts' width is its experts'; without sparse layers, the dense one.
+            width = family.intermediate if sparse or not family.sparse else "intermediate_size"
+            shared = int(raw.get("n_shared_experts") or 0) * int(raw[width]) if sparse else 0
             cfg = cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw[family.intermediate]),
+                intermediate_size=int(raw[width]),
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=1 if latent else int(raw.get("num_key_value_heads") or heads),
@@ -331,6 +419,7 @@ class ModelConfig:
                 experts_per_token=top_k,
                 sparse_layers=sparse,
                 dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+                shared_intermediate_size=shared,
                 raw=MappingProxyType(dict(raw)),
             )
         except KeyError as e:
@@ -397,18 +486,40 @@ def _rope(raw: dict) -> RopeConfig:
         )
     if kind == "default":
         return RopeConfig(theta=theta)
-    factor = float(params.get("factor", 1.0))
+    # The pretraining context: a top-level original_max_position_embeddings first (Phi-3 keeps
+    # it there), then the scaling's own, else the model's context (transformers' order).
+    original = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", raw.get("max_position_embeddings", 2048)
+    )
+    factor = params.get("factor")
+    if factor is None and kind == "yarn":  # yarn may leave it to the two contexts' ratio
+        factor = int(raw.get("max_position_embeddings", 2048)) / int(original)
+    factor = float(1.0 if factor is None else factor)
     if factor < 1.0:
         raise UnsupportedModel(f"rope scaling factor must be >= 1, got {factor}")
     if kind == "linear":
         return RopeConfig(theta=theta, type=kind, factor=factor)
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            type=kind,
+            factor=factor,
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         type=kind,
         factor=factor,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

@@ -51,6 +51,12 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     sparse_layers: int = 0
+    # DeepSeek-V2's shared experts: a dense MLP of this width that every token of a sparse
+    # layer runs beside its routed experts (stored and active).
+    shared_intermediate_size: int = 0
+    # One layer's attention parameters where the heads do not give them (multi-head latent
+    # attention's low-rank projections); 0: from the heads.
+    attention_params: int = 0
     # What a token caches per layer: kv_planes (2: K and V; 1: a latent, multi-head latent
     # attention) of num_kv_heads x kv_head_dim (0: head_dim).
     kv_planes: int = 2
@@ -63,9 +69,10 @@ class ModelSpec:
     def _params(self, experts: int) -> int:
         h = self.hidden_size
         d = self.head_dim if self.kv_planes == 1 else (self.kv_head_dim or self.head_dim)
-        attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attention = self.attention_params or h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         dense = self.mlp_matrices * h * self.intermediate_size
-        sparse = experts * self.mlp_matrices * h * self.expert_intermediate_size
+        width = experts * self.expert_intermediate_size + self.shared_intermediate_size
+        sparse = self.mlp_matrices * h * width
         sparse += h * self.num_experts  # the router
         mlps = (self.num_layers - self.sparse_layers) * dense + self.sparse_layers * sparse
         embeddings = 2 * self.vocab_size * h  # input table and LM head
@@ -139,7 +146,7 @@ def from_dir(path: Path) -> ModelSpec:
     """The spec of a Hugging Face folder our engine serves, in its stored dtype. An OPT folder
     of a published model's shape is that model (`published`: the planner then times it with the
     published profile, as `--model-spec opt-13b` does)."""
-    from services.common.model_config import ModelConfig
+    from services.common.model_config import ModelConfig, latent_attention_params
 
     mc = ModelConfig.from_dir(path)
     opt = mc.architecture == "OPTForCausalLM"
@@ -159,6 +166,8 @@ def from_dir(path: Path) -> ModelSpec:
         experts_per_token=mc.experts_per_token,
         expert_intermediate_size=mc.intermediate_size if mc.num_experts else 0,
         sparse_layers=len(mc.sparse_layers),
+        shared_intermediate_size=mc.shared_intermediate_size,
+        attention_params=latent_attention_params(mc.raw) if mc.kv_latent else 0,
         kv_planes=1 if mc.kv_latent else 2,
         kv_head_dim=0 if mc.head_dim == mc.hidden_size // mc.num_heads else mc.head_dim,
     )

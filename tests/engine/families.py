@@ -77,25 +77,52 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             "norm_topk_prob": False,
         },
     ),
+    # DeepSeek-V2 as its checkpoints are: a dense first layer, then mixtures of experts (8 routed
+    # in 4 groups, each token's top 3 within its 2 best groups, scaled; a shared expert), and
+    # yarn rope scaling whose mscales differ, so that both cos/sin and the softmax are scaled.
     "deepseek-v2": (
         "DeepseekV2Config",
         {
             **SMALL,
+            "num_hidden_layers": 3,
             "intermediate_size": 160,
-            "first_k_dense_replace": 2,  # every layer dense: MoE layers are refused
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 3,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+            "n_shared_experts": 1,
             "q_lora_rank": 48,
             "kv_lora_rank": 32,
             "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8,
             "v_head_dim": 24,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
         },
     ),
-    "deepseek-v2-plain-q": (  # q_lora_rank None: one q_proj, as DeepSeek-V2-Lite
+    # q_lora_rank None: one q_proj, as DeepSeek-V2-Lite; and as it, the greedy router over
+    # every layer's experts (here from layer 0), two shared experts, plain rotary positions.
+    "deepseek-v2-plain-q": (
         "DeepseekV2Config",
         {
             **SMALL,
             "intermediate_size": 160,
-            "first_k_dense_replace": 2,
+            "first_k_dense_replace": 0,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "topk_method": "greedy",
+            "n_shared_experts": 2,
             "q_lora_rank": None,
             "kv_lora_rank": 32,
             "qk_nope_head_dim": 16,

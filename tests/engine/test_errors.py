@@ -81,9 +81,11 @@ def test_unknown_architecture_names_the_supported_ones(tiny_model, tmp_path):
 def test_unsupported_rope_scaling(tiny_model, tmp_path):
     path = copy_model(tiny_model, tmp_path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModel, match="supported: default, linear, llama3"):
+    with pytest.raises(
+        UnsupportedModel, match="'dynamic'; supported: default, linear, llama3, yarn"
+    ):
         LLMEngine(path)
 
 

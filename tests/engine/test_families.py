@@ -32,6 +32,8 @@ transformers = pytest.importorskip("transformers")
 MOE = {
     "mixtral": ("block_sparse_moe", "w1", [0, 1]),
     "qwen3-moe": ("mlp", "gate_proj", [0, 2]),  # layer 1 is in mlp_only_layers: dense
+    "deepseek-v2": ("mlp", "gate_proj", [1, 2]),  # first_k_dense_replace 1: layer 0 dense
+    "deepseek-v2-plain-q": ("mlp", "gate_proj", [0, 1]),
 }
 
 
@@ -142,22 +144,30 @@ def test_flash_attention_matches_torch_attention_on_cuda(family, name):
 def test_moe_checkpoint_is_per_expert_and_prompts_reach_every_expert(family, name):
     """The loader reads the Hub layout (one tensor per expert and projection, as
     save_pretrained writes it); and the exactness tests above exercise real routing: across a
-    prompt's tokens, every MoE layer sends tokens to every one of its experts."""
+    prompt's tokens, every MoE layer sends tokens to every one of its experts. A group-limited
+    router (DeepSeek-V2's) picks each token's experts within its topk_group groups."""
     path = family(name)
     block, gate, moe_layers = MOE[name]
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert f"model.layers.0.{block}.experts.3.{gate}.weight" in keys
+    first = moe_layers[0]
+    assert f"model.layers.{first}.{block}.experts.3.{gate}.weight" in keys
     assert not any(k.endswith("gate_up_proj") for k in keys)  # not transformers' fused layout
 
     engine = LLMEngine(path, EngineConfig(num_blocks=64, block_size=16, prefix_cache=False))
+    mc = engine.model_config
     chosen: dict[int, set[int]] = {}
+    groups_used: set[int] = set()
     hooks = []
     for i, layer in enumerate(engine.runner.model.model.layers):
         if isinstance(layer.mlp, SparseMoE):
 
             def record(module, args, i=i):
-                chosen.setdefault(i, set()).update(module.route(args[0])[1].flatten().tolist())
+                experts = module.route(args[0])[1]  # (T, k)
+                chosen.setdefault(i, set()).update(experts.flatten().tolist())
+                if module.group_limit is not None:
+                    size = mc.num_experts // module.group_limit.groups
+                    groups_used.update(len(set((row // size).tolist())) for row in experts)
 
             hooks.append(layer.mlp.register_forward_pre_hook(record))
     gen = torch.Generator().manual_seed(3)
@@ -167,7 +177,9 @@ def test_moe_checkpoint_is_per_expert_and_prompts_reach_every_expert(family, nam
         h.remove()
     assert sorted(chosen) == moe_layers
     for i, experts in chosen.items():
-        assert experts == {0, 1, 2, 3}, f"layer {i} routed only to experts {sorted(experts)}"
+        assert experts == set(range(mc.num_experts)), f"layer {i} routed only to {sorted(experts)}"
+    if mc.raw.get("topk_method") == "group_limited_greedy":
+        assert max(groups_used) == mc.raw["topk_group"]  # never more; the limit is reached
 
 
 @pytest.mark.parametrize(
@@ -204,13 +216,41 @@ def test_deepseek_v2_caches_one_latent_per_token_and_layer(family):
     assert mc.kv_bytes_per_token(4) == mc.num_layers * latent * 4  # not K and V heads
 
 
-def test_deepseek_v2_refuses_what_it_does_not_implement_by_name(family):
+def test_deepseek_v2_layers_and_experts_as_its_config_says(family):
+    mc = ModelConfig.from_dir(family("deepseek-v2"))
+    assert mc.sparse_layers == (1, 2)  # from first_k_dense_replace on
+    assert (mc.num_experts, mc.experts_per_token) == (8, 3)
+    assert (mc.intermediate_size, mc.dense_intermediate_size) == (32, 160)
+    assert mc.rope.type == "yarn" and mc.rope.factor == 4.0
     raw = json.loads((family("deepseek-v2") / "config.json").read_text())
-    with pytest.raises(UnsupportedModel, match="mixture-of-experts layers"):
-        ModelConfig.from_dict({**raw, "first_k_dense_replace": 1})
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(UnsupportedModel, match="'yarn'"):
-        ModelConfig.from_dict({**raw, "rope_parameters": yarn, "rope_scaling": None})
+    dense = ModelConfig.from_dict({**raw, "first_k_dense_replace": 3})  # every layer dense
+    assert (dense.sparse_layers, dense.num_experts, dense.intermediate_size) == ((), 0, 160)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"topk_method": "noaux_tc"}, UnsupportedModel, "topk_method 'noaux_tc'"),
+        ({"scoring_func": "sigmoid"}, UnsupportedModel, "scoring_func 'sigmoid'"),
+        ({"norm_topk_prob": True}, UnsupportedModel, "norm_topk_prob true"),
+        ({"moe_layer_freq": 2}, UnsupportedModel, "moe_layer_freq 2"),
+        ({"n_group": 3}, ModelLoadError, "n_group, an integer >= 1 dividing n_routed_experts"),
+        ({"topk_group": 5}, ModelLoadError, r"1 <= topk_group <= n_group \(4\)"),
+        ({"topk_group": 1}, ModelLoadError, r"num_experts_per_tok \(3\) exceeds"),
+        ({"num_experts_per_tok": None}, ModelLoadError, "num_experts_per_tok"),
+        ({"first_k_dense_replace": -1}, ModelLoadError, "first_k_dense_replace must be"),
+    ],
+)
+def test_deepseek_v2_router_options_we_do_not_implement_are_refused_by_name(
+    family, change, error, message
+):
+    raw = json.loads((family("deepseek-v2") / "config.json").read_text())
+    raw = {k: v for k, v in {**raw, **change}.items() if v is not None}
+    with pytest.raises(error, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_latent_attention_is_refused_by_flash_attention():
     with pytest.raises(InvalidRequest, match="cannot read a latent KV cache"):
         make_backend(
             "flash",

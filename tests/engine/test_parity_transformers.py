@@ -31,6 +31,11 @@ VARIANTS = {
         tie_word_embeddings=True,
     ),
     "qwen2-bias-tied": dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=True),
+    # Qwen2.5's long-context setting: yarn, its attention factor scaling cos and sin.
+    "qwen2-yarn-rope": dict(
+        architecture="Qwen2ForCausalLM",
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
     "mistral": dict(architecture="MistralForCausalLM", sliding_window=None),
 }
 

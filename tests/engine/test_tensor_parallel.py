@@ -27,7 +27,8 @@ TP = 2
 # OPT (biases, learned positions), Qwen3 (q/k norms), Phi-3 (q/k/v and gate/up fused in the
 # checkpoint: each part split on its own), Gemma 2 (soft caps, windows, GeGLU), Mixtral and
 # Qwen3-MoE (every rank holds every expert's slice of the intermediate width), DeepSeek-V2
-# (query heads split, the latent KV computed and cached whole on every rank).
+# (query heads split, the latent KV computed and cached whole on every rank; its routed and
+# shared experts split by width, as the other MoE families').
 TP_FAMILIES = ("opt", "qwen3", "phi3", "gemma2", "mixtral", "qwen3-moe", "deepseek-v2")
 CONFIG = EngineConfig(num_blocks=64, block_size=8, max_batch_tokens=64)
 PROMPTS = [[2 + (7 * i + n) % 1000 for i in range(n)] for n in (3, 17, 40, 70)]

@@ -16,7 +16,7 @@ from torch import nn
 from services.common.model_config import ModelConfig
 from services.engine.attention import AttentionContext, AttentionSpec
 from services.engine.parallel import TensorParallel
-from services.engine.rope import cos_sin, inverse_frequencies
+from services.engine.rope import attention_factor, cos_sin, inverse_frequencies
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,13 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_layers)
         ]
         self.inv_freq: torch.Tensor | None = None
+        self.rope_scale = 1.0  # what cos and sin are multiplied by (yarn's attention factor)
 
     def init_buffers(self, device: torch.device) -> None:
         """Buffers computed, not loaded (after the model leaves the meta device)."""
         if self.config.rope is not None:
             self.inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(device)
+            self.rope_scale = attention_factor(self.config.rope)
 
     def rotary(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -54,7 +56,7 @@ class CausalLM(nn.Module):
         """cos and sin of each position, (T, 1, head_dim) each; None without rotary positions."""
         if self.inv_freq is None:
             return None
-        return cos_sin(self.inv_freq, positions, dtype)
+        return cos_sin(self.inv_freq, positions, dtype, self.rope_scale)
 
     def tied(self) -> list[tuple[str, str]]:
         """(ours, the parameter it shares) pairs: lm_head and the input embedding, if tied."""

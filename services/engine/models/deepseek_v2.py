@@ -14,8 +14,17 @@ kv_lora_rank + qk_rope_head_dim), read by the same attention backend as every ot
 and no step expands a context's cached latents into keys and values.
 
 The rest is Llama's shape: pre-norm layers, RMSNorm, SwiGLU MLP. The rotary part rotates pairs
-of adjacent entries (transformers' complex form), not the two halves as Llama does.
-Mixture-of-experts layers are refused by name (services/common/model_config.py).
+of adjacent entries (transformers' complex form), not the two halves as Llama does. With yarn
+rope scaling (DeepSeek-V2's checkpoints), cos and sin carry yarn's attention factor and the
+softmax scale is multiplied by mscale(factor, mscale_all_dim)^2 (services/engine/rope.py).
+
+Layers from `first_k_dense_replace` on replace the MLP with a mixture of experts (moe.py): a
+softmax router over `n_routed_experts`, greedy or group-limited (`topk_method`, `n_group`,
+`topk_group`), its top `num_experts_per_tok` weighted by their probabilities times
+`routed_scaling_factor`, plus `n_shared_experts` shared experts: one gated MLP of
+n_shared_experts * moe_intermediate_size that every token runs through. The earlier layers keep
+a dense MLP of `intermediate_size`. Router options we do not implement are refused by name
+(services/common/model_config.py).
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from services.common.errors import UnsupportedModel
 from services.common.model_config import ModelConfig
 from services.engine.attention import AttentionContext, AttentionSpec
 from services.engine.gemm import Linear
-from services.engine.models.base import CausalLM
+from services.engine.models.base import CausalLM, Target
 from services.engine.models.layers import (
     ColumnLinear,
     GatedMLP,
@@ -37,8 +47,9 @@ from services.engine.models.layers import (
     RowLinear,
     VocabEmbedding,
 )
+from services.engine.models.moe import GroupLimit, SparseMoE, with_experts
 from services.engine.parallel import TensorParallel
-from services.engine.rope import inverse_frequencies
+from services.engine.rope import attention_factor, inverse_frequencies, softmax_mscale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' default, not rms_norm_eps
 
@@ -105,15 +116,45 @@ class LatentAttention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_dim))
 
 
+def mixture_of_experts(cfg: ModelConfig, tp: TensorParallel) -> SparseMoE:
+    """A sparse layer's block: routed experts of moe_intermediate_size (cfg.intermediate_size)
+    and the shared experts."""
+    raw = cfg.raw
+    limited = raw.get("topk_method") == "group_limited_greedy"
+    return SparseMoE(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.hidden_act,
+        tp,
+        renormalize=False,  # norm_topk_prob true is refused (model_config.py)
+        group_limit=GroupLimit(int(raw["n_group"]), int(raw["topk_group"])) if limited else None,
+        routed_scale=float(raw.get("routed_scaling_factor", 1.0)),
+        router_in_float32=True,
+        shared=cfg.shared_intermediate_size,
+        shared_bias=cfg.biases.mlp,
+    )
+
+
+def dense(cfg: ModelConfig, tp: TensorParallel) -> GatedMLP:
+    """A dense layer's SwiGLU MLP of intermediate_size."""
+    width = cfg.dense_intermediate_size
+    if width % tp.world_size:
+        raise UnsupportedModel(
+            f"tensor parallelism tp={tp.world_size} does not divide the dense layers' "
+            f"intermediate_size ({width}); choose a tp that divides it"
+        )
+    return GatedMLP(cfg.hidden_size, width, cfg.biases.mlp, cfg.hidden_act, tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = LatentAttention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, cfg.biases.mlp, cfg.hidden_act, tp
-        )
+        self.mlp = mixture_of_experts(cfg, tp) if layer in cfg.sparse_layers else dense(cfg, tp)
 
     def forward(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionContext
@@ -131,7 +172,7 @@ class Decoder(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    """DeepSeek-V2 with dense layers: MLA over a latent KV cache, SwiGLU MLPs."""
+    """DeepSeek-V2: MLA over a latent KV cache; dense SwiGLU MLPs, then mixtures of experts."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__(cfg, tp)
@@ -139,24 +180,32 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.rope_dim = int(raw.get("qk_rope_head_dim", 64))
         qk_head_dim = int(raw.get("qk_nope_head_dim", 128)) + self.rope_dim
         # The absorbed scores equal q . k of the expanded heads: their scale, not the latent's.
-        self.attention_specs = [AttentionSpec(scale=qk_head_dim**-0.5)] * cfg.num_layers
+        scale = qk_head_dim**-0.5 * softmax_mscale(cfg.rope)
+        self.attention_specs = [AttentionSpec(scale=scale)] * cfg.num_layers
         self.model = Decoder(cfg, tp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     def init_buffers(self, device: torch.device) -> None:
         self.inv_freq = inverse_frequencies(self.config.rope, self.rope_dim).to(device)
+        self.rope_scale = attention_factor(self.config.rope)
 
     def rotary(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each position and frequency, float32 (T, 1, rope_dim / 2) each."""
+        """cos and sin of each position and frequency, times yarn's attention factor, float32
+        (T, 1, rope_dim / 2) each."""
         freqs = positions.float()[:, None, None] * self.inv_freq  # (T, 1, rope_dim / 2)
-        return freqs.cos(), freqs.sin()
+        if self.rope_scale == 1.0:
+            return freqs.cos(), freqs.sin()
+        return freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
 
     def tied(self) -> list[tuple[str, str]]:
         if self.config.tie_word_embeddings:
             return [("lm_head.weight", "model.embed_tokens.weight")]
         return []
+
+    def checkpoint_map(self) -> dict[str, Target]:
+        return with_experts(self, super().checkpoint_map())
 
     def forward(
         self,

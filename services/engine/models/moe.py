@@ -1,15 +1,21 @@
-"""The sparse mixture-of-experts block that Mixtral and Qwen3-MoE share.
+"""The sparse mixture-of-experts block that Mixtral, Qwen3-MoE and DeepSeek-V2 share.
 
 A router (`gate`, replicated on every rank) scores each token against every expert; the token
 goes to its top-k experts, weighted by the softmax of the scores (in float32, as transformers
-computes them), renormalised over the k when the family says so. Each expert is a gated MLP.
+computes them), renormalised over the k when the family says so, times a routed scaling factor
+(DeepSeek's `routed_scaling_factor`). DeepSeek-V2's group-limited router first keeps, per token,
+the `top_groups` groups of experts whose best expert scores highest, and picks the top k among
+those. Each expert is a gated MLP; DeepSeek adds shared experts, one dense gated MLP every
+token runs through, its output added to the routed experts' sum.
 
 The experts are two stacked parameters, `gate_up_proj` (E, 2 * I_r, H) and `down_proj`
 (E, H, I_r), filled expert by expert from the Hub checkpoint's per-expert tensors
 (`Target(param, part, index=e)`). Under tensor parallelism every rank holds every expert's
 slice of the intermediate dimension (column-parallel gate/up, row-parallel down, as Megatron and
 vLLM do by default): a rank computes each routed token's partial output for its slice, weights
-it, sums it per token, and one all-reduce per layer adds the ranks' sums.
+it, sums it per token, and one all-reduce per layer adds the ranks' sums. The shared experts
+are split the same way (column-parallel gate/up, row-parallel down): their partial output joins
+the routed sum before that one all-reduce.
 
 The forward groups the routed (token, expert) pairs by expert: one matmul per expert over all
 its rows, then a weighted scatter-add back to the tokens. Its Python loop is over experts, never
@@ -18,12 +24,14 @@ over tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.engine.models.base import CausalLM, Target
-from services.engine.models.layers import ACTIVATIONS, Split
+from services.engine.models.layers import ACTIVATIONS, GatedMLP, Split
 from services.engine.parallel import TensorParallel
 
 
@@ -78,12 +86,26 @@ class Experts(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class GroupLimit:
+    """DeepSeek's group_limited_greedy router: the experts form `groups` groups of equal size
+    (expert e in group e // (E / groups)); a token picks its top k among the experts of the
+    `top_groups` groups whose best expert scores highest."""
+
+    groups: int
+    top_groups: int
+
+
 class SparseMoE(nn.Module):
     """A layer's feed-forward block: route each token to its top_k experts, weight and sum.
 
     renormalize: divide the top-k probabilities by their sum (Mixtral always; Qwen3-MoE's
     `norm_topk_prob`). weights_in_model_dtype: round the routing weights to the activations'
     dtype before weighting (Qwen3-MoE), else weight in float32 and round the product (Mixtral).
+    DeepSeek-V2: group_limit (its group_limited_greedy router), routed_scale (its
+    routed_scaling_factor, multiplying the weights), router_in_float32 (the router's product
+    taken in float32, as transformers keeps that router's weight), shared (the width of its
+    shared experts' gated MLP, 0: none) and shared_bias (their biases, `mlp_bias`).
     """
 
     def __init__(
@@ -97,6 +119,11 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         weights_in_model_dtype: bool = False,
         expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        group_limit: GroupLimit | None = None,
+        routed_scale: float = 1.0,
+        router_in_float32: bool = False,
+        shared: int = 0,
+        shared_bias: bool = False,
     ) -> None:
         super().__init__()
         # Plain nn.Linear, not gemm.Linear: every rank must pick the same experts for a token,
@@ -104,17 +131,34 @@ class SparseMoE(nn.Module):
         # chosen per process by timing and round differently).
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, intermediate, act, tp, expert_names)
+        self.shared_experts = GatedMLP(hidden, shared, shared_bias, act, tp) if shared else None
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype
+        self.group_limit = group_limit
+        self.routed_scale = routed_scale
+        self.router_in_float32 = router_in_float32
         self.tp = tp
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (weights (T, k) float32, expert ids (T, k))."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        if self.router_in_float32:
+            logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
+        else:
+            logits = self.gate(x).float()  # (T, E)
+        probs = torch.softmax(logits, dim=-1)  # (T, E)
+        if self.group_limit is not None:
+            T, limit = probs.shape[0], self.group_limit
+            grouped = probs.view(T, limit.groups, -1)  # (T, groups, E / groups)
+            best = grouped.amax(dim=-1).topk(limit.top_groups, dim=-1).indices  # (T, top_groups)
+            kept = torch.zeros(T, limit.groups, dtype=torch.bool, device=x.device)
+            kept.scatter_(1, best, True)
+            probs = grouped.masked_fill(~kept[..., None], 0.0).flatten(1)  # (T, E)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +171,14 @@ class SparseMoE(nn.Module):
         y = self.experts(x[token], counts)  # (T * k, H)
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y)  # (T, H): each token's sum
-        return self.tp.all_reduce(out)
+        shared = self.shared_experts
+        if shared is None:
+            return self.tp.all_reduce(out)
+        # The shared experts' partial output (this rank's columns), reduced with the routed sum.
+        gate, up = shared.gate_up_proj(x).split(shared.intermediate, dim=-1)
+        out += F.linear(shared.act(gate) * up, shared.down_proj.weight)
+        out = self.tp.all_reduce(out)
+        return out if shared.down_proj.bias is None else out + shared.down_proj.bias
 
 
 def with_experts(model: CausalLM, dense: dict[str, Target]) -> dict[str, Target]:
