@@ -248,8 +248,8 @@ BAD_BODIES = [
     ({"prompt": "x", "seed": 2**64}, "seed", "[0, 2**63)"),
     ({"prompt": "x", "n": 2}, "n", "one choice per request"),
     ({"prompt": "x", "temprature": 0}, "temprature", "did you mean 'temperature'?"),
-    ({"prompt": "x", "guided_json": {}}, "guided_json", "structured output"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "in [0, 20]"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16"),
     ({"prompt": ""}, "prompt", "prompt is empty"),
     ({"prompt": []}, "prompt", "prompt is empty"),
@@ -270,15 +270,16 @@ BAD_CHAT_BODIES = [
         "only text parts",
     ),
     ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "one choice per request"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools", "tool calling"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools", "function tools"),
     (
-        {
-            "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_object"},
-        },
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "20",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         "response_format",
-        "not supported",
+        "must be one of",
     ),
 ]
 

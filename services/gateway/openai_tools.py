@@ -98,7 +98,7 @@ def _tool_name(i: int, tool: object) -> str:
     if function is None or tool.get("type") != "function" or not isinstance(name, str) or not name:
         raise InvalidRequest(
             f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
-            '"parameters": {...}}}}} (only function tools exist)',
+            '"parameters": {...}}} (only function tools exist)',
             param="tools",
         )
     parameters = function.get("parameters")
@@ -136,7 +136,7 @@ def _template_call(where: str, call: object) -> dict:
     if not isinstance(name, str) or call.get("type", "function") != "function":
         raise InvalidRequest(
             f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-            '"arguments": "<JSON>"}}}}',
+            '"arguments": "<JSON>"}}',
             param="messages",
         )
     arguments = function.get("arguments", "{}")

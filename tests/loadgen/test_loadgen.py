@@ -89,7 +89,7 @@ def test_a_prompt_longer_than_the_context_is_an_error_not_a_crash(mesh, vocab):
         result = asyncio.run(run_load(target, reqs))
         assert result.ok.tolist() == [True, False, True]
         assert result.error[1] in ("INVALID_ARGUMENT", "HTTP 400")
-        assert "context" in result.error_message[1]
+        assert "max_model_len" in result.error_message[1]
         assert np.isnan(result.ttft_s[1])
         assert result.summary()["errors"] == {result.error[1]: 1}
 
