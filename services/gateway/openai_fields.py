@@ -11,7 +11,7 @@ endpoints that take request bodies, with its status:
 
 A field in neither list is refused too, naming the field meant when the name is close to one
 (`temprature`: did you mean `temperature`?), and so is a field of another endpoint. `null` is the
-same as unset for every field. Nothing is ignored: a 200 means every field did what it says.
+same as unset for every field. A 200 means every field sent did what it says; none is dropped.
 
 The parser (openai_protocol.py), the OpenAPI document (openapi.py) and the table in docs/api.md
 (`python -m services.gateway.openai_fields`) are all written from FIELDS.

@@ -58,9 +58,15 @@ class CausalLM(nn.Module):
             return None
         return cos_sin(self.inv_freq, positions, dtype, self.rope_scale)
 
+    embedding = "model.embed_tokens.weight"  # the input embedding's parameter
+
     def tied(self) -> list[tuple[str, str]]:
         """(ours, the parameter it shares) pairs: lm_head and the input embedding, if tied."""
-        return []
+        return [("lm_head.weight", self.embedding)] if self.config.tie_word_embeddings else []
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of the tokens (T, hidden)."""
+        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -70,8 +76,15 @@ class CausalLM(nn.Module):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, hidden). `on_layer(i)` is
-        called once layer i has run (its KV is in the cache)."""
-        raise NotImplementedError
+        called once layer i has run (its KV is in the cache). This one serves the families laid
+        out as Llama (model.embed_tokens, model.layers taking (x, rotary, attn), model.norm)."""
+        x = self.embed(input_ids)  # (T, hidden)
+        rotary = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rotary, attn)
+            if on_layer is not None:
+                on_layer(i)
+        return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits."""

@@ -29,8 +29,6 @@ a dense MLP of `intermediate_size`. Router options we do not implement are refus
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -199,25 +197,5 @@ class DeepseekV2ForCausalLM(CausalLM):
             return freqs.cos(), freqs.sin()
         return freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
 
-    def tied(self) -> list[tuple[str, str]]:
-        if self.config.tie_word_embeddings:
-            return [("lm_head.weight", "model.embed_tokens.weight")]
-        return []
-
     def checkpoint_map(self) -> dict[str, Target]:
         return with_experts(self, super().checkpoint_map())
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionContext,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rotary = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, attn)
-            if on_layer is not None:
-                on_layer(i)
-        return self.model.norm(x)

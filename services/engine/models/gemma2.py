@@ -5,8 +5,6 @@ global layers alternating, and soft-capped final logits. The LM head is the toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -61,26 +59,9 @@ class Gemma2ForCausalLM(CausalLM):
         self.model = Decoder(cfg, tp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
-    def tied(self) -> list[tuple[str, str]]:
-        if self.config.tie_word_embeddings:
-            return [("lm_head.weight", "model.embed_tokens.weight")]
-        return []
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionContext,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        rotary = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, attn)
-            if on_layer is not None:
-                on_layer(i)
-        return self.model.norm(x)
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -5,8 +5,6 @@ Pre-norm decoder layers: RMSNorm, attention with rotary positions, RMSNorm, SwiG
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -70,26 +68,6 @@ class LlamaForCausalLM(CausalLM):
             tp,
             cls.mlp_packed_from,
         )
-
-    def tied(self) -> list[tuple[str, str]]:
-        if self.config.tie_word_embeddings:
-            return [("lm_head.weight", "model.embed_tokens.weight")]
-        return []
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionContext,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rotary = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, attn)
-            if on_layer is not None:
-                on_layer(i)
-        return self.model.norm(x)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

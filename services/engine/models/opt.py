@@ -67,10 +67,7 @@ class OPTForCausalLM(CausalLM):
         self.model = Model(cfg, tp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
-    def tied(self) -> list[tuple[str, str]]:
-        if self.config.tie_word_embeddings:
-            return [("lm_head.weight", "model.decoder.embed_tokens.weight")]
-        return []
+    embedding = "model.decoder.embed_tokens.weight"
 
     def forward(
         self,
