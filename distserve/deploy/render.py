@@ -111,7 +111,8 @@ def write(manifests: dict[str, list[dict]], out_dir: Path) -> list[Path]:
     paths = []
     for name, objects in manifests.items():
         path = out_dir / name
-        path.touch(mode=0o600 if name == "secrets.yaml" else 0o644)
+        path.touch()
+        path.chmod(0o600 if name == "secrets.yaml" else 0o644)
         path.write_text(dumper(objects))
         paths.append(path)
     return paths
