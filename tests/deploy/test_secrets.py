@@ -140,7 +140,9 @@ def test_hf_token_reaches_only_the_model_staging_step(files):
 def test_secrets_given_by_name_are_mounted_and_not_rendered():
     m = with_secrets(
         SecretFiles(
-            api_key_secret="edge-keys", tls_secret="edge-cert", mesh_tls_secret="mesh-cert",
+            api_key_secret="edge-keys",
+            tls_secret="edge-cert",
+            mesh_tls_secret="mesh-cert",
             hf_token_secret="hub-token",
         )  # fmt: skip
     )
