@@ -92,8 +92,8 @@ def tiny(tmp_path_factory):
     return create_model("tiny", tmp_path_factory.mktemp("m") / "tiny")
 
 
-def cpu_render(tiny, passed: RoleArgs = RoleArgs()) -> dict:
-    options = RenderOptions(device="cpu", model_spec=str(tiny), passed=passed)
+def cpu_render(tiny, passed: RoleArgs | None = None) -> dict:
+    options = RenderOptions(device="cpu", model_spec=str(tiny), passed=passed or RoleArgs())
     return render(load("plan_low_affinity.json"), options)
 
 
@@ -136,7 +136,8 @@ def test_a_real_cpu_worker_stays_inside_the_memory_it_was_rendered(tiny):
             line = worker.stdout.readline()
             assert line or worker.poll() is None, "the worker exited"
         assert '"ready"' in line
-        status = open(f"/proc/{worker.pid}/status").read()
+        with open(f"/proc/{worker.pid}/status") as f:
+            status = f.read()
         peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
     finally:
         worker.terminate()

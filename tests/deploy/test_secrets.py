@@ -18,7 +18,14 @@ from distserve.deploy.secrets import SecretFiles
 from services.common.errors import InvalidRequest
 from tests.certs import mesh_pki, self_signed
 from tests.deploy.test_render import (
-    HERE, K8S_VERSIONS, container, deployments, edge_bootstrap, load, objects, run_cli,
+    HERE,
+    K8S_VERSIONS,
+    container,
+    deployments,
+    edge_bootstrap,
+    load,
+    objects,
+    run_cli,
 )  # fmt: skip
 
 KEYS = ("sk-first-7f3a9c", "sk-second-02be11")
@@ -144,7 +151,7 @@ def test_secrets_given_by_name_are_mounted_and_not_rendered():
             tls_secret="edge-cert",
             mesh_tls_secret="mesh-cert",
             hf_token_secret="hub-token",
-        )  # fmt: skip
+        )
     )
     assert "secrets.yaml" not in m
     envoy = pod(m, "envoy")
