@@ -2,4 +2,8 @@
 subcommands run (the local mesh of `distserve up`, the load generator, the trace report, the
 Kubernetes render, the planner's offline commands). Nothing in services/ imports from here."""
 
-__version__ = "0.1.0"  # the package's version (pyproject.toml reads it) and the image's tag
+import importlib.metadata
+
+# Declared once, in pyproject.toml; the installed package's metadata holds it. The image tag that
+# `deploy render` defaults to.
+__version__ = importlib.metadata.version("distserve-mesh")
