@@ -424,3 +424,13 @@ def test_cli_refuses_options_a_process_does_not_take_or_the_pod_sets(
     assert done.returncode == 2, done.stdout
     assert message in done.stderr
     assert not out.exists()
+
+
+def test_the_default_image_is_tagged_with_this_packages_version(high):
+    import importlib.metadata
+
+    version = importlib.metadata.version("distserve-mesh")  # pyproject.toml's
+    for d in (o for o in objects(high) if o["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            assert c["image"] == f"distserve-mesh:{version}"
