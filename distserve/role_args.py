@@ -163,3 +163,9 @@ def _check(
         if str(getattr(parsed, name)) != value:
             option = f"--{name.replace('_', '-')}"
             raise InvalidRequest(f"{flag}: {option} is set by the launcher ({why})")
+
+
+def worker_options(role: str, given: tuple[str, ...]) -> argparse.Namespace:
+    """A `role` worker's options as its own parser reads `given` (the rest at its defaults):
+    what `deploy render` sizes a pod's memory from (its KV pool, batch sizes, dtype)."""
+    return _worker_parser(role, ())(["--model", f"/{_SET}", *given])

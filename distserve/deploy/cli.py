@@ -18,7 +18,8 @@ from services.common.errors import InvalidRequest
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `deploy render` and `deploy scale` to a subparsers object, with their `func`."""
-    from distserve.deploy.render import RenderOptions
+    from distserve.deploy.model_volume import DEFAULT_MODEL_PVC
+    from distserve.deploy.options import RenderOptions
 
     d = RenderOptions()
     deploy = sub.add_parser("deploy", help="deploy the mesh on Kubernetes").add_subparsers(
@@ -34,15 +35,56 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--namespace", default=d.namespace)
     r.add_argument("--image", default=d.image, help="the mesh's container image")
     r.add_argument("--image-pull-policy", default=d.image_pull_policy)
-    r.add_argument(
+    m = r.add_argument_group("the model (docs/kubernetes.md#the-model)")
+    m.add_argument(
+        "--model",
+        metavar="ORG/NAME",
+        help="a Hugging Face Hub id: each pod first stages it into the model volume "
+        "(`distserve model fetch`); without it the volume holds the model already",
+    )
+    m.add_argument("--revision", help="with --model: branch, tag or commit (default: main)")
+    m.add_argument(
         "--model-path",
-        default=d.model_path,
+        default=d.model.path,
         help="the model folder, relative to the model volume (mounted at /models)",
     )
-    r.add_argument(
-        "--model-pvc", default=d.model_pvc, help="PersistentVolumeClaim holding the model"
+    m.add_argument(
+        "--model-pvc",
+        help=f"PersistentVolumeClaim holding the model (default {DEFAULT_MODEL_PVC}); with "
+        "--model: staged into it (ReadWriteMany) instead of each pod's emptyDir",
     )
-    r.add_argument("--model-host-path", help="mount this folder of every node instead of the PVC")
+    m.add_argument("--model-host-path", help="mount this folder of every node instead of a PVC")
+    m.add_argument(
+        "--model-spec",
+        help="the model the pods are sized for: a preset or a folder with its config.json "
+        "(default: the plan's)",
+    )
+    z = r.add_argument_group("pod sizes (docs/kubernetes.md#requests-and-limits)")
+    z.add_argument("--device", choices=("cuda", "cpu"), default=d.device, help="workers' device")
+    z.add_argument("--gpu-memory-gib", type=float, default=d.gpu_memory_gib, help="one GPU's")
+    z.add_argument("--cpus-per-rank", type=int, default=d.cpus_per_rank, help="cores per rank")
+    s_ = r.add_argument_group(
+        "secrets (docs/kubernetes.md#secrets): files rendered into secrets.yaml, or existing "
+        "Secrets by name"
+    )
+    s_.add_argument("--api-key-file", type=Path, help="the edge's API keys, one a line")
+    s_.add_argument("--api-key-secret", metavar="NAME", help="a Secret with key `api-keys`")
+    s_.add_argument("--tls-cert", type=Path, help="the edge's PEM certificate chain")
+    s_.add_argument("--tls-key", type=Path, help="its PEM private key")
+    s_.add_argument("--tls-secret", metavar="NAME", help="a kubernetes.io/tls Secret")
+    s_.add_argument("--mesh-tls-cert", type=Path, help="mesh mTLS: the processes' certificate")
+    s_.add_argument("--mesh-tls-key", type=Path, help="its private key")
+    s_.add_argument("--mesh-tls-ca", type=Path, help="the mesh's CA certificate")
+    s_.add_argument(
+        "--mesh-tls-secret", metavar="NAME", help="a Secret with tls.crt, tls.key, ca.crt"
+    )
+    s_.add_argument("--hf-token-file", type=Path, help="HF_TOKEN for --model (gated models)")
+    s_.add_argument("--hf-token-secret", metavar="NAME", help="a Secret with key `token`")
+    r.add_argument(
+        "--service-monitor",
+        action="store_true",
+        help="render a ServiceMonitor (needs the Prometheus operator's CRD)",
+    )
     r.add_argument("--served-model-name", help="model name in the HTTP API (default: folder)")
     r.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO (default: the plan's)")
     r.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the plan's)")
@@ -86,7 +128,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def render_command(args: argparse.Namespace) -> int:
-    from distserve.deploy.render import NODE_GROUP, RenderOptions, node_groups, render, write
+    from distserve.deploy.model_volume import ModelSource
+    from distserve.deploy.objects import NODE_GROUP
+    from distserve.deploy.options import RenderOptions
+    from distserve.deploy.render import node_groups, render, write
+    from distserve.deploy.secrets import SecretFiles
 
     try:
         plan = json.loads(args.placement.read_text())
@@ -96,9 +142,31 @@ def render_command(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         image=args.image,
         image_pull_policy=args.image_pull_policy,
-        model_path=args.model_path,
-        model_pvc=args.model_pvc,
-        model_host_path=args.model_host_path,
+        model=ModelSource(
+            path=args.model_path,
+            hub_id=args.model,
+            revision=args.revision,
+            pvc=args.model_pvc,
+            host_path=args.model_host_path,
+        ),
+        secrets=SecretFiles(
+            api_key_file=args.api_key_file,
+            api_key_secret=args.api_key_secret,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_secret=args.tls_secret,
+            mesh_tls_cert=args.mesh_tls_cert,
+            mesh_tls_key=args.mesh_tls_key,
+            mesh_tls_ca=args.mesh_tls_ca,
+            mesh_tls_secret=args.mesh_tls_secret,
+            hf_token_file=args.hf_token_file,
+            hf_token_secret=args.hf_token_secret,
+        ),
+        model_spec=args.model_spec,
+        device=args.device,
+        gpu_memory_gib=args.gpu_memory_gib,
+        cpus_per_rank=args.cpus_per_rank,
+        service_monitor=args.service_monitor,
         served_model_name=args.served_model_name,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
@@ -114,6 +182,8 @@ def render_command(args: argparse.Namespace) -> int:
     )
     for path in write(render(plan, options), args.out):
         print(f"wrote {path}")
+        if path.name == "secrets.yaml":
+            print(f"  {path} holds the secrets themselves: do not commit it")
     groups = node_groups(plan, options)
     if groups:
         print("low affinity: label one GPU node per group before applying:")
@@ -124,7 +194,7 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 def scale_command(args: argparse.Namespace) -> int:
-    from distserve.deploy.render import RenderOptions
+    from distserve.deploy.options import RenderOptions
     from distserve.deploy.scale import ReplicaPatches
 
     plans = []

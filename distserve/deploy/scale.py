@@ -23,8 +23,8 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
+from distserve.deploy.options import RenderOptions, gpus_per_node
 from distserve.deploy.pools import WorkerPool, select_placement, worker_pools
-from distserve.deploy.render import RenderOptions, gpus_per_node
 from services.common.errors import InvalidRequest
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"

@@ -12,6 +12,7 @@ The fixtures are `distserve plan` output, stored (a search takes seconds to minu
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -23,7 +24,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distserve.deploy.render import GPU, NODE_GROUP, RenderOptions, render
+from distserve.deploy.model_volume import ModelSource
+from distserve.deploy.objects import GPU, NODE_GROUP
+from distserve.deploy.options import RenderOptions
+from distserve.deploy.render import render
 from services.common.errors import InvalidRequest
 from services.edge.envoy import envoy_binary
 
@@ -96,7 +100,7 @@ def low() -> dict[str, list[dict]]:
         ("plan_low_affinity.json", RenderOptions()),
         (
             "plan_low_affinity.json",
-            RenderOptions(baseline=True, model_host_path="/mnt/models", planner=False),
+            RenderOptions(baseline=True, model=ModelSource(host_path="/mnt/models"), planner=False),
         ),
     ],
 )
@@ -182,7 +186,8 @@ def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert c[probe]["grpc"] == {"port": port}, (component, probe)
     envoy = container(deployments(high, "envoy")[0])
-    assert envoy["readinessProbe"]["grpc"] == {"port": 8080}
+    health = {"path": "/health", "port": 8080, "scheme": "HTTP"}
+    assert envoy["readinessProbe"]["httpGet"] == health  # the gateway's, through Envoy
     assert envoy["livenessProbe"]["tcpSocket"] == {"port": 8080}
 
 
@@ -212,9 +217,47 @@ def test_each_worker_pool_has_a_disruption_budget_of_one_pod(low):
             assert selector <= d["spec"]["template"]["metadata"]["labels"].items()
 
 
+def edge_bootstrap(manifests: dict[str, list[dict]], tmp_path: Path) -> dict:
+    """Run the Envoy pod's config step as the kubelet would, here: its command and arguments,
+    its environment, and its volumes as folders (a Secret's keys as files), every mount path
+    moved under tmp_path. Returns the bootstrap it wrote, after `envoy --mode validate`."""
+    pod = deployments(manifests, "envoy")[0]["spec"]["template"]["spec"]
+    (step,) = pod["initContainers"]
+    secrets = {o["metadata"]["name"]: o for o in objects(manifests) if o["kind"] == "Secret"}
+    folders = {}
+    for volume in pod["volumes"]:
+        folder = tmp_path / "volumes" / volume["name"]
+        folder.mkdir(parents=True)
+        if "secret" in volume:
+            for key, value in secrets[volume["secret"]["secretName"]]["data"].items():
+                (folder / key).write_bytes(base64.b64decode(value))
+        folders[volume["name"]] = folder
+    moves = {m["mountPath"]: str(folders[m["name"]]) for m in step["volumeMounts"]}
+
+    def moved(s: str) -> str:
+        for path, folder in moves.items():
+            s = s.replace(path, folder)
+        return s
+
+    env = {e["name"]: moved(e["value"]) for e in step.get("env", [])}
+    env |= {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [moved(a) for a in step["command"] + step["args"]],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (envoy,) = pod["containers"]
+    config = moved(envoy["args"][envoy["args"].index("--config-path") + 1])
+    check = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "-c", config],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr[-2000:]
+    return json.loads(Path(config).read_text())
+
+
 def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_path):
-    data = find(high, "ConfigMap", "distserve-envoy")["data"]
-    bootstrap = json.loads(data["envoy.json"])
+    bootstrap = edge_bootstrap(high, tmp_path)
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener == {"address": "0.0.0.0", "port_value": 8080}
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
@@ -226,19 +269,13 @@ def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_pa
             "address": "distserve-gateway.distserve.svc.cluster.local",
             "port_value": port,
         }
+        assert "transport_socket" not in cluster  # no mesh TLS asked
     service_ports = {p["port"] for p in find(high, "Service", "distserve-gateway")["spec"]["ports"]}
     assert {50051, 8000} <= service_ports
-    path = tmp_path / "envoy.json"
-    path.write_text(data["envoy.json"])
-    check = subprocess.run(
-        [str(envoy_binary()), "--mode", "validate", "-c", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert check.returncode == 0, check.stderr[-2000:]
     envoy = deployments(high, "envoy")[0]["spec"]["template"]["spec"]
-    assert envoy["volumes"] == [{"name": "envoy", "configMap": {"name": "distserve-envoy"}}]
+    assert envoy["volumes"] == [
+        {"name": "envoy", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}
+    ]
 
 
 def test_the_gateway_takes_the_plans_slos_and_feeds_the_planner(high):
@@ -316,7 +353,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
             if obj["kind"] == "Deployment":
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
-        "Namespace": 1, "ConfigMap": 2, "Deployment": 7, "Service": 5, "PodDisruptionBudget": 2,
+        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 5, "PodDisruptionBudget": 2,
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
@@ -387,3 +424,13 @@ def test_cli_refuses_options_a_process_does_not_take_or_the_pod_sets(
     assert done.returncode == 2, done.stdout
     assert message in done.stderr
     assert not out.exists()
+
+
+def test_the_default_image_is_tagged_with_this_packages_version(high):
+    import importlib.metadata
+
+    version = importlib.metadata.version("distserve-mesh")  # pyproject.toml's
+    for d in (o for o in objects(high) if o["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            assert c["image"] == f"distserve-mesh:{version}"

@@ -11,7 +11,8 @@ import shlex
 import kubernetes_validate
 import pytest
 
-from distserve.deploy.render import RenderOptions, render
+from distserve.deploy.options import RenderOptions
+from distserve.deploy.render import render
 from distserve.deploy.scale import DELETION_COST, ReplicaPatches
 from services.common.errors import InvalidRequest
 from tests.deploy.test_render import K8S_VERSIONS, find, load

@@ -1,0 +1,77 @@
+"""What `deploy render` needs beyond the plan: the image, the model's volume, the Secrets, the
+edge, sizes. One frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from distserve import __version__
+from distserve.deploy.model_volume import ModelSource
+from distserve.deploy.resources import DEVICES
+from distserve.deploy.secrets import SecretFiles
+from distserve.role_args import RoleArgs
+from services.common.errors import InvalidRequest
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+DEFAULT_IMAGE = f"distserve-mesh:{__version__}"  # what `make image` builds and tags
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """What the placement does not say: where the image and the model are, the Secrets, names,
+    the edge, and the hardware the pods are sized for."""
+
+    namespace: str = "distserve"
+    image: str = DEFAULT_IMAGE  # holds this package (and so the `envoy` binary)
+    image_pull_policy: str = "IfNotPresent"
+    model: ModelSource = field(default_factory=ModelSource)
+    secrets: SecretFiles = field(default_factory=SecretFiles)
+    # The model the pods are sized for: a preset (opt-13b ...) or a folder with its config.json;
+    # None: the plan's own (`distserve plan --model-spec`).
+    model_spec: str | None = None
+    device: str = "cuda"  # what the workers compute on: "cuda" (GPU pods) or "cpu"
+    gpu_memory_gib: float = 80.0  # one GPU's memory (the planner's profiles: A100-80GB)
+    cpus_per_rank: int = 4  # cores a worker pod requests per rank
+    service_monitor: bool = False  # render a ServiceMonitor (needs the Prometheus operator)
+    served_model_name: str | None = None  # the HTTP API's model name (default: the folder's)
+    slo_ttft_ms: float | None = None  # default: the plan's SLOs
+    slo_tpot_ms: float | None = None
+    baseline: bool = False  # render the plan's colocated baseline instead of its placement
+    planner: bool = True  # run a planner that the gateway feeds the live workload
+    edge_port: int = 8080
+    edge_replicas: int = 1
+    edge_service_type: str = "ClusterIP"
+    rate_limit_rps: int = 100  # over each Envoy replica; 0 is off
+    termination_grace_s: int = 60  # how long a worker may drain after SIGTERM
+    cluster_domain: str = "cluster.local"
+    # Each process's own options, appended to its container's args (distserve/role_args.py:
+    # checked by `deploy render`'s command line before they get here).
+    passed: RoleArgs = field(default_factory=RoleArgs)
+
+    def __post_init__(self) -> None:
+        if not _DNS_LABEL.fullmatch(self.namespace):
+            raise InvalidRequest(f"namespace {self.namespace!r} is not a DNS label", "namespace")
+        if self.image_pull_policy not in PULL_POLICIES:
+            raise InvalidRequest(f"image pull policy must be one of {PULL_POLICIES}")
+        if self.edge_service_type not in SERVICE_TYPES:
+            raise InvalidRequest(f"edge service type must be one of {SERVICE_TYPES}")
+        if self.device not in DEVICES:
+            raise InvalidRequest(f"--device must be one of {DEVICES}, not {self.device!r}")
+        if self.edge_replicas < 1 or self.termination_grace_s < 1 or self.rate_limit_rps < 0:
+            raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
+        if not 0 < self.edge_port < 65536:
+            raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
+        if self.gpu_memory_gib <= 0 or self.cpus_per_rank < 1:
+            raise InvalidRequest("--gpu-memory-gib must be > 0 and --cpus-per-rank >= 1")
+
+    def service_address(self, name: str, port: int) -> str:
+        return f"{name}.{self.namespace}.svc.{self.cluster_domain}:{port}"
+
+
+def gpus_per_node(plan: dict) -> int | None:
+    """GPUs per node from a plan's cluster (None when it does not say)."""
+    n = (plan.get("cluster") or {}).get("gpus_per_node")
+    return n if isinstance(n, int) and n > 0 else None
