@@ -39,7 +39,7 @@ from services.gateway.request import Limits
 from services.gateway.router import Router
 from services.gateway.routing import POLICIES, Routing
 from services.gateway.servicer import GatewayServicer, RegistryServicer
-from services.gateway.tool_parsers import PARSERS
+from services.gateway.tool_parsers import PARSERS, tool_parser
 
 log = logging.getLogger("distserve.gateway")
 
@@ -234,6 +234,7 @@ async def serve(config: GatewayConfig) -> None:
     telemetry.setup("gateway", engine=engine)
     tokenizer = Tokenizer.from_dir(config.model)
     chat = ChatTemplate.from_file(tokenizer, config.chat_template, model=str(config.model))
+    parser = None if config.tool_call_parser is None else tool_parser(config.tool_call_parser)
     defaults = GenerationDefaults.from_dir(config.model) if config.generation_config else None
     defaults = defaults or GenerationDefaults()
     registry = Registry(config.worker_lease_s)
@@ -263,7 +264,7 @@ async def serve(config: GatewayConfig) -> None:
 
     def add(server) -> None:
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayServicer(router, tokenizer, limits, defaults), server
+            GatewayServicer(router, tokenizer, limits, defaults, chat, parser), server
         )
         gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(RegistryServicer(registry), server)
 

@@ -416,11 +416,12 @@ FIELDS: tuple[Field, ...] = (
        "variable. With tool_choice `auto` the answer is read by the gateway's "
        "`--tool-call-parser` into `message.tool_calls` (without a parser: a 400).", TOOLS),
     _h("tool_choice", _H, "`auto` (the default with tools): the model decides, its calls "
-       "are parsed; `none`: tools reach the template, the answer is text; `required` or a "
-       "named function: the answer is constrained to one call of the tools (the named one).",
-       TOOL_CHOICE),
-    _r("parallel_tool_calls", _H, "the model writes as many calls as it chooses; this server "
-       "cannot hold it to one (that needs constrained generation)", (True,)),
+       "are parsed; `none`: tools reach the template, the answer is text; `required`: the "
+       "answer is constrained to calls of the tools (one or more, see parallel_tool_calls); "
+       "a named function: to one call of it.", TOOL_CHOICE),
+    _h("parallel_tool_calls", _H, "Default true. False: at most one call: `required` is "
+       "constrained to exactly one, `auto` returns the model's first call only (as vLLM).",
+       BOOL),
     _r("functions", _H, _OLD_FUNCTIONS, ([],)),
     _r("function_call", _H, _OLD_FUNCTIONS, ("none", "auto")),
     _r("reasoning_effort", _H, "this server has no reasoning control; a template variable for "

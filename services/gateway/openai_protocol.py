@@ -5,49 +5,33 @@ openai_fields.FIELDS (checked there); this module turns the honoured ones into a
 sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
 API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~570 lines): a request's fields and the reply they shape are one contract (echo,
+Why one file (~460 lines): a request's fields and the reply they shape are one contract (echo,
 return_token_ids, logprobs and stream_options are read on both sides); split, they would drift.
-The logprobs objects' own shapes are openai_logprobs.py's; the tools' request checks are
-openai_tools.py's, their parsers tool_parsers.py.
+The logprobs objects' own shapes are openai_logprobs.py's; the messages' checks and rendering
+are chat_request.py's (shared with the gRPC API), the tools' request checks openai_tools.py's,
+their parsers tool_parsers.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import DistServeError, InvalidRequest
 from services.common.generation_defaults import GenerationDefaults
 from services.common.logprobs import MAX_LOGPROBS, TokenLogprobs
 from services.common.sampling import FinishReason, SamplingParams
-from services.common.structured_output import StructuredOutput
-from services.gateway.chat_template import ROLES, ChatPrompt
+from services.gateway.chat_request import RenderChat, chat_call, chat_messages, render
 from services.gateway.openai_fields import CHAT as CHAT
 from services.gateway.openai_fields import COMPLETIONS as COMPLETIONS
 from services.gateway.openai_fields import TOKENIZE, TOKENIZE_CHAT, checked, show
 from services.gateway.openai_logprobs import LogprobsWriter, TokenTexts, prompt_logprobs
 from services.gateway.openai_structured import structured_output
-from services.gateway.openai_tools import tool_choice, tool_fields
 from services.gateway.tool_parsers import ToolParser, tool_calls
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NO_DEFAULTS = GenerationDefaults()  # a model without generation_config.json sampling defaults
-# Variables the chat template gets from the request's own fields or the tokenizer: never from
-# chat_template_kwargs (value: where they come from).
-TEMPLATE_OWN = {
-    "messages": "the request's messages",
-    "add_generation_prompt": "the request's add_generation_prompt",
-    "continue_final_message": "the request's continue_final_message",
-    "documents": "the request's documents",
-    "tools": "the request's tools",
-    "bos_token": "the model's tokenizer",
-    "eos_token": "the model's tokenizer",
-    "raise_exception": "the server",
-    "strftime_now": "the server",
-}
-# render_chat(messages, variables) -> ChatPrompt: the chat template (chat_template.py).
-RenderChat = Callable[[Sequence[dict], dict], ChatPrompt]
 
 
 @dataclass(frozen=True)
@@ -133,14 +117,11 @@ def parse(
     stop_token_ids = tuple(values.get("stop_token_ids", ()))
     echo = values.get("echo", False)
     continued = ""
-    parser = forced = None
+    chat = None
     if endpoint == CHAT:
-        parser, forced = tool_choice(values, tool_parser)
-        messages = _messages(values["messages"])
-        chat = render(values, messages, render_chat)
-        prompt: str | list[int] = chat.text
-        stop += chat.stop
-        stop_token_ids += chat.stop_token_ids
+        chat = chat_call(values, render_chat, tool_parser)
+        messages = chat.messages
+        prompt: str | list[int] = chat.prompt.text
         if echo:
             if messages[-1]["role"] != "assistant":
                 raise InvalidRequest(
@@ -176,8 +157,10 @@ def parse(
         min_p=values.get("min_p", _default(defaults.min_p, 0.0)),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(values.get("logit_bias", {})),
-        structured_output=_constraint(values, forced),
+        structured_output=structured_output(values),
     )
+    if chat is not None:  # the template's stops, a forced call's constraint
+        params = chat.applied(params)
     logprobs = _logprobs(endpoint, values)
     prompt_k = values.get("prompt_logprobs")
     if echo and endpoint == COMPLETIONS and logprobs is not None:  # the prompt's, echoed
@@ -209,7 +192,7 @@ def parse(
         logprobs=logprobs,
         tokens_as_ids=values.get("return_tokens_as_token_ids", False),
         prompt_logprobs=prompt_k is not None,
-        tool_parser=parser,
+        tool_parser=chat and chat.tool_parser,
     )
 
 
@@ -248,19 +231,6 @@ def _logit_bias(value: dict) -> dict[int, object]:
     return out
 
 
-def _constraint(values: dict, forced: StructuredOutput | None) -> StructuredOutput | None:
-    """The answer's constraint: the request's structured output, or the one forcing a tool
-    call (tool_choice "required" or a named function); both at once is a 400."""
-    asked = structured_output(values)
-    if forced is not None and asked is not None:
-        raise InvalidRequest(
-            f"'tool_choice' = {show(values['tool_choice'])} constrains the answer to a tool "
-            "call, and so it cannot also follow response_format / structured output: send one",
-            param="tool_choice",
-        )
-    return forced or asked
-
-
 def _default(value: float | None, fallback: float) -> float:
     return fallback if value is None else value
 
@@ -271,7 +241,7 @@ def parse_tokenize(body: object, render_chat: RenderChat) -> TokenizeCall:
     chat = isinstance(body, dict) and body.get("messages") is not None
     values = checked(TOKENIZE_CHAT if chat else TOKENIZE, body)
     if chat:
-        prompt = render(values, _messages(values["messages"]), render_chat).text
+        prompt = render(values, chat_messages(values["messages"]), render_chat).text
     else:
         prompt = values["prompt"]
     return TokenizeCall(
@@ -280,48 +250,6 @@ def parse_tokenize(body: object, render_chat: RenderChat) -> TokenizeCall:
         add_special_tokens=values.get("add_special_tokens", not chat),
         return_token_strs=values.get("return_token_strs", False),
     )
-
-
-def render(values: dict, messages: list[dict], render_chat: RenderChat) -> ChatPrompt:
-    """The chat prompt of checked `values`: the template gets add_generation_prompt, documents
-    and chat_template_kwargs as variables; continue_final_message cuts the text after the last
-    message's content, as transformers' apply_chat_template does."""
-    variables = dict(_template_kwargs(values.get("chat_template_kwargs", {})))
-    cont = values.get("continue_final_message", False)
-    generation = values.get("add_generation_prompt", not cont)
-    if cont and generation:
-        raise InvalidRequest(
-            "'continue_final_message' and 'add_generation_prompt' cannot both be true: "
-            "continuing the last message opens no new turn",
-            param="continue_final_message",
-        )
-    variables["add_generation_prompt"] = generation
-    if "documents" in values:
-        variables["documents"] = values["documents"]
-    if values.get("tools"):  # as transformers' apply_chat_template(tools=...) passes them
-        variables["tools"] = values["tools"]
-    chat = render_chat(messages, variables)
-    if not cont:
-        return chat
-    final = messages[-1]["content"].strip()
-    if not final or final not in chat.text:
-        raise InvalidRequest(
-            "'continue_final_message' needs a last message whose content the chat template "
-            "writes out; this one is empty or the template does not show it",
-            param="continue_final_message",
-        )
-    return dataclasses.replace(chat, text=chat.text[: chat.text.rindex(final) + len(final)])
-
-
-def _template_kwargs(kwargs: dict) -> dict:
-    for name in kwargs:
-        if name in TEMPLATE_OWN:
-            raise InvalidRequest(
-                f"chat_template_kwargs may not set '{name}': the template gets it from "
-                f"{TEMPLATE_OWN[name]}",
-                param="chat_template_kwargs",
-            )
-    return kwargs
 
 
 def _stream_options(options: dict | None, stream: bool) -> tuple[bool, bool]:
@@ -375,66 +303,6 @@ def _prompt(value: str | list) -> str | list[int]:
             )
         return value[0]
     return value
-
-
-def _messages(messages: list) -> list[dict]:
-    """Messages with a known role and text content, flattened to strings for the template."""
-    if not messages:
-        raise InvalidRequest("'messages' is empty: give at least one message", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise InvalidRequest(
-                f"messages[{i}] must be an object with a role among {', '.join(ROLES)}",
-                param="messages",
-            )
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise InvalidRequest(
-                        f"messages[{i}].content: only text parts "
-                        '({"type": "text", "text": ...}) are supported',
-                        param="messages",
-                    )
-                parts.append(part["text"])
-            content = "\n".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string or an array of text parts",
-                param="messages",
-            )
-        message = {"role": m["role"], "content": content}
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise InvalidRequest(
-                f"messages[{i}].name must be a string, got {show(name)}", param="messages"
-            )
-        if name is not None:
-            message["name"] = name
-        message.update(tool_fields(i, m))
-        for key, value in m.items():
-            if key not in ("role", "content", "name", *message) and value not in (
-                None,
-                [],
-                {},
-                "",
-            ):
-                raise InvalidRequest(
-                    f"messages[{i}].{key} is not supported: this server gives the chat template "
-                    "a message's role, content and name, an assistant's tool_calls and a tool "
-                    "message's tool_call_id",
-                    param="messages",
-                )
-        out.append(message)
-    return out
 
 
 # Replies ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import json
 from services.common.errors import InvalidRequest
 from services.common.structured_output import GuideKind, StructuredOutput
 from services.gateway.openai_fields import show
-from services.gateway.tool_parsers import Llama3JsonParser, ToolParser
+from services.gateway.tool_parsers import FirstCall, JsonArrayParser, ToolParser
 
 
 def tool_choice(
@@ -21,13 +21,15 @@ def tool_choice(
 
     "auto" (the default when tools are sent): `parser` (the gateway's --tool-call-parser)
     reads the model's own calls; refused without one, as vLLM does. "none": no parser.
-    "required" and a named function: the answer is constrained (structured output) to one
-    call, `{"name": ..., "parameters": {...}}` of the named function or of any tool, its
-    parameters valid against the tool's schema, and read as such whatever the model's own
-    format (as vLLM forces them with its guided decoding). One call: parallel calls come
-    from "auto"."""
+    "required" and a named function: the answer is constrained (structured output) to a JSON
+    array of calls, `[{"name": ..., "parameters": {...}}, ...]`, each of a tool (of the named
+    one) with parameters valid against its schema, and read as such whatever the model's own
+    format (as vLLM forces them with its guided decoding). `parallel_tool_calls` (default true)
+    lets "required" write one or more calls, false exactly one; a named function is called once.
+    Under "auto" false keeps the first call the model wrote (its text is not constrained)."""
     tools = values.get("tools") or []
     choice = values.get("tool_choice", "auto" if tools else "none")
+    parallel = values.get("parallel_tool_calls", True)
     names = [_tool_name(i, t) for i, t in enumerate(tools)]
     if choice == "none":
         return None, None
@@ -53,9 +55,9 @@ def tool_choice(
                 param="tool_choice",
             )
         forced = [t for t in tools if t["function"]["name"] == name]
-        return Llama3JsonParser(), _one_call_of(forced)
+        return JsonArrayParser(), forced_calls(forced, most=1)
     if choice == "required":
-        return Llama3JsonParser(), _one_call_of(tools)
+        return JsonArrayParser(), forced_calls(tools, most=None if parallel else 1)
     if choice != "auto":
         raise InvalidRequest(
             f'\'tool_choice\' must be "none", "auto", "required" or '
@@ -70,11 +72,12 @@ def tool_choice(
             "the answer stays text)",
             param="tools",
         )
-    return parser, None
+    return (parser if parallel else FirstCall(parser)), None
 
 
-def _one_call_of(tools: list[dict]) -> StructuredOutput:
-    """The constraint of an answer that is one call of one of `tools`."""
+def forced_calls(tools: list[dict], most: int | None) -> StructuredOutput:
+    """The constraint of an answer that is a JSON array of one to `most` (None: any number)
+    calls, each of one of `tools` (JsonArrayParser reads it)."""
     calls = [
         {
             "type": "object",
@@ -87,7 +90,13 @@ def _one_call_of(tools: list[dict]) -> StructuredOutput:
         }
         for t in tools
     ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
+    if most is not None:
+        schema["maxItems"] = most
     return StructuredOutput(GuideKind.JSON, json.dumps(schema), any_whitespace=False)
 
 

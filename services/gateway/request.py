@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.convert import sampling_from_pb
 from services.common.errors import DeadlineExceeded, InvalidRequest
@@ -16,6 +17,9 @@ from services.common.generation_defaults import GenerationDefaults
 from services.common.model_config import ModelConfig
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from services.gateway.chat_request import ChatCall
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_PROMPT_CHARS = 4 * 2**20
@@ -120,24 +124,34 @@ async def validate(
     grpc_remaining: float | None,
     default_request_id: str = "",
     defaults: GenerationDefaults | None = None,
+    chat: ChatCall | None = None,
 ) -> Request:
     """Check a gRPC GenerateRequest; InvalidRequest with an actionable message if anything is
     off. The checks themselves are `build_request`'s, shared with the HTTP API.
     `default_request_id` (e.g. Envoy's x-request-id) is used when the request names none;
-    `defaults` (generation_config.json) fill the sampling fields it leaves unset."""
+    `defaults` (generation_config.json) fill the sampling fields it leaves unset. `chat` is the
+    request's `chat` checked and rendered (chat_request.chat_call, as the HTTP API's)."""
     kind = pb.WhichOneof("prompt")
     if kind is None:
-        raise InvalidRequest("give a prompt: `text` or `token_ids`", param="prompt")
-    prompt = pb.text if kind == "text" else list(pb.token_ids.ids)
+        raise InvalidRequest("give a prompt: `text`, `token_ids` or `chat`", param="prompt")
+    params = sampling_from_pb(pb.sampling, defaults)
+    if kind == "chat":
+        if chat is None:
+            raise InvalidRequest("this gateway renders no `chat`: send text or token_ids", "chat")
+        prompt: str | list[int] = chat.prompt.text
+        params = chat.applied(params)
+    else:
+        prompt = pb.text if kind == "text" else list(pb.token_ids.ids)
     budgets = (grpc_remaining, pb.timeout_ms / 1000 if pb.timeout_ms else None)
     return await build_request(
         prompt,
-        sampling_from_pb(pb.sampling, defaults),
+        params,
         tokenizer,
         limits,
         request_id=pb.request_id or default_request_id,
         budgets=budgets,
         fill_context=not pb.sampling.max_tokens and limits.default_max_tokens is not None,
+        add_special_tokens=kind != "chat",  # a rendered chat carries its own special tokens
     )
 
 

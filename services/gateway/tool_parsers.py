@@ -17,10 +17,19 @@ one by construction. A call's `arguments` is its JSON object exactly as the mode
 
 A call that cannot be read (bad JSON, no name, arguments not an object, cut off by max_tokens)
 makes the whole text plain content, as vLLM does: the finish reason stays the engine's.
+
+Beside the formats an operator names: `JsonArrayParser` reads the format a forced call is
+constrained to (openai_tools.py: tool_choice "required" or a function), and `FirstCall` keeps a
+parser's first call (parallel_tool_calls false). Two streams send a parse as it grows: the HTTP
+API's deltas (`ToolCallStream`) and the gRPC API's whole calls (`WholeCallStream`).
+
+Why one file over ~300 lines: it is one idea, reading calls out of a model's text, whole and
+while it grows; the streams are differences between two parses of the parsers above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
@@ -144,6 +153,55 @@ class Llama3JsonParser(ToolParser):
         return Parsed("", tuple(calls))
 
 
+class JsonArrayParser(ToolParser):
+    """A JSON array of `{"name": ..., "parameters": {...}}` objects: the answer a forced tool
+    call is constrained to (openai_tools.forced_calls), read whatever the model's own format.
+    Text not starting with `[` is plain content."""
+
+    name = "json_array"
+
+    def parse(self, text: str, final: bool = True) -> Parsed:
+        body = text.lstrip(_WHITESPACE)
+        if not body:
+            return Parsed("", (), malformed=final)
+        if not body.startswith("["):
+            return Parsed(text, ())
+        calls: list[ToolCall] = []
+        body = body[1:]
+        while True:
+            call, tail = _read_call(body, ("parameters", "arguments"))
+            if call is None or not call.complete:
+                if final:
+                    return Parsed(text, (), malformed=True)
+                calls.extend([call] if call else [])
+                break
+            calls.append(call)
+            tail = tail.lstrip(_WHITESPACE)
+            if tail.startswith("]"):
+                if final and tail[1:].strip(_WHITESPACE):
+                    return Parsed(text, (), malformed=True)
+                break
+            if not tail.startswith(","):
+                if final:
+                    return Parsed(text, (), malformed=True)
+                break
+            body = tail[1:]
+        return Parsed("", tuple(calls))
+
+
+class FirstCall(ToolParser):
+    """Another parser's reading, keeping its first call only: parallel_tool_calls false where
+    the answer is not constrained (tool_choice "auto"), as vLLM keeps the first."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.name = parser.name
+
+    def parse(self, text: str, final: bool = True) -> Parsed:
+        parsed = self.parser.parse(text, final)
+        return dataclasses.replace(parsed, calls=parsed.calls[:1])
+
+
 class MalformedToolCall(FailedPrecondition):
     """A streamed call whose start was already sent turned out unreadable at its end: too
     late to send the text as content instead, so the stream ends with this error."""
@@ -183,9 +241,14 @@ class ToolCallStream:
         content, deltas = self._send(parsed)
         return content, deltas, bool(parsed.calls)
 
-    def _send(self, parsed: Parsed) -> tuple[str, list[dict]]:
+    def _content(self, parsed: Parsed) -> str:
+        """The content the parse adds to what was sent."""
         content = parsed.content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(parsed.content))
+        return content
+
+    def _send(self, parsed: Parsed) -> tuple[str, list[dict]]:
+        content = self._content(parsed)
         deltas = []
         for i, call in enumerate(parsed.calls):
             if call.name is None:
@@ -202,6 +265,22 @@ class ToolCallStream:
                 self.arguments_sent[i] = len(arguments)
                 deltas.append({"index": i, "function": {"arguments": piece}})
         return content, deltas
+
+
+class WholeCallStream(ToolCallStream):
+    """Streams one answer's text as content and whole calls (the gRPC API's `tool_calls`):
+    each call once, `{"id", "name", "arguments"}`, on the feed whose text closed its JSON
+    object. `feed` and `finish` are ToolCallStream's; their second item is these calls."""
+
+    def _send(self, parsed: Parsed) -> tuple[str, list[dict]]:
+        content = self._content(parsed)
+        calls = []
+        for call in parsed.calls[len(self.ids) :]:
+            if not call.complete:
+                break
+            self.ids.append(new_call_id())
+            calls.append({"id": self.ids[-1], "name": call.name, "arguments": call.arguments})
+        return content, calls
 
 
 def tool_calls(parsed: Parsed) -> list[dict]:

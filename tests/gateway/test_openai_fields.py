@@ -21,6 +21,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.gateway import openai_fields
 from tests.conftest import start_mesh, stop_now
+from tests.gateway.test_tools import BOUNDED
 
 C, H = "completions", "chat"
 BOTH = (C, H)
@@ -70,7 +71,7 @@ KNOWN = [
     ),  # vLLM: completions too
     ("tools", (H,), HONOURED, [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", (H,), HONOURED, "none"),
-    ("parallel_tool_calls", (H,), REFUSED, False),
+    ("parallel_tool_calls", (H,), HONOURED, False),
     ("functions", (H,), REFUSED, [{"name": "f"}]),
     ("function_call", (H,), REFUSED, {"name": "f"}),
     ("reasoning_effort", (H,), REFUSED, "low"),
@@ -438,12 +439,27 @@ def effect_of(name: str, walk: Walk, value) -> None:
         want = walk.template_ids(MESSAGES, tools=tools, add_generation_prompt=True)
         assert walk.prompt_ids(reply) == want != walk.prompt_ids(walk.ref)
         assert "tool_calls" not in reply["choices"][0]["message"]
-        # Forced (no parser needed): one call, its parameters the empty object its schema allows.
+        # Forced (no parser needed): one call (greedy, a random model may write calls until
+        # max_tokens when more are allowed), its parameters the empty object its schema allows.
         empty = {"type": "object", "properties": {}, "additionalProperties": False}
         closed = [{"type": "function", "function": {"name": "f", "parameters": empty}}]
-        reply = walk.ok(tools=closed, tool_choice="required", max_tokens=40)
+        reply = walk.ok(tools=closed, tool_choice="required", parallel_tool_calls=False,
+                        max_tokens=40)  # fmt: skip
         [call] = reply["choices"][0]["message"]["tool_calls"]
         assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("f", {})
+    elif name == "parallel_tool_calls":
+        # tool_choice "required" with false: exactly one call, whatever the seed draws;
+        # without it, the constraint lets some seed's answer hold several.
+        counts: dict[bool, list[int]] = {True: [], False: []}
+        for parallel in (True, value):
+            for seed in range(6):
+                reply = walk.ok(
+                    tools=BOUNDED, tool_choice="required", parallel_tool_calls=parallel,
+                    temperature=1.0, seed=seed, max_tokens=120,
+                )  # fmt: skip
+                calls = reply["choices"][0]["message"].get("tool_calls") or []
+                counts[parallel].append(len(calls))
+        assert counts[False] == [1] * 6 and max(counts[True]) >= 2, counts
     elif name in ("logprobs", "top_logprobs"):
         _check_logprobs(walk, name, value)
     elif name == "prompt_logprobs":

@@ -329,7 +329,7 @@ def test_tool_choice_none_renders_tools_and_returns_text(server, model):
         (
             {"tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
-            "cannot also follow response_format",
+            "cannot also follow response_format or another",
         ),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -367,32 +367,71 @@ BOUNDED = [
 ]
 
 
+# Seeds whose forced answers on the tiny model hold 2-3 calls (~35 tokens each) when allowed.
+SEEDS = (1, 2, 4)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
 )
-def test_a_forced_tool_call_is_one_call_valid_against_its_tools_schema(
-    server, model, choice, stream
-):
+def test_forced_tool_calls_are_valid_against_their_tools_schema(server, model, choice, stream):
     """tool_choice "required" or a named function: generation is constrained (structured
-    output) to one call of the tools (of the named one), its parameters valid against the
-    tool's schema; the reply holds it as tool_calls whatever the model (here a random one)."""
+    output) to calls of the tools (one call of the named one), their parameters valid against
+    the tool's schema; the reply holds them as tool_calls whatever the model (here a random
+    one)."""
     address, _ = server
     fields = dict(
-        model=model.name, messages=[USER], tools=BOUNDED, tool_choice=choice, max_tokens=60
-    )
+        model=model.name, messages=[USER], tools=BOUNDED, tool_choice=choice, max_tokens=200,
+        temperature=1.0, seed=SEEDS[0],
+    )  # fmt: skip
     client = _client(address)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **fields))
         deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-        name = deltas[0].function.name
-        arguments = "".join(d.function.arguments or "" for d in deltas)
+        calls: dict[int, list[str]] = {}
+        for d in deltas:
+            calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+        got = [tuple(calls[i]) for i in sorted(calls)]
         reason = next(c.choices[0].finish_reason for c in chunks[::-1] if c.choices)
     else:
         reply = client.chat.completions.create(**fields)
-        [call] = reply.choices[0].message.tool_calls
-        name, arguments = call.function.name, call.function.arguments
+        got = [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls]
         reason = reply.choices[0].finish_reason
-    assert reason == "tool_calls"
-    assert name in ({"get_weather", "get_time"} if choice == "required" else {"get_time"})
-    assert json.loads(arguments)["city"] in ("Paris", "Rome")
+    assert reason == "tool_calls" and got
+    names = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
+    for name, arguments in got:
+        assert name in names and json.loads(arguments)["city"] in ("Paris", "Rome")
+    if choice != "required":
+        assert len(got) == 1
+
+
+def test_parallel_tool_calls_in_the_clients_flow(server, model):
+    """tool_choice "required": one or more calls by default (these seeds draw several), exactly
+    one with parallel_tool_calls false (the constraint allows no second); under "auto", false
+    keeps the first of the calls the model wrote."""
+    address, eos = server
+    client = _client(address)
+    counts: dict[bool, list[int]] = {True: [], False: []}
+    for parallel in (True, False):
+        for seed in SEEDS:
+            reply = client.chat.completions.create(
+                model=model.name, messages=[USER], tools=BOUNDED, tool_choice="required",
+                parallel_tool_calls=parallel, max_tokens=200, temperature=1.0, seed=seed,
+            )  # fmt: skip
+            calls = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert all(json.loads(c.function.arguments)["city"] in ("Paris", "Rome") for c in calls)
+            counts[parallel].append(len(calls))
+    assert counts[False] == [1] * len(SEEDS) and min(counts[True]) >= 2, counts
+
+    rome = CALL.replace("Paris", "Rome")
+    two = f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{rome}\n</tool_call>"
+    cities = []
+    for parallel in (True, False):
+        reply = client.chat.completions.create(
+            model=model.name, parallel_tool_calls=parallel, **_answer_with(two, eos)
+        )
+        cities.append([json.loads(c.function.arguments)["city"] for c in
+                       reply.choices[0].message.tool_calls])  # fmt: skip
+    assert cities == [["Paris", "Rome"], ["Paris"]]
