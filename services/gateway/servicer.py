@@ -52,7 +52,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         if clock.scale() != 1.0:  # an emulated mesh: the client reports latencies in its time
             await context.send_initial_metadata(((TIME_SCALE_HEADER, repr(clock.scale())),))
-        completion = 0
+        completion = ended = 0
         events = self.router.generate(req, telemetry.incoming(context), received=received)
         async for out in events:
             completion += len(out.token_ids)
@@ -64,8 +64,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 finish_reason=finish_to_pb(reason),
                 logprobs=logprobs_list_to_pb(out.logprobs),
                 prompt_logprobs=logprobs_list_to_pb(out.prompt_logprobs),
+                index=out.index,
             )
-            if reason is not None:
+            ended += reason is not None
+            if ended == req.params.n and reason is not None:  # every choice's, summed
                 reply.usage.CopyFrom(
                     common_pb2.Usage(
                         prompt_tokens=len(req.prompt_ids), completion_tokens=completion

@@ -104,7 +104,7 @@ def test_choices_share_the_prompt_blocks_and_free_each_once(tiny_model):
 def test_cancelled_pull_frees_its_choices_blocks(tiny_model):
     decode = real(tiny_model, prefix_cache=False)
     decode.add_prefilled(PROMPT, None, SEEDED, "r", choices=((0, 5), (2, 7)))
-    (seq,) = decode.admit_pulls()
+    assert len(decode.admit_pulls()) == 1
     assert decode.pool.num_used == 3 + 1  # the prompt's and one copy for choice 2
     assert decode.abort("r") and decode.pool.num_free == decode.pool.num_blocks
     decode.add_prefilled(PROMPT, None, SEEDED, "s", choices=((0, 5), (2, 7)))
