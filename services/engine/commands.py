@@ -47,6 +47,9 @@ class AddPrefilled:
     # n > 1: (index, first token) of each choice to decode; first_token is None then
     choices: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self) -> None:  # JSON brings lists back
+        object.__setattr__(self, "choices", tuple((i, t) for i, t in self.choices))
+
     def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> str:
         return engine.add_prefilled(
             self.prompt,
