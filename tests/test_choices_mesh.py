@@ -69,6 +69,8 @@ def address(mesh, role: str) -> str:
 
 def kv_all_free(mesh) -> bool:
     for p in mesh.workers:
+        if p.popen.poll() is not None:  # killed by the test
+            continue
         role = "prefill" if p.name.startswith("prefill") else "decode"
         s = stats(p.ready["address"], role)
         if s.load.free_kv_blocks != s.load.total_kv_blocks or s.load.held_kv_handles:
@@ -249,3 +251,31 @@ def test_whole_reply_has_one_choice_per_index(shared_mesh):
     assert body["choices"][0]["text"] == body["choices"][1]["text"]
     assert body["usage"]["completion_tokens"] == 8
     json.dumps(body)
+
+
+def test_a_lost_decode_instance_ends_several_choices_with_a_retryable_error(mesh_factory):
+    """Choices do not move one by one: the request ends UNAVAILABLE (retryable), saying so,
+    and nothing stays held on the instances left."""
+    import signal
+
+    mesh = mesh_factory(prefill=1, decode=2)
+    sampling = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True, n=2)
+    request = gateway_pb2.GenerateRequest(text="The decode phase adds", sampling=sampling)
+    with grpc.insecure_channel(mesh.gateway_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        seen = 0
+        with pytest.raises(grpc.RpcError) as err:
+            for r in stub.Generate(request, timeout=60):
+                seen += len(r.token_ids)
+                if seen >= 8 and seen - len(r.token_ids) < 8:
+                    victim = next(
+                        p
+                        for p in mesh.workers
+                        if p.name.startswith("decode")
+                        and stats(p.ready["address"], "decode").load.running_seqs
+                    )
+                    victim.popen.send_signal(signal.SIGKILL)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "send the request again" in err.value.details()
+    victim.popen.wait(timeout=5)
+    wait_free(mesh)  # the instances left
