@@ -5,7 +5,7 @@ openai_fields.FIELDS (checked there); this module turns the honoured ones into a
 sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
 API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~570 lines): a request's fields and the reply they shape are one contract (echo,
+Why one file (~630 lines): a request's fields and the reply they shape are one contract (echo,
 return_token_ids, logprobs and stream_options are read on both sides); split, they would drift.
 The logprobs objects' own shapes are openai_logprobs.py's; the tools' request checks are
 openai_tools.py's, their parsers tool_parsers.py.
