@@ -17,9 +17,9 @@ first gets its own copy of the last partial block, which its next token writes i
 sampled from the same prompt logits, each choice with its own random stream.
 
 Why one file (~830 lines): `LLMEngine` is the one object every worker drives (its pool's sizing,
-requests, the step, the fork of n choices, a prefill instance's held KV, a decode instance's pulled KV, the prefix
-cache's reports), and each of those sections is a few short methods over the same queues and
-pool.
+requests, the step, the fork of n choices, a prefill instance's held KV, a decode instance's
+pulled KV, the prefix cache's reports), and each of those sections is a few short methods over
+the same queues and pool.
 """
 
 from __future__ import annotations
