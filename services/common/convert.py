@@ -47,6 +47,8 @@ def sampling_from_pb(
         logit_bias=dict(pb.logit_bias),
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        n=pb.n if pb.HasField("n") else 1,
+        best_of=pb.best_of if pb.HasField("best_of") else None,
         structured_output=(
             structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None
         ),
@@ -139,6 +141,10 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         pb.prompt_logprobs = p.prompt_logprobs
+    if p.n != 1:
+        pb.n = p.n
+    if p.best_of is not None:
+        pb.best_of = p.best_of
     if p.structured_output is not None:
         pb.structured_output.CopyFrom(structured_to_pb(p.structured_output))
     return pb

@@ -21,6 +21,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # repetition_penalty's range: it travels and is applied as a float32, where values much further
 # from 1 round to 0 or infinity (and would turn logits into infinities).
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_N = 16  # n and best_of lie in [1, MAX_N]: each choice takes a decode seat and KV
 
 
 class FinishReason(enum.StrEnum):
@@ -54,6 +55,11 @@ class SamplingParams:
     tokens' at its position; prompt_logprobs k the same for every prompt token but the first.
     Both are of the model's raw distribution (services/common/logprobs.py), k in [0, 20].
 
+    n: the number of answers (choices) returned. best_of (None: n): the number generated, of
+    which the n with the highest cumulative logprob of their tokens are returned. The prompt
+    is prefilled once; choice i samples from its own stream (the seed, or the request's own,
+    plus i), so choices differ unless greedy and a seeded request is reproducible.
+
     structured_output: what the answer must match (a JSON schema, any JSON object, a regex, a
     choice or a grammar; services/common/structured_output.py): only tokens its grammar allows
     are sampled, and the request ends with finish reason stop once the answer is complete.
@@ -80,6 +86,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -91,6 +99,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_choices(self) -> int:
+        """How many answers are generated (best_of, else n); each is a sequence of its own
+        once the prompt is prefilled."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def penalized(self) -> bool:
@@ -174,6 +188,7 @@ class SamplingParams:
                     f"stop_token_ids must be integers >= 0, got {t!r}", param="stop_token_ids"
                 )
         self._validate_processors()
+        self._validate_choices()
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput
         ):
@@ -234,6 +249,22 @@ class SamplingParams:
                     f"returned beside the chosen one), got {k!r}",
                     param=name,
                 )
+
+    def _validate_choices(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(
+                f"n must be an integer in [1, {MAX_N}] (the answers returned), got {self.n!r}",
+                param="n",
+            )
+        b = self.best_of
+        if b is not None and (
+            isinstance(b, bool) or not isinstance(b, int) or not self.n <= b <= MAX_N
+        ):
+            raise InvalidRequest(
+                f"best_of must be an integer in [n, {MAX_N}] (n is {self.n}: the answers "
+                f"generated, of which the n most likely are returned), got {b!r}",
+                param="best_of",
+            )
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """InvalidRequest naming the first token id (of stop_token_ids or logit_bias) that the

@@ -20,10 +20,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         handle = KvHandle.from_pb(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
-        if handle is not None and not handle.layerwise and first is None:
+        choices = tuple((c.index, c.first_token_id) for c in request.choices)
+        if handle is not None and not handle.layerwise and first is None and not choices:
             raise InvalidRequest(
                 "a request with a KV handle sent after prefill (not layer-wise) needs "
-                "first_token_id"
+                "first_token_id (or, for several choices, their first tokens in choices)"
             )
         events = self.worker.generate(
             request.request_id,
@@ -32,6 +33,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             first if handle is not None else None,
             handle,
             telemetry.incoming(context),
+            choices if handle is not None else (),
         )
         async for event in events:
             yield decode_pb2.DecodeResponse(
@@ -42,6 +44,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 pull_bytes=event.pull_bytes,
                 logprobs=logprobs_list_to_pb(event.logprobs),
                 prompt_logprobs=logprobs_list_to_pb(event.prompt_logprobs),
+                index=event.index,
             )
 
     async def Stats(self, request, context):

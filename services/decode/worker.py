@@ -48,6 +48,7 @@ class DecodeEvent:
     # here, on its first event.
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # the choice (n > 1, best_of) the tokens belong to
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,14 @@ class DecodeWorker:
         first_token: int | None,
         handle: KvHandle | None,
         trace: telemetry.Context | None = None,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> AsyncIterator[DecodeEvent]:
         """A request's tokens. `trace` is the caller's trace context: the wait for KV room,
-        the pull, the prefill (colocated) and the decode are recorded under it as spans."""
+        the pull, the prefill (colocated) and the decode are recorded under it as spans.
+
+        A request of several choices: prefilled here, it forks into all of them; pulled, into
+        `choices` ((index, first token) of each that did not end at prefill; `first_token` is
+        None). Each event is one choice's (`index`); the stream ends when every choice has."""
         if self.draining:
             raise Unavailable(
                 f"{self.config.worker_id} is shutting down: send the request to another instance"
@@ -171,6 +177,7 @@ class DecodeWorker:
         self.requests_total += 1
         queue = self.loop.subscribe(request_id)
         finished = failed = False
+        left = params.num_choices if handle is None else max(1, len(choices))
         decoded, decode_start = 0, None  # decode_start: when decoding began
         # The handle is released at its source once its KV is here, or on any exit before.
         with self.releases.hold(handle) as release:
@@ -178,24 +185,28 @@ class DecodeWorker:
                 if handle is None:
                     submitted = clock.monotonic()
                     self.loop.submit(request_id, AddRequest(prompt, params, request_id))
-                    event, info, cached = await self._next_tokens(queue)
+                    events, info, cached = await self._next_tokens(queue)
                     self.prefill.record(trace, submitted, info, cached)
                     decode_start = clock.monotonic()
-                    finished = event.finish_reason is not None
-                    yield event
+                    for event in events:
+                        left -= event.finish_reason is not None
+                        finished = left == 0
+                        yield event
                 else:
                     pulled = await self._pull(
-                        request_id, prompt, params, first_token, handle, trace
+                        request_id, prompt, params, first_token, handle, trace, choices
                     )
                     self.loop.submit(request_id, StartDecoding(request_id, pulled.first_token))
                     release.pulled(pulled.handoff)  # decoding does not wait for the release
                     decode_start = clock.monotonic()
                     yield pulled.event
                 while not finished:
-                    event, _, _ = await self._next_tokens(queue)
-                    decoded += len(event.token_ids)
-                    finished = event.finish_reason is not None
-                    yield event
+                    events, _, _ = await self._next_tokens(queue)
+                    for event in events:
+                        decoded += len(event.token_ids)
+                        left -= event.finish_reason is not None
+                        finished = left == 0
+                        yield event
             except DistServeError:
                 failed = True  # a failure (counted where it happened), not an abort
                 raise
@@ -223,14 +234,12 @@ class DecodeWorker:
             attributes["decode.cancelled"] = True
         telemetry.record("decode", trace, start, end, attributes)
 
-    async def _next_tokens(self, queue: asyncio.Queue) -> tuple[DecodeEvent, StepInfo, int]:
-        """The tokens (and their logprobs, if asked) produced since the last call: one or more
-        steps' worth when the caller is slower than the engine, so a busy stream sends fewer,
-        larger messages. The step info is the first step's; the last, the prompt tokens a
-        prefill among them reused from the prefix cache."""
-        ids: list[int] = []
-        logprobs: list[TokenLogprobs] | None = None
-        prompt_logprobs: list[TokenLogprobs] | None = None
+    async def _next_tokens(self, queue: asyncio.Queue) -> tuple[list[DecodeEvent], StepInfo, int]:
+        """The tokens (and their logprobs, if asked) produced since the last call, an event per
+        choice: one or more steps' worth when the caller is slower than the engine, so a busy
+        stream sends fewer, larger messages. The step info is the first step's; the last, the
+        prompt tokens a prefill among them reused from the prefix cache."""
+        events: dict[int, DecodeEvent] = {}
         first: StepInfo | None = None
         cached = 0
         while True:
@@ -240,16 +249,20 @@ class DecodeWorker:
             if isinstance(out, Exception):
                 raise out
             first = first or info
-            ids += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
+            was = events.get(out.index) or DecodeEvent([], index=out.index)
+            logprobs = was.logprobs
             if out.logprobs is not None:
                 logprobs = (logprobs or []) + out.logprobs
-            prompt_logprobs = prompt_logprobs or out.prompt_logprobs
-            cached = max(cached, out.num_cached_tokens)
-            if out.finished or queue.empty():
-                event = DecodeEvent(
-                    ids, out.finish_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs
-                )
-                return event, first, cached
+            events[out.index] = DecodeEvent(
+                was.token_ids + out.new_token_ids,
+                out.finish_reason,
+                logprobs=logprobs,
+                prompt_logprobs=was.prompt_logprobs or out.prompt_logprobs,
+                index=out.index,
+            )
+            if queue.empty():
+                return list(events.values()), first, cached
 
     async def _pull(
         self,
@@ -259,6 +272,7 @@ class DecodeWorker:
         first_token: int | None,
         handle: KvHandle,
         trace: telemetry.Context | None,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> Pulled:
         """Wait for room, then pull the handle's KV into it.
 
@@ -272,7 +286,8 @@ class DecodeWorker:
         self.pulling += 1
         try:
             reuse = can_reuse(self.engine, handle)
-            await self.loop.call(AddPrefilled(prompt, first_token, params, request_id, reuse))
+            added = AddPrefilled(prompt, first_token, params, request_id, reuse, choices)
+            await self.loop.call(added)
             async with self.puller.holding(handle, trace):  # its KV stays while it waits
                 blocks, reused = await admission
             started = clock.monotonic()

@@ -44,6 +44,11 @@ class AddPrefilled:
     params: SamplingParams
     request_id: str
     reuse_prefix: bool = False  # start from its prompt's cached prefix here; pull the rest
+    # n > 1: (index, first token) of each choice to decode; first_token is None then
+    choices: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:  # JSON brings lists back
+        object.__setattr__(self, "choices", tuple((i, t) for i, t in self.choices))
 
     def apply(self, engine: LLMEngine, kv: KvHooks | None = None) -> str:
         return engine.add_prefilled(
@@ -52,6 +57,7 @@ class AddPrefilled:
             self.params,
             self.request_id,
             reuse_prefix=self.reuse_prefix,
+            choices=self.choices,
         )
 
 

@@ -9,10 +9,17 @@ starts from the longest cached prefix of its full blocks and computes only the r
 one token, for the logits it samples from); a pulled request may too (`add_prefilled`).
 `kv_events` reports what was cached and evicted.
 
-Why one file (~580 lines): `LLMEngine` is the one object every worker drives (its pool's sizing,
-requests, the step, a prefill instance's held KV, a decode instance's pulled KV, the prefix
-cache's reports), and each of those sections is a few short methods over the same queues and
-pool.
+A request of n choices (`SamplingParams.n`, `best_of`) is one sequence until its prompt is
+prefilled (here, or pulled from a prefill instance); it then forks into a sequence per choice
+(`_fork`): the prompt's full blocks are shared (one reference each), and each choice but the
+first gets its own copy of the last partial block, which its next token writes into
+(copy-on-write). Each block is freed when its last reference goes. Every first token is
+sampled from the same prompt logits, each choice with its own random stream.
+
+Why one file (~830 lines): `LLMEngine` is the one object every worker drives (its pool's sizing,
+requests, the step, the fork of n choices, a prefill instance's held KV, a decode instance's
+pulled KV, the prefix cache's reports), and each of those sections is a few short methods over
+the same queues and pool.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    index: int = 0  # which choice of its request (n > 1, best_of)
 
 
 class LLMEngine:
@@ -132,7 +140,8 @@ class LLMEngine:
         self.pull_waiting: deque[Sequence] = deque()
         # (kind, sequences, tokens) of the last step, for the services' timing and traces.
         self.last_step: tuple[str, int, int] = ("none", 0, 0)
-        self._requests: dict[str, Sequence] = {}
+        # Every request here: its sequence, or (forked into n choices) its choices' sequences.
+        self._requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         # Structured output: specs compiled against this model's tokenizer (on first use).
         self.grammars = GrammarCompiler(
@@ -290,14 +299,25 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
         seq = self._new_sequence(ids, params, request_id or f"req-{next(self._ids)}")
+        seq.fork_pending = params.num_choices > 1
         self.waiting.append(seq)
         return seq.request_id
 
-    def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+    def _new_sequence(
+        self, ids: list[int], params: SamplingParams, request_id: str, index: int = 0
+    ) -> Sequence:
+        """The sequence of a new request (`index`: the choice it starts as)."""
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seq = self._sequence(ids, params, request_id, index)
+        self._requests[request_id] = [seq]
+        return seq
+
+    def _sequence(
+        self, ids: list[int], params: SamplingParams, request_id: str, index: int
+    ) -> Sequence:
         spec = params.structured_output
-        seq = Sequence(
+        return Sequence(
             request_id,
             ids,
             params,
@@ -306,9 +326,8 @@ class LLMEngine:
             tokenizer=self.tokenizer if (self.detokenize or params.stop) else None,
             default_seed=_stable_seed(self.config.seed, request_id),
             matcher=self.grammars.matcher(spec, ids) if spec is not None else None,
+            index=index,
         )
-        self._requests[request_id] = seq
-        return seq
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.max_model_len
@@ -318,6 +337,19 @@ class LLMEngine:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         params.check_vocabulary(vocab)
+        if params.num_choices > self.config.max_num_seqs:
+            raise InvalidRequest(
+                f"the request asks for {params.num_choices} choices (n, best_of) and this "
+                f"instance decodes at most {self.config.max_num_seqs} sequences at once "
+                "(max_num_seqs); ask for fewer",
+                param="best_of" if params.best_of is not None else "n",
+            )
+        if self.emulated and params.best_of is not None and params.best_of > params.n:
+            raise InvalidRequest(
+                "best_of > n returns the choices of highest cumulative log-probability, and the "
+                "emulated engine has no log-probabilities; serve the model with --engine torch",
+                param="best_of",
+            )
         if self.emulated:
             for name in ("logprobs", "prompt_logprobs"):
                 if getattr(params, name) is not None:
@@ -339,24 +371,27 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request wherever it is; frees its blocks. False if it is not here."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        """Cancel a request (every choice of it) wherever it is; frees its blocks. False if
+        it is not here."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
             return False
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.leave(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.PULL_WAITING:
-            self.pull_waiting.remove(seq)
-        self._free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = FinishReason.ABORT
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.leave(seq)
+            elif seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            elif seq.status is SequenceStatus.PULL_WAITING:
+                self.pull_waiting.remove(seq)
+            self._free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
         return True
 
-    def sequence(self, request_id: str) -> Sequence | None:
-        """The state of a request that is still queued, held, pulling or running."""
-        return self._requests.get(request_id)
+    def sequence(self, request_id: str, index: int = 0) -> Sequence | None:
+        """The state of a request (its choice `index`, once forked) that is still queued,
+        held, pulling or running."""
+        return next((s for s in self._requests.get(request_id, ()) if s.index == index), None)
 
     def has_unfinished(self) -> bool:
         """Whether a step would do work (held and pulling requests wait on others)."""
@@ -406,16 +441,23 @@ class LLMEngine:
         """
         seats = self.config.max_num_seqs if hold else self.running.free_seats
         seqs = self.batcher.next_batch(
-            self.waiting, self._admit, seats, self.prefix.uncached_tokens
+            self.waiting, lambda seq: self._admit(seq, hold), seats, self.prefix.uncached_tokens
         )
         if not seqs:
             return []
         self.last_step = ("prefill", len(seqs), self.prefix.count(seqs))
         if on_scheduled is not None:
             on_scheduled(seqs)
-        tokens, logprobs = self._sample(self.runner.prefill(seqs, on_layer), seqs)
+        logits = self.runner.prefill(seqs, on_layer)
+        choices, rows, held = self._fork(seqs, hold)
+        if len(choices) > len(seqs) and logits is not None:
+            logits = logits[rows]  # (choices, V): each choice samples from its prompt's row
+        tokens, logprobs = self._sample(logits, choices)
         outputs = []
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+        for seq, token, lp in zip(choices, tokens, logprobs, strict=True):
+            if seq.status is SequenceStatus.HELD:  # a choice of a prompt held here
+                outputs.append(self._held_choice(seq, token, lp))
+                continue
             out = self._postprocess(seq, token, lp)
             out.num_cached_tokens = seq.num_cached_tokens
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
@@ -427,7 +469,98 @@ class LLMEngine:
                     seq.status = SequenceStatus.RUNNING
                     self.running.join(seq)
             outputs.append(out)
+        for seq, first in held:
+            self._hold_forked(seq, outputs[first : first + seq.params.num_choices])
         return outputs
+
+    # -- n choices: the fork -------------------------------------------------------------------
+
+    def _fork(
+        self, seqs: list[Sequence], hold: bool
+    ) -> tuple[list[Sequence], list[int], list[tuple[Sequence, int]]]:
+        """The sequences a prefill batch samples a first token for, the batch row of each, and
+        the prompts held here that forked (with where their choices start among them).
+
+        A prompt of n choices forks now that its KV is written. Decoding here, it is choice 0
+        and the others share its blocks (`_share`). Held for a decode instance (`hold`), its
+        KV stays one sequence's: its choices are only sampled here (HELD, in no queue, reading
+        its blocks), the decode instance forks them once it has pulled the KV."""
+        choices: list[Sequence] = []
+        rows: list[int] = []
+        held: list[tuple[Sequence, int]] = []
+        for row, seq in enumerate(seqs):
+            if not seq.fork_pending:
+                choices.append(seq)
+                rows.append(row)
+                continue
+            seq.fork_pending = False
+            k = seq.params.num_choices
+            if hold:
+                held.append((seq, len(choices)))
+                for i in range(k):
+                    choice = self._sequence(seq.token_ids, seq.params, seq.request_id, i)
+                    choice.block_table = seq.block_table  # read, never freed, by the choice
+                    choice.status = SequenceStatus.HELD
+                    choices.append(choice)
+            else:
+                choices += [seq] + [self._choice(seq, i) for i in range(1, k)]
+            rows += [row] * k
+        return choices, rows, held
+
+    def _choice(self, seq: Sequence, index: int) -> Sequence:
+        """Choice `index` of a request whose sequence `seq` has its prompt's KV in place (and
+        no output yet): it shares the prompt's full blocks and writes into its own copy of the
+        last partial one (taken with the request's blocks: `seq.fork_blocks`)."""
+        choice = self._sequence(seq.token_ids, seq.params, seq.request_id, index)
+        self._requests[seq.request_id].append(choice)
+        blocks = seq.block_table.blocks
+        full = seq.num_prompt_tokens // self.block_size
+        self.pool.incref(blocks[:full])
+        choice.block_table.extend(blocks[:full])
+        if len(blocks) > full:
+            copy = seq.fork_blocks.pop()
+            self.runner.cache.copy_block(blocks[full], copy)
+            choice.block_table.extend([copy])
+        choice.num_cached_tokens = seq.num_cached_tokens
+        choice.num_committed_blocks = min(seq.num_committed_blocks, full)
+        choice.status = seq.status
+        return choice
+
+    def _copies(self, seq: Sequence, choices: int) -> int:
+        """Blocks the other choices of a request forking into `choices` need at the fork: a
+        copy each of its prompt's last block, when that one is partial."""
+        return choices - 1 if seq.num_prompt_tokens % self.block_size else 0
+
+    def _held_choice(self, choice: Sequence, token: int, lp: TokenLogprobs | None) -> StepOutput:
+        """A held prompt's choice got its first token: it ends here, or on a decode instance."""
+        delta = choice.append(token)
+        out = StepOutput(
+            choice.request_id,
+            [token],
+            delta,
+            choice.finish_reason is not None,
+            choice.finish_reason,
+            index=choice.index,
+        )
+        if lp is not None:
+            out.logprobs = [lp]
+        return out
+
+    def _hold_forked(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        """A held prompt's choices are sampled: its KV stays held while one goes on."""
+        self.prefix.commit(seq, seq.num_tokens)
+        outputs[0].prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+        for out in outputs:
+            out.num_cached_tokens = seq.num_cached_tokens
+        if all(out.finished for out in outputs):
+            seq.status = SequenceStatus.FINISHED
+            self._free(seq)
+            self._requests.pop(seq.request_id, None)
+            return
+        seq.status = SequenceStatus.HELD
+        runs = tuple((f, n) for f, n in seq.block_table.runs)
+        for out in outputs:
+            out.held_runs = runs
 
     def decode_step(self) -> list[StepOutput]:
         """One token for every running sequence."""
@@ -455,18 +588,23 @@ class LLMEngine:
             return tokens, [None] * len(seqs)
         return tokens, scores.of(tokens, len(seqs))
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Blocks for a waiting sequence (it has none): its cached prefix, then new ones."""
+    def _admit(self, seq: Sequence, hold: bool) -> bool:
+        """Blocks for a waiting sequence (it has none): its cached prefix, then new ones, and
+        (decoding here) its choices' copies of its last block."""
         # A prompt whose logprobs are asked for is computed whole: they need every position.
         hits = [] if seq.needs_prompt_logprobs else self.prefix.hits(seq, seq.num_tokens - 1)
-        return self._allocate(seq, seq.num_tokens, hits)
+        copies = self._copies(seq, seq.width) if not hold else 0
+        return self._allocate(seq, seq.num_tokens, hits, copies=copies)
 
-    def _allocate(self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0) -> bool:
+    def _allocate(
+        self, seq: Sequence, num_tokens: int, hits: list[int], spare: int = 0, copies: int = 0
+    ) -> bool:
         """Give a sequence without blocks the cached blocks `hits` and new ones up to
-        `num_tokens` tokens, if they fit with `spare` blocks left free."""
+        `num_tokens` tokens, and `copies` blocks for its fork, if they fit with `spare` blocks
+        left free."""
         bs = self.block_size
         need = -(-num_tokens // bs) - len(hits)
-        if not self.pool.can_allocate(need + spare, hits):
+        if not self.pool.can_allocate(need + copies + spare, hits):
             return False
         self.pool.acquire(hits)
         seq.block_table.extend(hits)
@@ -475,6 +613,7 @@ class LLMEngine:
         growth = -(-(seq.params.max_tokens - seq.num_output_tokens) // bs)
         after = hits[-1] if hits else None
         seq.block_table.extend(self.pool.allocate(need, after=after, reserve=growth))
+        seq.fork_blocks = self.pool.allocate(copies)
         return True
 
     def _postprocess(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
@@ -487,8 +626,9 @@ class LLMEngine:
                 self.running.leave(seq)
             seq.status = SequenceStatus.FINISHED
             self._free(seq)
-            self._requests.pop(seq.request_id, None)
+            self._forget(seq)
         out = StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason)
+        out.index = seq.index
         if logprobs is not None:
             out.logprobs = [logprobs]
         return out
@@ -496,12 +636,23 @@ class LLMEngine:
     def _free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table.blocks)
         seq.block_table = BlockTable()
+        if seq.fork_blocks:  # never forked (cancelled, or ended at its first token)
+            self.pool.free(seq.fork_blocks)
+            seq.fork_blocks = []
+
+    def _forget(self, seq: Sequence) -> None:
+        """A finished sequence leaves its request; the request goes with its last one."""
+        seqs = self._requests.get(seq.request_id)
+        if seqs is not None and seq in seqs:
+            seqs.remove(seq)
+            if not seqs:
+                del self._requests[seq.request_id]
 
     # -- prefill instance: held KV -----------------------------------------------------------------
 
     def release(self, request_id: str) -> int:
         """Free the KV a prefill instance holds for a request; returns the blocks freed."""
-        seq = self._requests.get(request_id)
+        seq = self.sequence(request_id)
         if seq is None or seq.status is not SequenceStatus.HELD:
             return 0
         freed = len(seq.block_table)
@@ -520,17 +671,29 @@ class LLMEngine:
         request_id: str,
         *,
         reuse_prefix: bool = False,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> str:
         """Queue a request prefilled elsewhere; it waits until its KV fits (see admit_pulls).
         `first_token` None: prefill is still running; the token comes with `start_decoding`.
+
+        choices: a request of n choices, (index, first token) of each one to decode (those
+        that did not end at their first token; `first_token` is None then): once its KV is in
+        place the request forks into them (`start_decoding`), sharing the pulled blocks.
 
         reuse_prefix: the caller pulls only the blocks this engine lacks: at admission the
         sequence starts from the longest cached prefix of its prompt's full blocks here, and
         its first `num_cached_tokens // block_size` blocks hold that KV already (shared with
         other sequences: never write into them). False: every block is new and pulled."""
         self._validate(prompt_ids, params)
-        seq = self._new_sequence(prompt_ids, params, request_id)
+        choices = tuple((int(i), int(t)) for i, t in choices)
+        if choices and first_token is not None:
+            raise InvalidRequest("give the first token, or the choices' first tokens, not both")
+        seq = self._new_sequence(prompt_ids, params, request_id, choices[0][0] if choices else 0)
         seq.reuse_prefix = reuse_prefix
+        if len(choices) == 1:
+            first_token = choices[0][1]
+        elif choices:
+            seq.fork_choices = list(choices)
         if first_token is not None:
             self._append_first(seq, first_token)
         seq.status = SequenceStatus.PULL_WAITING
@@ -545,15 +708,22 @@ class LLMEngine:
         block_size`, which hold cached KV already.
         """
         admitted = []
-        pulling = sum(1 for s in self._requests.values() if s.status is SequenceStatus.PULLING)
+        pulling = sum(
+            s.width
+            for seqs in self._requests.values()
+            for s in seqs
+            if s.status is SequenceStatus.PULLING
+        )
         seats = self.running.free_seats - pulling
-        while self.pull_waiting and len(admitted) < seats:
+        while self.pull_waiting and self.pull_waiting[0].width <= seats:
             seq = self.pull_waiting[0]
             n = seq.num_prompt_tokens
             hits = self.prefix.hits(seq, n) if seq.reuse_prefix else []
             # Keep room for every running sequence's next block, so admission never preempts.
-            if not self._allocate(seq, n, hits, spare=len(self.running)):
+            copies = self._copies(seq, seq.width)
+            if not self._allocate(seq, n, hits, spare=len(self.running), copies=copies):
                 break
+            seats -= seq.width
             self.pull_waiting.popleft()
             seq.status = SequenceStatus.PULLING
             admitted.append(seq)
@@ -561,10 +731,15 @@ class LLMEngine:
 
     def start_decoding(self, request_id: str, first_token: int | None = None) -> bool:
         """The KV of a pulled request is in place: it joins the decode batch at the next step
-        (with its first token, if it was queued without one)."""
-        seq = self._requests.get(request_id)
+        (with its first token, if it was queued without one). A request of several choices
+        forks into them now (see `add_prefilled`)."""
+        seqs = self._requests.get(request_id)
+        seq = seqs[0] if seqs else None
         if seq is None or seq.status is not SequenceStatus.PULLING:
             return False
+        if seq.fork_choices:
+            self._start_choices(seq)
+            return True
         if first_token is not None:
             self._append_first(seq, first_token)
         elif seq.num_output_tokens == 0:
@@ -572,6 +747,25 @@ class LLMEngine:
         seq.status = SequenceStatus.RUNNING
         self.running.join(seq)
         return True
+
+    def _start_choices(self, seq: Sequence) -> None:
+        """A pulled request forks into its choices, each with its first token, and they join
+        the decode batch."""
+        first, *others = seq.fork_choices
+        seq.fork_choices = []
+        choices = [seq] + [self._choice(seq, index) for index, _ in others]
+        for choice, (_, token) in zip(choices, [first, *others], strict=True):
+            choice.skip_draw()
+            choice.append(token)
+        if any(c.finish_reason is not None for c in choices):
+            self.abort(seq.request_id)
+            raise InvalidRequest(
+                f"request {seq.request_id}: a choice sent to decode already ended at its first "
+                "token"
+            )
+        for choice in choices:
+            choice.status = SequenceStatus.RUNNING
+            self.running.join(choice)
 
     def _append_first(self, seq: Sequence, token: int) -> None:
         """A pulled request's first token (sampled by prefill); it is in no queue here. Its
@@ -590,18 +784,23 @@ class LLMEngine:
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[Completion]:
-        """Run prompts together to completion; results in prompt order."""
+        """Run prompts together to completion; results in prompt order, a request's choices
+        (n > 1, best_of) in index order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        seqs = {rid: self._requests[rid] for rid in ids}
+        prompt_ids = {rid: list(self._requests[rid][0].token_ids) for rid in ids}
+        answers: dict[tuple[str, int], Completion] = {}
         while self.has_unfinished():
-            self.step()
-        return [
-            Completion(
-                rid, s.token_ids[: s.num_prompt_tokens], s.output_ids, s.text, s.finish_reason
-            )
-            for rid, s in seqs.items()
-        ]
+            for out in self.step():
+                key = (out.request_id, out.index)
+                done = answers.setdefault(
+                    key, Completion(out.request_id, prompt_ids[out.request_id], [], "", None)
+                )
+                done.token_ids += out.new_token_ids
+                done.text += out.text_delta
+                done.finish_reason = out.finish_reason
+                done.index = out.index
+        return [answers[key] for key in sorted(answers, key=lambda k: (ids.index(k[0]), k[1]))]
 
 
 def _device(name: str) -> torch.device:

@@ -154,6 +154,11 @@ class KvCache:
         (K 0, V 1; the latent 0): (num_blocks, block_size, kv_heads, head_dim)."""
         return self.data[layer, kv, first_block : first_block + num_blocks]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` into block `dst` in every layer and plane: a choice's own copy of
+        the prompt's last partial block (copy-on-write when a request forks into n)."""
+        self.data[:, :, dst] = self.data[:, :, src]
+
     def write_tokens(self, layer: int, kv: int, blocks: list[int], tokens: Any) -> None:
         """Write plane `kv` (K 0, V 1; the latent 0) of a sequence's first len(tokens)
         positions, (T, kv_heads, head_dim), into its blocks: the staged path for KV that

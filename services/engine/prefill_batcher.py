@@ -15,7 +15,8 @@ class PrefillBatcher:
     throughput; a prompt longer than L_m runs alone. `admit` says whether a sequence's KV fits now
     (and reserves it); the first sequence that does not fit ends the batch, so order is kept.
     `cost` is the tokens a sequence's prefill computes (default: all of them; with a prefix
-    cache, those after its cached prefix).
+    cache, those after its cached prefix). `max_seqs` counts seats: a prompt of n choices takes
+    n (`Sequence.width`), as each becomes a sequence of the decode batch.
     """
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int) -> None:
@@ -30,10 +31,12 @@ class PrefillBatcher:
         cost: Callable[[Sequence], int] | None = None,
     ) -> list[Sequence]:
         batch: list[Sequence] = []
-        tokens = 0
+        tokens = seats = 0
         limit = min(self.max_batch_seqs, max_seqs)
-        while waiting and len(batch) < limit:
+        while waiting:
             seq = waiting[0]
+            if seats + seq.width > limit:
+                break
             n = seq.num_tokens if cost is None else cost(seq)
             if batch and tokens + n > self.max_batch_tokens:
                 break
@@ -42,4 +45,5 @@ class PrefillBatcher:
             waiting.popleft()
             batch.append(seq)
             tokens += n
+            seats += seq.width
         return batch

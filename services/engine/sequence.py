@@ -43,6 +43,8 @@ class StepOutput:
     # prefilled the prompt: its positions 1.. (the first has nothing before it).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Which of the request's choices (n > 1, best_of) this sequence is.
+    index: int = 0
 
 
 class Sequence:
@@ -59,10 +61,22 @@ class Sequence:
         tokenizer: Tokenizer | None,
         default_seed: int,
         matcher: Matcher | None = None,
+        index: int = 0,
     ) -> None:
         """matcher: the grammar state of a structured-output request (services/engine/
-        structured.py), advanced over each appended token; None: free text."""
+        structured.py), advanced over each appended token; None: free text. index: which of
+        the request's choices this is (n > 1, best_of); its random stream is the request's
+        seed + index."""
         self.request_id = request_id
+        self.index = index
+        # A request of several choices not yet prefilled here: its prefill forks it into
+        # them (set by the engine); a pulled one: (index, first token) of each choice it
+        # forks into once its KV is in place.
+        self.fork_pending = False
+        self.fork_choices: list[tuple[int, int]] = []
+        # Blocks taken when the request was given its KV, for its choices' copies of the
+        # prompt's last partial block (copy-on-write), until the fork uses them.
+        self.fork_blocks: list[int] = []
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
@@ -84,7 +98,8 @@ class Sequence:
         self.stop_token_ids = frozenset(stop_ids)
         # One uniform draw per sampled token, from the request's own stream: reproducible for a
         # seed whatever else shares the batch.
-        self.rng = random.Random(params.seed if params.seed is not None else default_seed)
+        seed = params.seed if params.seed is not None else default_seed
+        self.rng = random.Random((seed + index) % 2**63)
         # Text is tracked when a tokenizer is given (stop strings need one).
         self.text_stream = (
             TextStream(
@@ -108,6 +123,13 @@ class Sequence:
         self.matcher = matcher
         # The prompt's logprobs, set by the prefill that computed them, until they are reported.
         self.prompt_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def width(self) -> int:
+        """Decode seats the sequence takes once prefilled: its choices, if it forks into them."""
+        if self.fork_choices:
+            return len(self.fork_choices)
+        return self.params.num_choices if self.fork_pending else 1
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -33,9 +33,11 @@ class DecodeCall:
         prompt_tokens: int = 0,
         first_token: int | None = None,
         kv: common_pb2.KvHandle | None = None,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> DecodeCall:
         """A Decode call on `worker`: with `kv`, for KV held on a prefill instance
-        (`first_token` None: a layer-wise handle); without, the worker prefills the prompt
+        (`first_token` None: a layer-wise handle, or a request of several choices: `choices`
+        are (index, first token) of those to decode); without, the worker prefills the prompt
         itself (`prompt_tokens` of it queue there until it answers)."""
         telemetry.annotate(trace, {"distserve.decode.instance": worker.worker_id})
         call = decode_pb2_grpc.DecodeStub(channel(worker.address)).Decode(
@@ -45,11 +47,13 @@ class DecodeCall:
                 sampling=sampling_to_pb(req.params),
                 first_token_id=first_token,
                 kv=kv,
+                choices=[decode_pb2.ChoiceStart(index=i, first_token_id=t) for i, t in choices],
             ),
             timeout=req.timeout(),
             metadata=telemetry.outgoing(trace),
         )
-        kv_tokens = len(req.prompt_ids) + req.params.max_tokens
+        # Each choice's tokens; the prompt's KV is shared.
+        kv_tokens = len(req.prompt_ids) + req.params.max_tokens * req.params.num_choices
         return cls(call, worker, worker.send(prompt_tokens, kv_tokens))
 
     async def outputs(self, registry: Registry) -> AsyncIterator[Output]:
@@ -67,6 +71,7 @@ class DecodeCall:
                     finish_from_pb(r.finish_reason),
                     logprobs_list_from_pb(r.logprobs),
                     logprobs_list_from_pb(r.prompt_logprobs) if r.prompt_logprobs else None,
+                    r.index,
                 )
         except grpc.aio.AioRpcError as e:
             if streamed and e.code() == grpc.StatusCode.UNAVAILABLE:

@@ -5,6 +5,9 @@ path yields `Tokens` and, last, `Done` to the router, which yields the same two 
 text they complete, to the gRPC and HTTP edges. An error ends a stream as an exception (gRPC's
 `AioRpcError` from a worker, a `DistServeError` from the gateway), so that leaving a stream early
 and failing in it free what they hold the same way (`async with`, `aclosing`).
+
+A request of several choices (n > 1, best_of) has one stream: each `Tokens` and `Done` names its
+choice (`index`), each choice ends with its own `Done`, and the stream ends after the last.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class Prefilled:
     batch_tokens: int
     first_logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # A request of several choices: the first token of each of choices 1.. (the fields above
+    # are choice 0's), as events.
+    other_choices: tuple[Output, ...] = ()
+
+    def firsts(self) -> list[Output]:
+        """Every choice's first token as an event (`Done` for a choice it ended)."""
+        first = output(
+            [self.first_token], self.finish_reason, self.first_logprobs, self.prompt_logprobs
+        )
+        return [first, *self.other_choices]
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,7 @@ class Tokens:
     text: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0  # the choice (n > 1, best_of)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class Done:
     text: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0  # the choice (n > 1, best_of)
 
 
 Output = Tokens | Done  # what a serving path and the router yield
@@ -71,8 +86,9 @@ def output(
     reason: FinishReason | None,
     logprobs: tuple[TokenLogprobs, ...] = (),
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
+    index: int = 0,
 ) -> Output:
-    """A worker's reply as an event: `Done` if it ended the answer."""
+    """A worker's reply as an event: `Done` if it ended the answer (its choice `index`)."""
     if reason is None:
-        return Tokens(token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    return Done(token_ids, reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return Tokens(token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
+    return Done(token_ids, reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)

@@ -12,6 +12,11 @@ elsewhere when possible, and decode continues from the first token the client al
 (`Failover.KV_HANDOFF`). Every retry draws on the request's one `Retries` budget
 (gateway/retries.py). Each try's KV on the prefill instance is owned by a `HeldKv`
 (gateway/held_kv.py: who frees what).
+
+A request of several choices (n > 1, best_of) is prefilled once: prefill answers with every
+choice's first token and one handle, and one decode call pulls the KV once and decodes the
+choices that did not end at their first token, sharing it (no layer-wise handoff: the choices'
+first tokens travel with the call).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class _Tries:
     """What a request's tries so far tell the next one."""
 
     first_token: int | None = None  # once the client has it: later tries continue from it
+    # A request of several choices: (index, first token) of those still to decode.
+    choices: tuple[tuple[int, int], ...] = ()
     tried_prefill: set[str] = field(default_factory=set)  # a new prefill prefers another
     failed_decode: set[str] = field(default_factory=set)  # a new decode prefers another
 
@@ -113,6 +120,7 @@ class Handoff:
             and least is not None
             and len(req.prompt_ids) >= least
             and req.params.max_tokens > 1
+            and req.params.num_choices == 1
         )
         decode: DecodeCall | None = None
         async with HeldKv(self.channel, trace) as held:
@@ -134,20 +142,26 @@ class Handoff:
                     raise _Retry(_details(e)) from e
                 if tries.first_token is None:
                     tries.first_token = prefilled.first_token
-                    first = output(
-                        [prefilled.first_token],
-                        prefilled.finish_reason,
-                        prefilled.first_logprobs,
-                        prefilled.prompt_logprobs,
+                    firsts = prefilled.firsts()
+                    for first in firsts:
+                        yield first
+                    tries.choices = tuple(
+                        (o.index, o.token_ids[0]) for o in firsts if not isinstance(o, Done)
                     )
-                    yield first
-                    if isinstance(first, Done):
+                    if not tries.choices:
                         return
                 if decode is None:
                     if prefilled.kv is None:
                         raise _Retry("prefill returned no KV")
+                    several = req.params.num_choices > 1
                     decode = self._start_decode(
-                        req, prompt, tries.first_token, held.kv, trace, tries.failed_decode
+                        req,
+                        prompt,
+                        None if several else tries.first_token,
+                        held.kv,
+                        trace,
+                        tries.failed_decode,
+                        tries.choices if several else (),
                     )
                 async with contextlib.aclosing(self._decode(decode, held, tries)) as outputs:
                     async for out in outputs:
@@ -219,6 +233,15 @@ class Handoff:
         first_logprobs = (
             [done.first_token_logprobs] if done.HasField("first_token_logprobs") else []
         )
+        others = tuple(
+            output(
+                [c.token_id],
+                finish_from_pb(c.finish_reason),
+                logprobs_list_from_pb([c.logprobs] if c.HasField("logprobs") else []),
+                index=i,
+            )
+            for i, c in enumerate(done.other_choices, 1)
+        )
         yield Prefilled(
             done.first_token_id,
             finish_from_pb(done.finish_reason),
@@ -227,6 +250,7 @@ class Handoff:
             done.batch_tokens,
             logprobs_list_from_pb(first_logprobs),
             logprobs_list_from_pb(done.prompt_logprobs) if done.prompt_logprobs else None,
+            others,
         )
 
     def _start_decode(
@@ -237,6 +261,7 @@ class Handoff:
         kv: common_pb2.KvHandle,
         trace,
         failed: set[str] = frozenset(),
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> DecodeCall:
         """A Decode call for KV held on a prefill instance (`first_token` None: a layer-wise
         handle; the decode instance asks the source for it) on a lightly loaded decode instance
@@ -244,7 +269,9 @@ class Handoff:
         `failed` if there is one."""
         decode = self.routing.pick_decode(prompt, exclude=failed)
         self.routing.routed(trace, decode, prompt)
-        return DecodeCall.start(self.channel, decode, req, trace, first_token=first_token, kv=kv)
+        return DecodeCall.start(
+            self.channel, decode, req, trace, first_token=first_token, kv=kv, choices=choices
+        )
 
     async def _decode(self, call: DecodeCall, held: HeldKv, tries: _Tries) -> AsyncIterator[Output]:
         """The decode call's tokens. Its first reply says its instance has the KV; a call that

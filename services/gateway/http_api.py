@@ -266,18 +266,25 @@ class HttpApi:
             first = await anext(events)
             if call.stream:
                 return await self._stream(request, req, reply, echo, first, events)
-            text, ids, last = [echo, first.text], list(first.token_ids), first
-            logprobs = list(first.logprobs)
-            async for out in events:
-                text.append(out.text)
-                ids += out.token_ids
-                logprobs += out.logprobs
-                last = out
-            total = oai.usage(len(req.prompt_ids), len(ids))
-            whole = reply.whole(
-                "".join(text), _reason(last), total, ids, logprobs, first.prompt_logprobs
-            )
-            return _json(whole, req)
+            # Per choice: its text pieces, token ids, logprobs and last event.
+            texts: dict[int, list[str]] = {}
+            ids: dict[int, list[int]] = {}
+            logprobs: dict[int, list] = {}
+            last: dict[int, Output] = {}
+            prompt = first.prompt_logprobs
+            async for out in _chain(first, events):
+                i = out.index
+                texts.setdefault(i, [echo]).append(out.text)
+                ids.setdefault(i, []).extend(out.token_ids)
+                logprobs.setdefault(i, []).extend(out.logprobs)
+                last[i] = out
+                prompt = prompt or out.prompt_logprobs
+            total = oai.usage(len(req.prompt_ids), sum(len(t) for t in ids.values()))
+            answers = [
+                oai.Answer(i, "".join(texts[i]), _reason(last[i]), ids[i], logprobs[i])
+                for i in sorted(texts)
+            ]
+            return _json(reply.whole(answers, total, prompt), req)
 
     def _echo(self, call: oai.CompletionCall, req: Request) -> str:
         """What echo puts before the answer: the prompt as sent (its text; token ids or a
@@ -302,38 +309,35 @@ class HttpApi:
         response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req.request_id})
         await response.prepare(request)
         prompt = len(req.prompt_ids)
-        used, last = len(first.token_ids), first
+        prompt_logprobs = first.prompt_logprobs
+        used = ended = 0
         parser = reply.call.tool_parser
-        tools = None if parser is None else ToolCallStream(parser)
-        text, deltas, called = _pieces(tools, echo + first.text, isinstance(first, Done))
-        chunk = reply.chunk(
-            text,
-            _reason(first),
-            first.token_ids,
-            oai.usage(prompt, used),
-            first=True,
-            logprobs=first.logprobs,
-            prompt=first.prompt_logprobs,
-            tool_deltas=deltas,
-            called=called,
-        )
-        await _event(response, chunk)
+        # Per choice (n > 1): its tool-call reader; a choice's first chunk opens it.
+        tools: dict[int, ToolCallStream | None] = {}
         # Tokens whose text is held back still carry ids or logprobs when those were asked.
         every = reply.call.return_token_ids or reply.call.logprobs is not None
         try:
-            async for out in events:
+            async for out in _chain(first, events):
                 used += len(out.token_ids)
-                last = out
-                text, deltas, called = _pieces(tools, out.text, isinstance(out, Done))
-                if text or deltas or isinstance(out, Done) or (every and out.token_ids):
+                done = isinstance(out, Done)
+                ended += done
+                opens = out.index not in tools
+                if opens:
+                    tools[out.index] = None if parser is None else ToolCallStream(parser)
+                piece = echo + out.text if opens else out.text
+                text, deltas, called = _pieces(tools[out.index], piece, done)
+                if opens or text or deltas or done or (every and out.token_ids):
                     chunk = reply.chunk(
                         text,
                         _reason(out),
                         out.token_ids,
                         oai.usage(prompt, used),
+                        first=opens,
                         logprobs=out.logprobs,
+                        prompt=prompt_logprobs if opens else None,
                         tool_deltas=deltas,
                         called=called,
+                        index=out.index,
                     )
                     await _event(response, chunk)
         except DistServeError as e:
@@ -341,7 +345,7 @@ class HttpApi:
             await _event(response, error_body(e)[1])
             log.info("request %s failed mid-stream: %s", req.request_id, e)
         else:
-            if not isinstance(last, Done):
+            if ended < req.params.n:
                 log.warning("request %s ended without a finish reason", req.request_id)
             if reply.call.include_usage:
                 await _event(response, reply.usage_chunk(oai.usage(prompt, used)))
@@ -379,6 +383,13 @@ def _pieces(tools: ToolCallStream | None, text: str, done: bool) -> tuple[str, l
     if done:
         return tools.finish(text)
     return (*tools.feed(text), False)
+
+
+async def _chain(first: Output, rest: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    """The stream's first event (read before the reply began), then the rest."""
+    yield first
+    async for out in rest:
+        yield out
 
 
 def _reason(out: Output) -> FinishReason | None:

@@ -30,6 +30,7 @@ from services.common.errors import InvalidRequest
 from services.common.logprobs import MAX_LOGPROBS
 from services.common.sampling import (
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
@@ -344,10 +345,12 @@ FIELDS: tuple[Field, ...] = (
     _r("bad_words", _H, "banning words is not supported", ([],), VLLM),
     _r("logits_processors", BOTH, "custom logits processors are not loaded by this server",
        origin=VLLM),
-    _r("n", BOTH, "this server returns one choice per request; send several requests instead",
-       (1,)),
-    _r("best_of", _C, "this server returns one choice per request; send several requests "
-       "instead", (1,)),
+    _h("n", BOTH, f"How many choices to return (1..{MAX_N}): the prompt is prefilled once and "
+       "its KV shared by the choices; choice i samples from seed + i.", INT,
+       extra={"minimum": 1, "maximum": MAX_N, "default": 1}),
+    _h("best_of", _C, f"How many choices to generate (n..{MAX_N}), of which the n of highest "
+       "cumulative log-probability are returned, best first; not with stream.", INT, VLLM,
+       extra={"minimum": 1, "maximum": MAX_N}),
     _r("use_beam_search", BOTH, "beam search is not supported", (False,), VLLM),
     _r("length_penalty", BOTH, "it applies to beam search, which is not supported", (1,), VLLM),
     _r("max_repetition_pattern_size", BOTH, "stopping at repeated patterns is not supported",

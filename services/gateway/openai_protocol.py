@@ -5,7 +5,7 @@ openai_fields.FIELDS (checked there); this module turns the honoured ones into a
 sampling parameters (ranges are SamplingParams' and build_request's checks, shared with the gRPC
 API), the rendered chat prompt, and what the reply carries.
 
-Why one file (~460 lines): a request's fields and the reply they shape are one contract (echo,
+Why one file (~500 lines): a request's fields and the reply they shape are one contract (echo,
 return_token_ids, logprobs and stream_options are read on both sides); split, they would drift.
 The logprobs objects' own shapes are openai_logprobs.py's; the messages' checks and rendering
 are chat_request.py's (shared with the gRPC API), the tools' request checks openai_tools.py's,
@@ -165,7 +165,20 @@ def parse(
     prompt_k = values.get("prompt_logprobs")
     if echo and endpoint == COMPLETIONS and logprobs is not None:  # the prompt's, echoed
         prompt_k = max(prompt_k or 0, logprobs)
-    params = dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_k)
+    best_of = values.get("best_of")
+    if stream and best_of is not None and best_of > 1:
+        raise InvalidRequest(
+            "'best_of' returns the best choices once every one is done, so it cannot stream: "
+            "drop stream, or ask for n choices without best_of",
+            param="best_of",
+        )
+    params = dataclasses.replace(
+        params,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_k,
+        n=values.get("n", 1),
+        best_of=best_of,
+    )
     truncate = values.get("truncate_prompt_tokens")
     if truncate is not None and truncate != -1 and truncate < 1:
         raise InvalidRequest(
@@ -321,6 +334,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """One choice of a whole (non-streamed) reply: its text, why it ended, its token ids and
+    their logprobs (when asked)."""
+
+    index: int
+    text: str
+    reason: FinishReason | None
+    token_ids: list[int]
+    logprobs: Sequence[TokenLogprobs] = ()
+
+
+@dataclass(frozen=True)
 class Reply:
     """Writes the JSON replies of one call: its id, creation time and model are fixed. Token
     ids are added only when the call asked for them (return_token_ids), logprobs likewise
@@ -370,17 +395,26 @@ class Reply:
 
     def whole(
         self,
-        text: str,
-        reason: FinishReason | None,
+        answers: Sequence[Answer],
         used: dict,
-        token_ids: list[int],
-        logprobs: Sequence[TokenLogprobs] = (),
         prompt: Sequence[TokenLogprobs] | None = None,
     ) -> dict:
-        """The non-streaming reply (`logprobs` of token_ids, `prompt` of the prompt's
-        positions 1.., when asked)."""
+        """The non-streaming reply: a choice per answer (n of them), `prompt` the prompt's
+        logprobs (positions 1..) when asked; `used` the usage of all choices."""
+        choices = [self._choice(a, prompt) for a in answers]
+        if self.call.endpoint == CHAT:
+            out = {**self._head("chat.completion"), "choices": choices, "usage": used}
+            out.update(self._prompt_logprobs(prompt))
+            if self.call.return_token_ids:
+                out["prompt_token_ids"] = self.prompt_ids
+            return out
+        return {**self._head("text_completion"), "choices": choices, "usage": used}
+
+    def _choice(self, answer: Answer, prompt: Sequence[TokenLogprobs] | None) -> dict:
+        """One choice of the non-streaming reply."""
+        text, reason, token_ids = answer.text, answer.reason, answer.token_ids
         ids = self.call.return_token_ids
-        lps = self._logprobs(token_ids, logprobs, prompt, first=True)
+        lps = self._logprobs(token_ids, answer.logprobs, prompt, first=True)
         if self.call.endpoint == CHAT:
             message: dict = {"role": "assistant", "content": text}
             reason_text = finish_reason(reason)
@@ -389,22 +423,19 @@ class Reply:
                 message = {**message, "content": parsed.content or None}
                 message["tool_calls"] = tool_calls(parsed)
                 reason_text = "tool_calls"
-            choice = {
-                "index": 0,
+            return {
+                "index": answer.index,
                 "message": message,
                 "logprobs": lps,
                 "finish_reason": reason_text,
                 **({"token_ids": token_ids} if ids else {}),
             }
-            out = {**self._head("chat.completion"), "choices": [choice], "usage": used}
-            out.update(self._prompt_logprobs(prompt))
-            return {**out, "prompt_token_ids": self.prompt_ids} if ids else out
-        choice = {"index": 0, "text": text, "logprobs": lps}
+        choice = {"index": answer.index, "text": text, "logprobs": lps}
         choice["finish_reason"] = finish_reason(reason)
         if ids:
             choice.update(token_ids=token_ids, prompt_token_ids=self.prompt_ids)
         choice.update(self._prompt_logprobs(prompt))
-        return {**self._head("text_completion"), "choices": [choice], "usage": used}
+        return choice
 
     def chunk(
         self,
@@ -418,9 +449,11 @@ class Reply:
         prompt: Sequence[TokenLogprobs] | None = None,
         tool_deltas: Sequence[dict] = (),
         called: bool = False,
+        index: int = 0,
     ) -> dict:
-        """One streamed chunk; `first` adds the assistant role (chat), the prompt's ids
-        (return_token_ids) and its logprobs (prompt_logprobs, and completions' echo);
+        """One streamed chunk of choice `index`; `first` (its choice's first) adds the
+        assistant role (chat), the prompt's ids (return_token_ids) and, given `prompt`, its
+        logprobs (prompt_logprobs, and completions' echo);
         `used` is the usage so far (sent with continuous_usage_stats). `tool_deltas` are
         `delta.tool_calls` (tool_parsers.ToolCallStream); `called`: the answer called tools,
         so the last chunk's finish_reason is `tool_calls`."""
@@ -434,7 +467,7 @@ class Reply:
             if tool_deltas:
                 delta["tool_calls"] = list(tool_deltas)
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": lps,
                 "finish_reason": "tool_calls" if called and reason else finish_reason(reason),
@@ -444,7 +477,7 @@ class Reply:
             if ids and first:
                 out["prompt_token_ids"] = self.prompt_ids
         else:
-            choice = {"index": 0, "text": text, "logprobs": lps}
+            choice = {"index": index, "text": text, "logprobs": lps}
             choice["finish_reason"] = finish_reason(reason)
             if ids:
                 choice["token_ids"] = token_ids

@@ -10,6 +10,13 @@ to a new path (`_migrating`); every retry of a request draws on one budget
 the downstream call, whose worker frees what it holds (who frees KV held between prefill and
 decode: gateway/held_kv.py). Each request is one trace: its root span is opened here and its
 context travels with every downstream call.
+
+A request of several choices (n > 1, best_of) is one stream of events, each naming its choice;
+every choice gets its own text stream and `Done`. With best_of > n the choices are generated
+with their tokens' logprobs (asked for if the client did not), held until all are done, and the
+n of highest cumulative logprob returned, best first (`_best_of`). A request of several
+choices whose instance is lost after tokens were sent ends with a retryable UNAVAILABLE error
+(before any token it simply starts again elsewhere): its choices do not move one by one.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import mesh_tls, telemetry
 from services.common.errors import DistServeError, RemoteError
-from services.common.sampling import FinishReason
+from services.common.sampling import FinishReason, SamplingParams
 from services.common.server import CHANNEL_OPTIONS
 from services.common.slo import Slo
 from services.common.text_stream import TextStream
@@ -93,14 +100,10 @@ class Router:
         the caller's trace context (from Envoy or the client); `operation` its GenAI operation
         name (`text_completion`, `chat`); `received` when the API got it (monotonic s)."""
         p = req.params
-        text = TextStream(
-            self.tokenizer,
-            req.prompt_ids,
-            p.stop,
-            p.min_tokens,
-            include_stop=p.include_stop_str_in_output,
-            skip_special=p.skip_special_tokens,
-        )
+        ranked = p.best_of is not None and p.best_of > p.n
+        work = req
+        if ranked and p.logprobs is None:  # the ranking reads each token's logprob
+            work = dataclasses.replace(req, params=dataclasses.replace(p, logprobs=0))
         seen = RequestObserver(self.metrics, req, self.model, operation, parent, received)
         if self.feed is not None:
             self.feed.arrived(seen.arrival_unix_s, seen.prompt_tokens)
@@ -113,22 +116,15 @@ class Router:
                 if self.admission is not None
                 else contextlib.nullcontext()
             )
-            events = self._migrating(req, seen)
+            events = self._texts(self._migrating(work, seen), req, seen)
+            if ranked:
+                events = _best_of(events, p)
             async with admitted as verdict, contextlib.aclosing(events):
                 seen.admitted(verdict)
                 async for out in events:
-                    ids = out.token_ids
-                    delta = text.add(ids) if ids else ""
-                    if isinstance(out, Done) or text.stopped:
-                        reason = out.reason if isinstance(out, Done) else FinishReason.STOP
-                        seen.tokens_out(len(ids))
-                        yield Done(
-                            ids, reason, delta + text.finish(), out.logprobs, out.prompt_logprobs
-                        )
-                        return
-                    if ids:
-                        seen.tokens_out(len(ids))
-                        yield dataclasses.replace(out, text=delta)
+                    if isinstance(out, Done):
+                        reason = out.reason
+                    yield out
         except grpc.aio.AioRpcError as e:
             error = _remote(e)
             raise error from e
@@ -149,6 +145,49 @@ class Router:
                 self.feed.add(
                     seen.arrival_unix_s, seen.prompt_tokens, seen.tokens, seen.ttft_s, seen.tpot_s
                 )
+
+    async def _texts(
+        self, events: AsyncIterator[Output], req: Request, seen: RequestObserver
+    ) -> AsyncIterator[Output]:
+        """The events with the text each choice's tokens complete (stop strings held back and
+        cut); a choice ends at its `Done` or its stop string, the stream after every choice."""
+        p = req.params
+        texts: dict[int, TextStream] = {}
+        ended: set[int] = set()
+        async with contextlib.aclosing(events):
+            async for out in events:
+                i = out.index
+                if i in ended:  # its stop string ended it here first
+                    continue
+                text = texts.get(i)
+                if text is None:
+                    text = texts[i] = TextStream(
+                        self.tokenizer,
+                        req.prompt_ids,
+                        p.stop,
+                        p.min_tokens,
+                        include_stop=p.include_stop_str_in_output,
+                        skip_special=p.skip_special_tokens,
+                    )
+                ids = out.token_ids
+                delta = text.add(ids) if ids else ""
+                if isinstance(out, Done) or text.stopped:
+                    reason = out.reason if isinstance(out, Done) else FinishReason.STOP
+                    seen.tokens_out(len(ids))
+                    ended.add(i)
+                    yield Done(
+                        ids,
+                        reason,
+                        delta + text.finish(),
+                        out.logprobs,
+                        out.prompt_logprobs,
+                        index=i,
+                    )
+                    if len(ended) == p.num_choices:
+                        return
+                elif ids:
+                    seen.tokens_out(len(ids))
+                    yield dataclasses.replace(out, text=delta)
 
     async def _migrating(self, req: Request, seen: RequestObserver) -> AsyncIterator[Output]:
         """The request's tokens over one serving path; when the instance streaming them is lost
@@ -174,6 +213,13 @@ class Router:
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
+                if req.params.num_choices > 1 and sent:
+                    raise RemoteError(
+                        "UNAVAILABLE",
+                        f"request {req.request_id} of {req.params.num_choices} choices lost its "
+                        f"serving instance after {len(sent)} tokens ({e.details()}); several "
+                        "choices do not move to another instance: send the request again",
+                    ) from e
                 if len(sent) >= req.params.max_tokens:
                     raise  # nothing left to generate; the stream just lacks its end
                 if not retries.allow(Failover.DECODE_UNAVAILABLE, e.details() or ""):
@@ -184,7 +230,7 @@ class Router:
                     len(sent),
                     e.details(),
                 )
-                part = req.continued(sent)
+                part = req.continued(sent) if sent else req.attempt()
                 first = False
 
     def _count_retry(self, kind: Failover) -> None:
@@ -200,6 +246,28 @@ class Router:
             seen.set_mode(path.mode)
         self.metrics.routes.labels(path.mode).inc()
         return path
+
+
+async def _best_of(events: AsyncIterator[Output], p: SamplingParams) -> AsyncIterator[Output]:
+    """best_of > n: every choice's events, held until all are done, then those of the n
+    choices of highest cumulative logprob (the sum over their tokens), best first, indexed
+    0..n-1; the logprobs asked for only by the ranking are dropped, the prompt's go first."""
+    kept: dict[int, list[Output]] = {}
+    prompt = None
+    async with contextlib.aclosing(events):
+        async for out in events:
+            kept.setdefault(out.index, []).append(out)
+            prompt = prompt or out.prompt_logprobs
+    score = {i: sum(lp.logprob for o in outs for lp in o.logprobs) for i, outs in kept.items()}
+    best = sorted(kept, key=lambda i: (-score[i], i))[: p.n]
+    for rank, i in enumerate(best):
+        for at, o in enumerate(kept[i]):
+            yield dataclasses.replace(
+                o,
+                index=rank,
+                logprobs=o.logprobs if p.logprobs is not None else (),
+                prompt_logprobs=prompt if rank == at == 0 else None,
+            )
 
 
 def _remote(e: grpc.aio.AioRpcError) -> RemoteError:

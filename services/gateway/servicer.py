@@ -76,14 +76,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         if clock.scale() != 1.0:  # an emulated mesh: the client reports latencies in its time
             await context.send_initial_metadata(((TIME_SCALE_HEADER, repr(clock.scale())),))
-        completion = 0
+        completion = ended = 0
         parser = chat and chat.tool_parser
-        tools = None if parser is None else WholeCallStream(parser)
+        calls_of: dict[int, WholeCallStream] = {}  # each choice's answer read by the parser
         events = self.router.generate(req, telemetry.incoming(context), received=received)
         async with contextlib.aclosing(events):  # closed here, also when a reply fails
             async for out in events:
                 completion += len(out.token_ids)
                 reason = out.reason if isinstance(out, Done) else None
+                tools = None
+                if parser is not None:
+                    tools = calls_of.setdefault(out.index, WholeCallStream(parser))
                 text, calls = _answer(tools, out.text, reason is not None)
                 reply = gateway_pb2.GenerateResponse(
                     request_id=req.request_id,
@@ -93,8 +96,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     logprobs=logprobs_list_to_pb(out.logprobs),
                     prompt_logprobs=logprobs_list_to_pb(out.prompt_logprobs),
                     tool_calls=[gateway_pb2.ToolCall(**c) for c in calls],
+                    index=out.index,
                 )
-                if reason is not None:
+                ended += reason is not None
+                if reason is not None and ended == req.params.n:  # every choice's, summed
                     reply.usage.CopyFrom(
                         common_pb2.Usage(
                             prompt_tokens=len(req.prompt_ids), completion_tokens=completion

@@ -55,6 +55,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if result.first_token_logprobs is not None:
                 reply.first_token_logprobs.CopyFrom(logprobs_to_pb(result.first_token_logprobs))
             reply.prompt_logprobs.extend(logprobs_list_to_pb(result.prompt_logprobs))
+            for choice in result.other_choices:
+                first = reply.other_choices.add(
+                    token_id=choice.token, finish_reason=finish_to_pb(choice.finish_reason)
+                )
+                if choice.logprobs is not None:
+                    first.logprobs.CopyFrom(logprobs_to_pb(choice.logprobs))
             yield prefill_pb2.PrefillEvent(done=reply)
             delivered = True
         finally:

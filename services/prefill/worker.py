@@ -33,6 +33,15 @@ log = logging.getLogger("distserve.prefill")
 
 
 @dataclass(frozen=True)
+class ChoiceFirst:
+    """The first token of one more choice of a request (n > 1, best_of)."""
+
+    token: int
+    finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     first_token: int
     finish_reason: FinishReason | None
@@ -44,6 +53,9 @@ class PrefillResult:
     # Asked for by the request's sampling: the first token's, and the prompt's (positions 1..).
     first_token_logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A request of several choices: choices 1.. (the fields above are choice 0's). The KV is
+    # held (`handle`) while any choice goes on.
+    other_choices: tuple[ChoiceFirst, ...] = ()
 
 
 class PrefillWorker:
@@ -161,6 +173,11 @@ class PrefillWorker:
                 f"{self.config.worker_id} is shutting down: send the prompt to another instance"
             )
         self.requests_total += 1
+        if layerwise is not None and params.num_choices > 1:
+            raise InvalidRequest(
+                "a request of several choices (n, best_of) is handed off after its prefill: "
+                "ask without layerwise"
+            )
         if request_id in self._prompts:  # in flight, or its KV still held
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         submitted = clock.monotonic()
@@ -173,11 +190,14 @@ class PrefillWorker:
             self.loop.layerwise.add(request_id)
         try:
             self.loop.submit(request_id, AddRequest(prompt, params, request_id))
-            out, info = await queue.get()
-            if isinstance(out, EngineFailed):
-                raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
-            if isinstance(out, Exception):
-                raise out
+            outs = []
+            while len(outs) < params.num_choices:  # one output per choice, from one step
+                out, info = await queue.get()
+                if isinstance(out, EngineFailed):
+                    raise Unavailable(f"prefill failed on {self.config.worker_id}: {out}")
+                if isinstance(out, Exception):
+                    raise out
+                outs.append(out)
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError):
                 self.requests_aborted += 1
@@ -186,9 +206,12 @@ class PrefillWorker:
         finally:
             self.loop.unsubscribe(request_id)
             self.loop.layerwise.discard(request_id)
+        outs.sort(key=lambda o: o.index)
+        out, others = outs[0], outs[1:]
         self.phases.record(trace, submitted, info, out.num_cached_tokens)
         first_token = out.new_token_ids[0]
-        handle = await held.computed(first_token, out.finished, out.held_runs)
+        finished = all(o.finished for o in outs)
+        handle = await held.computed(first_token, finished, out.held_runs)
         return PrefillResult(
             first_token=first_token,
             finish_reason=out.finish_reason,
@@ -199,6 +222,12 @@ class PrefillWorker:
             batch_tokens=info.batch_tokens,
             first_token_logprobs=out.logprobs[0] if out.logprobs else None,
             prompt_logprobs=out.prompt_logprobs,
+            other_choices=tuple(
+                ChoiceFirst(
+                    o.new_token_ids[0], o.finish_reason, o.logprobs[0] if o.logprobs else None
+                )
+                for o in others
+            ),
         )
 
     def _scheduled(self, batch: list[tuple[str, tuple]]) -> None:

@@ -42,7 +42,7 @@ KNOWN = [
     ("top_p", BOTH, HONOURED, 1e-9),
     ("seed", BOTH, HONOURED, 7),
     ("stop", BOTH, HONOURED, "FROM_REFERENCE"),
-    ("n", BOTH, REFUSED, 2),
+    ("n", BOTH, HONOURED, 2),
     ("stream", BOTH, HONOURED, True),
     ("stream_options", BOTH, HONOURED, {"include_usage": True, "continuous_usage_stats": True}),
     ("user", BOTH, HONOURED, "walker"),
@@ -53,7 +53,7 @@ KNOWN = [
     ("logprobs", (H,), HONOURED, True),
     # OpenAI, completions
     ("prompt", (C,), HONOURED, "REQUIRED"),
-    ("best_of", (C,), REFUSED, 2),
+    ("best_of", (C,), HONOURED, 2),
     ("echo", (C,), HONOURED, True),
     ("suffix", (C,), REFUSED, "def f():"),
     # OpenAI, chat
@@ -308,6 +308,18 @@ def effect_of(name: str, walk: Walk, value) -> None:
     elif name == "seed":
         runs = [_ids(walk, temperature=5.0, seed=s) for s in (value, value, value + 1)]
         assert runs[0] == runs[1] != runs[2]
+    elif name == "n":  # choice i samples from seed + i: it is that seed's single answer
+        reply = walk.ok(return_token_ids=True, temperature=5.0, seed=1, n=value)
+        assert [c["index"] for c in reply["choices"]] == list(range(value))
+        got = [c["token_ids"] for c in reply["choices"]]
+        assert got == [_ids(walk, temperature=5.0, seed=1 + i) for i in range(value)]
+        assert reply["usage"]["completion_tokens"] == sum(len(ids) for ids in got)
+    elif name == "best_of":  # the choice of highest cumulative logprob among `value`
+        sampled = dict(return_token_ids=True, temperature=5.0, seed=1, logprobs=0)
+        every = walk.ok(**sampled, n=value)["choices"]
+        best = max(every, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+        [choice] = walk.ok(**sampled, best_of=value)["choices"]
+        assert choice["token_ids"] == best["token_ids"] and choice["index"] == 0
     elif name == "stop":
         full = text(e, walk.ref)
         stop = full[len(full) // 2 :][:2]
@@ -570,9 +582,7 @@ def test_unknown_fields_are_refused_naming_the_field_meant(server, endpoint):
 def test_refused_fields_at_their_default_change_nothing(server):
     walk = Walk(server, C)
     defaults = {
-        "n": 1,
         "logprobs": False,
-        "best_of": 1,
         "presence_penalty": 0.0,
         "suffix": "",
         "skip_special_tokens": True,

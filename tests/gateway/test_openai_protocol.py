@@ -7,7 +7,14 @@ import pytest
 from services.common.errors import InvalidRequest
 from services.common.logprobs import TokenLogprobs
 from services.gateway.chat_template import ChatPrompt
-from services.gateway.openai_protocol import CHAT, COMPLETIONS, Reply, parse, parse_tokenize
+from services.gateway.openai_protocol import (
+    CHAT,
+    COMPLETIONS,
+    Answer,
+    Reply,
+    parse,
+    parse_tokenize,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -103,7 +110,7 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
 @pytest.mark.parametrize(
     ("endpoint", "body", "param"),
     [
-        (COMPLETIONS, {"prompt": "x", "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "x", "n": 17}, "n"),
         (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo"),
         (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -126,7 +133,8 @@ def test_chat_messages_are_flattened_and_the_template_adds_its_end_of_turn():
          "continue_final_message"),
         (CHAT, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
          "messages"),
-        (COMPLETIONS, {"prompt": "x", "best_of": 3}, "best_of"),
+        (COMPLETIONS, {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        (COMPLETIONS, {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
         (COMPLETIONS, {"prompt": "x", "suffix": "s"}, "suffix"),
         (COMPLETIONS, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
@@ -168,14 +176,14 @@ def test_unknown_fields_are_refused_naming_the_field_meant():
 
 def test_a_refused_field_says_why_and_what_to_send_instead():
     with pytest.raises(InvalidRequest) as err:
-        parse(COMPLETIONS, {"prompt": "x", "n": 3})
+        parse(COMPLETIONS, {"prompt": "x", "length_penalty": 2})
     assert str(err.value) == (
-        "'n' = 3 is not supported: this server returns one choice per request; send several "
-        "requests instead (leave it unset or send 1)"
+        "'length_penalty' = 2 is not supported: it applies to beam search, which is not "
+        "supported (leave it unset or send 1)"
     )
     # JSON equality: 0.0 is the default 0, but true is not 1 and false is not 0.
-    assert parse(COMPLETIONS, {"prompt": "x", "n": 1.0, "frequency_penalty": 0.0})
-    for body in ({"n": True}, {"use_beam_search": 0}):
+    assert parse(COMPLETIONS, {"prompt": "x", "length_penalty": 1.0, "frequency_penalty": 0.0})
+    for body in ({"length_penalty": True}, {"use_beam_search": 0}):
         with pytest.raises(InvalidRequest):
             parse(COMPLETIONS, {"prompt": "x", **body})
 
@@ -250,12 +258,12 @@ def test_return_token_ids_and_continuous_usage_add_to_the_replies():
     assert first["choices"][0]["token_ids"] == [7] and first["usage"] == used
     assert first["choices"][0]["prompt_token_ids"] == [1, 2]
     assert "prompt_token_ids" not in text.chunk("b", None, [8], used)["choices"][0]
-    whole = text.whole("ab", "stop", used, [7, 8])["choices"][0]
+    whole = text.whole([Answer(0, "ab", "stop", [7, 8])], used)["choices"][0]
     assert (whole["token_ids"], whole["prompt_token_ids"]) == ([7, 8], [1, 2])
     chat = Reply(parse(CHAT, {"messages": HI, **body}, render), "c", 1, "m", [1, 2])
     first = chat.chunk("a", None, [7], used, first=True)
     assert first["prompt_token_ids"] == [1, 2] and first["choices"][0]["token_ids"] == [7]
-    whole = chat.whole("ab", "stop", used, [7, 8])
+    whole = chat.whole([Answer(0, "ab", "stop", [7, 8])], used)
     assert whole["prompt_token_ids"] == [1, 2] and whole["choices"][0]["token_ids"] == [7, 8]
 
 
@@ -341,7 +349,7 @@ def test_completion_logprobs_have_vllms_shape_and_offsets_run_on_across_chunks()
 def test_chat_logprobs_have_openais_shape_and_tokens_may_be_ids():
     body = {"messages": HI, "logprobs": True, "top_logprobs": 2}
     reply = Reply(parse(CHAT, body, render), "c", 1, "m", [1], texts)
-    whole = reply.whole("<7><3>", "stop", {}, [7, 3], LP)
+    whole = reply.whole([Answer(0, "<7><3>", "stop", [7, 3], LP)], {})
     content = whole["choices"][0]["logprobs"]["content"]
     assert content[1] == {
         "token": "<3>", "logprob": -2.0, "bytes": list(b"<3>"),
@@ -352,8 +360,10 @@ def test_chat_logprobs_have_openais_shape_and_tokens_may_be_ids():
     ids = Reply(parse(CHAT, {**body, "return_tokens_as_token_ids": True}, render), "c", 1, "m",
                 [1], texts)  # fmt: skip
     assert (
-        ids.whole("", "stop", {}, [7], LP[:1])["choices"][0]["logprobs"]["content"][0]["token"]
+        ids.whole([Answer(0, "", "stop", [7], LP[:1])], {})["choices"][0]["logprobs"]["content"][0][
+            "token"
+        ]
         == "token_id:7"
     )
     plain = Reply(parse(CHAT, {"messages": HI}, render), "c", 1, "m", [1], texts)
-    assert plain.whole("", "stop", {}, [7])["choices"][0]["logprobs"] is None
+    assert plain.whole([Answer(0, "", "stop", [7])], {})["choices"][0]["logprobs"] is None

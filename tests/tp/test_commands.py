@@ -18,6 +18,7 @@ PARAMS = SamplingParams(max_tokens=5, temperature=0.7, seed=3, stop=("x",), stop
         commands.AddRequest([1, 2, 3], PARAMS, "r1"),
         commands.AddPrefilled([4, 5], None, PARAMS, "r2"),
         commands.AddPrefilled([4, 5], 9, SamplingParams(), "r3"),
+        commands.AddPrefilled([4, 5], None, SamplingParams(n=3), "r4", choices=((0, 9), (2, 8))),
         commands.AdmitPulls(),
         commands.StartDecoding("r2", 11),
         commands.Abort("r1"),
