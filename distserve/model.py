@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a plain folder to write (default: the Hugging Face cache, HF_HOME)",
     )
     fetch.add_argument("--revision", help="branch, tag or commit (default: main)")
+    fetch.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="only what the gateway reads: config, generation config, tokenizer and chat "
+        "template files (no weights)",
+    )
     fetch.set_defaults(func=_model_fetch)
 
 
@@ -68,5 +74,8 @@ def _model_fetch(args: argparse.Namespace) -> int:
 
     if not is_hub_id(args.model_id):
         raise InvalidRequest(f"{args.model_id!r} is not a Hugging Face Hub id (org/name)")
-    print(fetch_model(args.model_id, revision=args.revision, to=args.to))
+    folder = fetch_model(
+        args.model_id, revision=args.revision, to=args.to, tokenizer_only=args.tokenizer_only
+    )
+    print(folder)
     return 0

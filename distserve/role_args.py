@@ -46,6 +46,7 @@ _GATEWAY_OWN = (
 _PORTS = (
     ("port", "1", "a pod's ports are fixed"),
     ("metrics_port", "1", "a pod's ports are fixed"),
+    ("health_port", "1", "a pod's ports are fixed; under mesh TLS the renderer sets it"),
 )
 
 

@@ -3,10 +3,11 @@ a Hugging Face Hub model into it.
 
 - A PersistentVolumeClaim (`--model-pvc`, default `distserve-models`) or a folder of every node
   (`--model-host-path`) that already holds the model folder: mounted read-only.
-- `--model ORG/NAME` (a Hub id): every pod that reads the model (the gateway for its tokenizer,
-  every worker) first runs an init container, `distserve model fetch ORG/NAME --to
-  /models/<model-path>`, with HF_TOKEN from its Secret when one is given. Into an emptyDir sized
-  for the weights (each pod downloads its own copy), or into `--model-pvc` when given (a
+- `--model ORG/NAME` (a Hub id): every pod that reads the model first runs an init container,
+  `distserve model fetch ORG/NAME --to /models/<model-path>` (the gateway's with
+  `--tokenizer-only`: it reads no weights), with HF_TOKEN from its Secret when one is given.
+  Into an emptyDir sized for what it fetches (each pod downloads its own copy), or into
+  `--model-pvc` when given (a
   ReadWriteMany claim: the first pod downloads, the others find the files there; a restarted pod
   finds them too). The serving containers mount the volume read-only either way.
 """
@@ -60,7 +61,8 @@ class ModelSource:
 
     def volume(self, weight_bytes: int) -> dict:
         """The pod's `model` volume; an emptyDir for a staged model holds its weights (in their
-        stored dtype) plus a tenth for the tokenizer, configs and the download's own files."""
+        stored dtype; 0 for a pod that stages no weights) plus a tenth for the tokenizer,
+        configs and the download's own files, and at least 1 GiB."""
         if self.host_path is not None:
             return {"name": "model", "hostPath": {"path": self.host_path, "type": "Directory"}}
         if self.hub_id is not None and self.pvc is None:
@@ -74,13 +76,22 @@ class ModelSource:
     def mount(self) -> dict:
         return {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
 
-    def staging(self, image: str, pull_policy: str, env: list[dict], resources: dict) -> list[dict]:
+    def staging(
+        self,
+        image: str,
+        pull_policy: str,
+        env: list[dict],
+        resources: dict,
+        tokenizer_only: bool = False,
+    ) -> list[dict]:
         """The init containers of a pod that reads the model: `distserve model fetch` for a Hub
-        id, none otherwise. `env`: HF_TOKEN from its Secret, when there is one."""
+        id (`--tokenizer-only` for a pod that reads no weights), none otherwise. `env`:
+        HF_TOKEN from its Secret, when there is one."""
         if self.hub_id is None:
             return []
         args = ["model", "fetch", self.hub_id, "--to", self.folder]
         args += ["--revision", self.revision] if self.revision else []
+        args += ["--tokenizer-only"] if tokenizer_only else []
         step: dict = {
             "name": "stage-model",
             "image": image,

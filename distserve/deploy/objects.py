@@ -14,10 +14,13 @@ import json
 PART_OF = "distserve"
 NODE_GROUP = "distserve.io/node-group"  # the node label low-affinity pods require
 CONFIG_HASH = "distserve.io/config-hash"  # on pod templates: a config change rolls the pods
+METRICS_LABEL = "distserve.io/metrics"  # "true" on every Service with a `metrics` port
 GPU = "nvidia.com/gpu"
 MESH_CONFIG = "distserve-mesh"
 GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, PLANNER_PORT = 50051, 8000, 50052
 WORKER_PORT, UCX_PORT, METRICS_PORT = 50061, 50062, 9100
+HEALTH_PORT = 9101  # under mesh TLS: grpc.health.v1 alone, in plaintext, for the kubelet
+ENVOY_ADMIN_PORT = 9901  # Envoy's admin interface, on the pod's 127.0.0.1 only
 
 Ports = list[tuple[str, int]]  # (name, port) of a container, in order
 
@@ -70,7 +73,11 @@ def service(
     name: str, component: str, namespace: str, ports: Ports, headless: bool = False
 ) -> dict:
     """A ClusterIP Service; headless for worker pools: the gateway reaches each worker at the
-    pod IP it registered, and the Service is there for DNS discovery and metrics scraping."""
+    pod IP it registered, and the Service is there for DNS discovery and metrics scraping.
+    One with a `metrics` port is labelled METRICS_LABEL: what the ServiceMonitor selects."""
+    metadata = meta(name, component, namespace)
+    if "metrics" in (n for n, _ in ports):
+        metadata["labels"][METRICS_LABEL] = "true"
     spec: dict = {
         "selector": selector(component),
         "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports],
@@ -80,7 +87,7 @@ def service(
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta(name, component, namespace),
+        "metadata": metadata,
         "spec": spec,
     }
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.monitoring import scrape_annotations
-from distserve.deploy.objects import CONFIG_HASH, METRICS_PORT, PLANNER_PORT
+from distserve.deploy.objects import CONFIG_HASH, HEALTH_PORT
 from distserve.deploy.options import RenderOptions
 from distserve.deploy.resources import STEP, fixed
 from distserve.deploy.secrets import MeshSecrets
@@ -25,30 +25,38 @@ class MeshPods:
     def container(self, name: str, command: list[str], args: list[str], **kw) -> dict:
         return k8s.container(name, self.o.image, self.o.image_pull_policy, command, args, **kw)
 
-    def probes(self, port: int) -> dict:
-        """grpc.health.v1 on the gRPC port: a server listens only once its model and KV pool
-        are built, and turns NOT_SERVING when it drains. The kubelet's gRPC probe speaks no
-        TLS, so under mesh TLS the closest signal is /metrics (served once the model and KV
-        pool are built, by the same process), or the port accepting connections."""
+    def health(self, grpc_port: int) -> tuple[list[str], k8s.Ports, dict]:
+        """A gRPC server's probes: (arguments to add, ports to declare, the probes).
+
+        Kubernetes' gRPC probe against grpc.health.v1: a server listens only once its model and
+        KV pool are built, and turns NOT_SERVING when it drains. The kubelet's probe speaks no
+        TLS, so under mesh TLS the process also serves the health service alone, in plaintext,
+        on HEALTH_PORT (`--health-port`: the same statuses, NOT_SERVING while loading), and
+        the probes go there."""
         if self.secrets.mesh_tls is None:
-            return k8s.grpc_probes(port)
-        if port == PLANNER_PORT:  # the planner serves no metrics
-            return k8s.probes({"tcpSocket": {"port": port}})
-        return k8s.probes({"httpGet": {"path": "/metrics", "port": METRICS_PORT}})
+            return [], [], k8s.grpc_probes(grpc_port)
+        args = ["--health-port", str(HEALTH_PORT)]
+        return args, [("health", HEALTH_PORT)], k8s.grpc_probes(HEALTH_PORT)
 
     def annotations(self, scraped: bool = True) -> dict[str, str]:
         return {CONFIG_HASH: self.mesh_hash} | (scrape_annotations() if scraped else {})
 
-    def model_pod(self, containers: list[dict], volumes: list[dict]) -> dict:
-        """A pod that reads the model: its volume, its staging step, the mesh's TLS."""
+    def model_pod(
+        self, containers: list[dict], volumes: list[dict], tokenizer_only: bool = False
+    ) -> dict:
+        """A pod that reads the model: its volume, its staging step, the mesh's TLS.
+        tokenizer_only: the pod reads no weights (the gateway), so only what it reads is
+        staged, into a volume sized for that."""
         tls_volumes, tls_mounts = self.secrets.mesh_tls_volumes()
         for c in containers:
             c.setdefault("volumeMounts", []).extend([self.o.model.mount(), *tls_mounts])
             c.setdefault("env", []).extend(self.secrets.mesh_tls_env())
         step = self.o.model.staging(
-            self.o.image, self.o.image_pull_policy, self.secrets.hf_token_env(), fixed(STEP)
-        )
+            self.o.image, self.o.image_pull_policy, self.secrets.hf_token_env(), fixed(STEP),
+            tokenizer_only=tokenizer_only,
+        )  # fmt: skip
         pod: dict = {"initContainers": step} if step else {}
         pod["containers"] = containers
-        pod["volumes"] = [self.o.model.volume(self.spec.weight_bytes), *volumes, *tls_volumes]
+        weights = 0 if tokenizer_only else self.spec.weight_bytes
+        pod["volumes"] = [self.o.model.volume(weights), *volumes, *tls_volumes]
         return pod

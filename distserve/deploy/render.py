@@ -26,7 +26,7 @@ from pathlib import Path
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
-from distserve.deploy.monitoring import service_monitor
+from distserve.deploy.monitoring import scrape_annotations, service_monitor
 from distserve.deploy.objects import (
     GATEWAY_GRPC_PORT,
     GATEWAY_HTTP_PORT,
@@ -183,13 +183,14 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
         if key in config:
             args += [flag, f"$({key})"]
             env.append(k8s.from_config(key))
-    args += m.o.passed.gateway
+    health_args, health_ports, probes = m.health(GATEWAY_GRPC_PORT)
+    args += health_args + list(m.o.passed.gateway)
     ports = [("grpc", GATEWAY_GRPC_PORT), ("http", GATEWAY_HTTP_PORT), ("metrics", METRICS_PORT)]
     gateway = m.container(
-        "gateway", ["python", "-m", "services.gateway"], args, env=env, ports=ports,
-        probes=m.probes(GATEWAY_GRPC_PORT), resources=fixed(GATEWAY),
+        "gateway", ["python", "-m", "services.gateway"], args, env=env,
+        ports=ports + health_ports, probes=probes, resources=fixed(GATEWAY),
     )  # fmt: skip
-    pod = m.model_pod([gateway], [])
+    pod = m.model_pod([gateway], [], tokenizer_only=True)  # the gateway loads no weights
     name, ns = "distserve-gateway", m.o.namespace
     recreate = {"type": "Recreate"}
     return [
@@ -199,22 +200,27 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
 
 
 def _planner(m: MeshPods, cluster: dict | None) -> list[dict]:
-    args = ["--host", "0.0.0.0", "--port", str(PLANNER_PORT)]
+    args = ["--host", "0.0.0.0", "--port", str(PLANNER_PORT), "--metrics-port", str(METRICS_PORT)]
     if isinstance(cluster, dict) and {"nodes", "gpus_per_node"} <= cluster.keys():
         spec = f"{cluster['nodes']}x{cluster['gpus_per_node']}"
         if "intra_node_gb_s" in cluster and "inter_node_gb_s" in cluster:
             spec += f",{cluster['intra_node_gb_s']:g},{cluster['inter_node_gb_s']:g}"
         args += ["--cluster", spec]
-    ports = [("grpc", PLANNER_PORT)]
+    health_args, health_ports, probes = m.health(PLANNER_PORT)
+    ports = [("grpc", PLANNER_PORT), ("metrics", METRICS_PORT)]
     volumes, mounts = m.secrets.mesh_tls_volumes()
     planner = m.container(
-        "planner", ["python", "-m", "services.planner"], args, env=m.secrets.mesh_tls_env(),
-        ports=ports, probes=m.probes(PLANNER_PORT), resources=fixed(PLANNER), mounts=mounts,
+        "planner", ["python", "-m", "services.planner"], args + health_args,
+        env=m.secrets.mesh_tls_env(), ports=ports + health_ports, probes=probes,
+        resources=fixed(PLANNER), mounts=mounts,
     )  # fmt: skip
     pod = {"containers": [planner]} | ({"volumes": volumes} if volumes else {})
     name, ns = "distserve-planner", m.o.namespace
+    recreate = {"type": "Recreate"}
     return [
-        k8s.deployment(name, "planner", ns, pod, strategy={"type": "Recreate"}),
+        k8s.deployment(
+            name, "planner", ns, pod, annotations=scrape_annotations(), strategy=recreate
+        ),
         k8s.service(name, "planner", ns, ports),
     ]
 
@@ -235,7 +241,8 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]
     if footprint.kv_cache_bytes is not None:
         args += ["--kv-cache-gib", repr(footprint.kv_cache_bytes / 2**30)]
-    args += passed
+    health_args, health_ports, probes = m.health(WORKER_PORT)
+    args += health_args + list(passed)
     env = [
         k8s.from_field("POD_IP", "status.podIP"),
         k8s.from_field("POD_NAME", "metadata.name"),
@@ -243,8 +250,9 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         k8s.from_config("GATEWAY_ADDRESS"),
     ]
     worker = m.container(
-        pool.role, ["python", "-m", module], args, env=env, ports=_worker_ports(pool.role),
-        probes=m.probes(WORKER_PORT), resources=footprint.resources(),
+        pool.role, ["python", "-m", module], args, env=env,
+        ports=_worker_ports(pool.role) + health_ports, probes=probes,
+        resources=footprint.resources(),
         mounts=[{"name": "dshm", "mountPath": "/dev/shm"}],
     )  # fmt: skip
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": quantity(SHM_BYTES)}}

@@ -4,7 +4,9 @@ A Hub id (`org/name`, at an optional `--revision`) is fetched with huggingface_h
 `snapshot_download` into its cache (or a folder of the caller's choosing), and only the files
 the mesh reads (MODEL_FILES): config.json, generation_config.json, the tokenizer and chat
 template files and the safetensors weights; never .bin/.pt/.h5/ONNX/GGUF copies of the same
-weights. huggingface_hub's own environment is honoured, and never set here: HF_TOKEN (gated and
+weights. `tokenizer_only` fetches TOKENIZER_FILES alone: what the gateway reads (it never
+loads weights), so its pod stages kilobytes rather than the model. huggingface_hub's own
+environment is honoured, and never set here: HF_TOKEN (gated and
 private models), HF_HOME / HF_HUB_CACHE (where the cache lives), HF_HUB_OFFLINE=1 (cache only,
 no network), HF_ENDPOINT (a mirror).
 
@@ -26,17 +28,24 @@ from services.common.errors import DistServeError, InvalidRequest, ModelLoadErro
 
 T = TypeVar("T")
 
+# What the gateway reads of a model folder (services/gateway/__main__.py's serve): the shape and
+# limits (config.json; generation_config.json's end-of-sequence ids and sampling defaults), the
+# tokenizer (tokenizer.json; tokenizer_config.json's special tokens and chat template) and the
+# chat template file.
+TOKENIZER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 # What snapshot_download fetches: all the mesh reads of a model, and nothing else. The weights
 # are transformers' safetensors (model.safetensors, or shards and their index): not the same
 # weights again as .bin/.pt/.h5/ONNX/GGUF, nor another tool's copy (Mistral's
 # consolidated.safetensors, an original/ folder).
 MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
+    *TOKENIZER_FILES,
     "special_tokens_map.json",
-    "chat_template.jinja",
     "model.safetensors",
     "model-*-of-*.safetensors",
     "model.safetensors.index.json",
@@ -88,9 +97,16 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-def fetch_model(repo_id: str, *, revision: str | None = None, to: Path | None = None) -> Path:
-    """Download (or find in the cache) MODEL_FILES of `repo_id` at `revision`; returns the
-    folder: the cache's snapshot folder, or `to` when given (a plain copy, no cache layout)."""
+def fetch_model(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    to: Path | None = None,
+    tokenizer_only: bool = False,
+) -> Path:
+    """Download (or find in the cache) MODEL_FILES of `repo_id` at `revision`, or TOKENIZER_FILES
+    alone with `tokenizer_only`; returns the folder: the cache's snapshot folder, or `to` when
+    given (a plain copy, no cache layout)."""
     import huggingface_hub
     from huggingface_hub import errors
 
@@ -99,7 +115,7 @@ def fetch_model(repo_id: str, *, revision: str | None = None, to: Path | None = 
         path = huggingface_hub.snapshot_download(
             repo_id,
             revision=revision,
-            allow_patterns=list(MODEL_FILES),
+            allow_patterns=list(TOKENIZER_FILES if tokenizer_only else MODEL_FILES),
             local_dir=to,
         )
     except errors.GatedRepoError as e:
@@ -117,7 +133,15 @@ def fetch_model(repo_id: str, *, revision: str | None = None, to: Path | None = 
             f"the Hugging Face Hub has no revision {revision!r} of {repo_id}"
         ) from e
     except errors.LocalEntryNotFoundError as e:
-        # Offline (HF_HUB_OFFLINE=1) or the Hub unreachable, and the cache lacks the model.
+        # Offline (HF_HUB_OFFLINE=1) or the Hub unreachable, and the cache lacks the model, or
+        # (huggingface_hub >= 1.0's IncompleteSnapshotError, which knows its snapshot) holds
+        # only some of its files, e.g. a tokenizer fetched alone.
+        if getattr(e, "snapshot_path", None):
+            raise ModelLoadError(
+                f"the Hugging Face cache holds only part of {where}, and the Hub is offline or "
+                f"unreachable ({_offline_reason()}): {' '.join(str(e).split())}; "
+                + _STAGE.format(id=repo_id)
+            ) from e
         raise ModelLoadError(
             f"{where} is not a model folder here and not in the Hugging Face cache, and the Hub "
             f"is offline or unreachable ({_offline_reason()}); " + _STAGE.format(id=repo_id)

@@ -1,13 +1,16 @@
-"""gRPC server helpers shared by every service: errors to status codes, health, reflection."""
+"""gRPC server helpers shared by every service: errors to status codes, health, reflection,
+and the plaintext health port a probe that speaks no TLS reaches (`--health-port`)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -126,21 +129,85 @@ def _stream(behavior, method: str):
     return wrapper
 
 
+class PlaintextHealth:
+    """grpc.health.v1 and nothing else, in plaintext, on a port of its own: what Kubernetes'
+    gRPC probe (which speaks no TLS) reaches when the main server speaks mutual TLS.
+
+    It listens from the start of a process's `serve`, NOT_SERVING while the model and KV pool
+    are built, and then mirrors the main server's statuses (`start_server(plaintext_health=)`):
+    SERVING once it listens, NOT_SERVING from the moment a drain starts. A synchronous server on
+    its own threads, so it answers while the event loop is busy loading the model. It carries
+    no reflection and no other service: any other method is UNIMPLEMENTED, and a status is all
+    a caller without a mesh certificate learns."""
+
+    def __init__(self, host: str, port: int) -> None:
+        # grpc's servicer answers Watch without holding a thread (its non-blocking mode), so
+        # streams held open never keep a probe's Check waiting.
+        self.servicer = health.HealthServicer()
+        self.servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"))
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port} (--health-port)")
+        self.address = f"{host}:{self.port}"
+        self._server.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait()
+
+
+def plaintext_health(host: str, port: int | None) -> PlaintextHealth | None:
+    """The plaintext health port `--health-port` asks for (0: any free port), or None."""
+    return None if port is None else PlaintextHealth(host, port)
+
+
+def add_health_port_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--health-port",
+        type=int,
+        metavar="PORT",
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (0: any free), for "
+        "probes that speak no TLS when the mesh's mutual TLS is on; NOT_SERVING until the "
+        "service is ready and once it drains",
+    )
+
+
+class _Health(health.aio.HealthServicer):
+    """The main server's health servicer, each status mirrored onto a PlaintextHealth."""
+
+    def __init__(self, mirror: PlaintextHealth | None) -> None:
+        super().__init__()
+        self._mirror = mirror.servicer if mirror is not None else None
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        await super().set(service, status)
+        if self._mirror is not None:
+            self._mirror.set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        if self._mirror is not None:
+            self._mirror.enter_graceful_shutdown()
+
+
 async def start_server(
     host: str,
     port: int,
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: list[str],
+    plaintext_health: PlaintextHealth | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a grpc.aio server with the servicers, health checking and reflection; mutual
-    TLS when the mesh has it (services.common.mesh_tls).
+    TLS when the mesh has it (services.common.mesh_tls). Its health statuses are mirrored onto
+    `plaintext_health` when given.
 
     Returns the server, its health servicer (to mark NOT_SERVING when draining) and the bound
     port (port 0 picks a free one).
     """
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
     add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _Health(plaintext_health)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)

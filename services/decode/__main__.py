@@ -11,7 +11,13 @@ from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.hub import refuse_at_start, with_local_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
-from services.common.server import run, setup_logging, start_server
+from services.common.server import (
+    add_health_port_args,
+    plaintext_health,
+    run,
+    setup_logging,
+    start_server,
+)
 from services.decode.config import ROLES, DecodeConfig
 from services.decode.servicer import DecodeServicer, role_pb, worker_load, worker_stats
 from services.decode.worker import DecodeWorker
@@ -60,6 +66,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     )
     p.add_argument("--kv-transport", choices=("auto", "ucx", "grpc"), default="auto")
     add_metrics_args(p)
+    add_health_port_args(p)
     add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
@@ -85,6 +92,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         ),
         kv_transport=args.kv_transport,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
         drain_timeout_s=args.drain_timeout_s,
         # an emulated colocated instance steps by the colocated baseline's fit, as the planner
         engine=EngineConfig.from_args(args, "vllm" if args.role == "colocated" else "distserve"),
@@ -95,6 +103,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
 
 
 async def serve(config: DecodeConfig) -> None:
+    probe = plaintext_health(config.host, config.health_port)  # NOT_SERVING while loading
     registry = worker_registry()
     worker = DecodeWorker(config, registry)
     registry.register(StatsCollector(lambda: worker_stats(worker)))
@@ -104,7 +113,7 @@ async def serve(config: DecodeConfig) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
 
     names = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
-    server, health, port = await start_server(config.host, config.port, add, names)
+    server, health, port = await start_server(config.host, config.port, add, names, probe)
     address = f"{config.host}:{port}"
     await worker.start()
 
@@ -112,6 +121,8 @@ async def serve(config: DecodeConfig) -> None:
         await worker.stop()
         shutdown_ucx()
         telemetry.shutdown()
+        if probe is not None:
+            probe.stop()
 
     await serve_as_worker(
         server=server,
@@ -128,6 +139,7 @@ async def serve(config: DecodeConfig) -> None:
         stop=stop,
         prefix_cache=worker.loop.prefix_log,
         metrics_address=metrics_address,
+        **({"health_address": probe.address} if probe is not None else {}),
     )
 
 

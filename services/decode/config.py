@@ -23,6 +23,7 @@ class DecodeConfig:
     pull: PullPolicy = field(default_factory=PullPolicy)  # chunk size, window, retries
     kv_transport: str = "auto"  # auto (UCX when both sides have it) | ucx | grpc
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight work may take
     engine: EngineConfig = field(default_factory=EngineConfig)
     tensor_parallel_size: int = 1  # ranks of this instance; this process is rank 0

@@ -26,6 +26,10 @@ class EdgeConfig:
     host: str = "127.0.0.1"
     port: int = 8080  # 0 picks a free port
     admin_port: int = 0  # the admin interface, always on 127.0.0.1; 0 picks a free port
+    # Envoy's own statistics for Prometheus: a plaintext listener on host:stats_port that
+    # serves GET /metrics (and /stats/prometheus) from the admin interface and nothing else of
+    # it; None: off (the statistics stay on the admin interface).
+    stats_port: int | None = None
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, TLS is on
     tls_key: Path | None = None
     api_keys: tuple[str, ...] = ()  # when set, every request but /health needs one
@@ -68,6 +72,14 @@ class EdgeConfig:
             raise InvalidRequest("retries must be >= 0 and concurrency >= 1")
         if self.otlp_endpoint and not self.otlp_endpoint.rpartition(":")[2].isdigit():
             raise InvalidRequest(f"the OTLP endpoint {self.otlp_endpoint!r} is not host:port")
+        if self.stats_port is not None:
+            if self.admin_port == 0:
+                raise InvalidRequest(
+                    "--stats-port forwards to Envoy's admin interface (127.0.0.1), which then "
+                    "needs a fixed port: give --admin-port"
+                )
+            if self.stats_port != 0 and self.stats_port in (self.port, self.admin_port):
+                raise InvalidRequest("--stats-port must differ from the edge's and the admin port")
         if not 0 <= self.trace_sampling_percent <= 100:
             raise InvalidRequest("trace sampling is a percentage, 0 to 100")
 

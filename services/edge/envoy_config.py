@@ -5,11 +5,13 @@ content-type application/grpc go to the gateways' gRPC ports over HTTP/2; everyt
 their HTTP API (HTTP/1.1). Both clusters are health-checked (gRPC health / GET /health) and have
 outlier detection. Filters, in order: API keys (when set), the local rate limit, the body-size
 limit, the router. Envoy's own error replies (401, 413, 429, 503...) are rewritten to OpenAI's
-error shape for HTTP clients; gRPC clients get them as gRPC statuses.
+error shape for HTTP clients; gRPC clients get them as gRPC statuses. The admin interface
+listens on 127.0.0.1 only; with a stats port, a second plaintext listener serves Envoy's
+statistics for Prometheus from it (GET only, nothing else of the admin interface).
 
 The result is a plain dict (JSON is valid Envoy YAML), written to a file Envoy reads.
 
-Why one file (~510 lines): one Envoy bootstrap; its listeners, filters and clusters refer to
+Why one file (~600 lines): one Envoy bootstrap; its listeners, filters and clusters refer to
 each other by name and are checked together by `envoy --mode validate`.
 """
 
@@ -22,6 +24,8 @@ from services.edge.config import EdgeConfig, Upstream
 
 GATEWAY_SERVICE = "distserve.v1.Gateway"  # the gRPC health service Envoy checks
 GRPC_CLUSTER, HTTP_CLUSTER, OTLP_CLUSTER = "gateway_grpc", "gateway_http", "otlp"
+ADMIN_CLUSTER = "admin"  # Envoy's own admin interface, for the stats listener
+STATS_PATHS = ("/metrics", "/stats/prometheus")  # what the stats listener serves
 MAX_CONNECTIONS = 10000  # downstream connections Envoy accepts at once
 RBAC, RATE_LIMIT = "envoy.filters.http.rbac", "envoy.filters.http.local_ratelimit"
 T = "type.googleapis.com/envoy."  # the common prefix of every typed config's @type
@@ -463,6 +467,67 @@ def _access_log(config: EdgeConfig) -> list[dict]:
     ]
 
 
+def _stats_listener(config: EdgeConfig) -> dict:
+    """Envoy's statistics for Prometheus on their own plaintext port: GET of STATS_PATHS goes
+    to the admin interface's /stats/prometheus; anything else (the admin's mutating endpoints,
+    its config dump, another method) gets 404 and never reaches it."""
+    get = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    routes = [
+        {
+            "match": {"path": path, "headers": get},
+            "route": {
+                "cluster": ADMIN_CLUSTER,
+                "prefix_rewrite": "/stats/prometheus",
+                "timeout": "10s",
+            },
+        }
+        for path in STATS_PATHS
+    ]
+    manager = _typed(
+        "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="stats",
+        codec_type="HTTP1",
+        request_headers_timeout="10s",
+        route_config={
+            "name": "stats",
+            "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}],
+        },
+        http_filters=[
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": _typed("extensions.filters.http.router.v3.Router"),
+            }
+        ],
+    )
+    return {
+        "name": "stats",
+        "address": {"socket_address": {"address": config.host, "port_value": config.stats_port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def _admin_cluster(config: EdgeConfig) -> dict:
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": config.admin_port}}
+    return {
+        "name": ADMIN_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": ADMIN_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+        },
+    }
+
+
 def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
     """The bootstrap for `envoy -c`: the edge listener in front of `gateways`."""
     if not gateways:
@@ -500,22 +565,21 @@ def envoy_config(config: EdgeConfig, gateways: Sequence[Upstream]) -> dict:
     }
     if config.tls:
         chain["transport_socket"] = _tls(config)
+    listeners = [
+        {
+            "name": "edge",
+            "address": {"socket_address": {"address": config.host, "port_value": config.port}},
+            "filter_chains": [chain],
+        }
+    ]
+    if config.stats_port is not None:
+        listeners.append(_stats_listener(config))
+        clusters.append(_admin_cluster(config))
     return {
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": config.admin_port}}
         },
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "edge",
-                    "address": {
-                        "socket_address": {"address": config.host, "port_value": config.port}
-                    },
-                    "filter_chains": [chain],
-                }
-            ],
-            "clusters": clusters,
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
         "layered_runtime": {"layers": [{"name": "static", "static_layer": {}}]},
         "overload_manager": {
             "resource_monitors": [

@@ -25,6 +25,19 @@ def add_edge_options(p: argparse.ArgumentParser, port_flag: str = "--port") -> N
         action="store_true",
         help="with API keys: serve the gateway's /metrics without a key (Prometheus scrapes)",
     )
+    p.add_argument(
+        "--stats-port",
+        type=int,
+        help="serve Envoy's own statistics for Prometheus on this port of the listener's "
+        "address (GET /metrics or /stats/prometheus; nothing else of the admin interface); "
+        "needs --admin-port",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=d.admin_port,
+        help="Envoy's admin interface, on 127.0.0.1 only (default: any free port)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=d.max_request_bytes)
     p.add_argument(
         "--rate-limit", type=int, default=d.rate_limit_rps, help="requests/s over the edge; 0 off"
@@ -40,6 +53,8 @@ def edge_config(a: argparse.Namespace, host: str) -> EdgeConfig:
     return EdgeConfig(
         host=host,
         port=a.edge_port,
+        admin_port=a.admin_port,
+        stats_port=a.stats_port,
         tls_cert=a.tls_cert,
         tls_key=a.tls_key,
         api_keys=keys,

@@ -20,7 +20,9 @@ from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.model_config import ModelConfig
 from services.common.server import (
+    add_health_port_args,
     announce_ready,
+    plaintext_health,
     run,
     setup_logging,
     start_server,
@@ -62,6 +64,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # reads tool calls from answers (tool_parsers.PARSERS)
     max_body_bytes: int = 8 * 2**20  # largest HTTP request body
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
     planner: str | None = None  # host:port of the planner, which gets the live workload
     layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
@@ -117,6 +120,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest HTTP body")
     add_metrics_args(p)
+    add_health_port_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO (metrics)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO (metrics)")
     p.add_argument("--slo-window-s", type=float, default=60.0, help="SLO attainment window")
@@ -202,6 +206,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         served_model_name=a.served_model_name,
         max_body_bytes=a.max_body_bytes,
         metrics_port=a.metrics_port,
+        health_port=a.health_port,
         slo=Slo(a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000, a.slo_window_s),
         planner=a.planner,
         layerwise_handoff=a.kv_handoff == "layerwise",
@@ -229,6 +234,7 @@ def _admission_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> Admi
 
 
 async def serve(config: GatewayConfig) -> None:
+    probe = plaintext_health(config.host, config.health_port)  # NOT_SERVING until listening
     model = ModelConfig.from_dir(config.model)
     engine = "emulated" if model.emulated else "torch"
     telemetry.setup("gateway", engine=engine)
@@ -271,11 +277,13 @@ async def serve(config: GatewayConfig) -> None:
     names = [
         gateway_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Gateway", "WorkerRegistry")
     ]
-    server, health, port = await start_server(config.host, config.port, add, names)
+    server, health, port = await start_server(config.host, config.port, add, names, probe)
     ready = {
         "address": f"{config.host}:{port}",
         "metrics_address": serve_metrics(metrics.registry, config.host, config.metrics_port),
     }
+    if probe is not None:
+        ready["health_address"] = probe.address
     http = None
     if config.http_port is not None:
         api = HttpApi(
@@ -313,6 +321,8 @@ async def serve(config: GatewayConfig) -> None:
     if feed is not None:
         await feed.stop()
     await router.close()
+    if probe is not None:
+        probe.stop()
     telemetry.shutdown()
 
 

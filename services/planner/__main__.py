@@ -13,7 +13,9 @@ from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.server import (
+    add_health_port_args,
     announce_ready,
+    plaintext_health,
     run,
     setup_logging,
     start_server,
@@ -71,6 +73,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     )
     g.add_argument("--advise", action="store_true", help="decide and report, never apply")
     add_metrics_args(p)
+    add_health_port_args(p)
     clock.add_args(p)
     a = p.parse_args(argv)
     clock.setup_from_args(a)  # spans on the mesh's clock (an emulated mesh's is slower)
@@ -107,6 +110,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         num_requests=a.num_requests,
         drift=DriftConfig(a.drift_window, a.drift_rate, a.drift_length, a.drift_confirm),
         metrics_port=a.metrics_port,
+        health_port=a.health_port,
         autoscale=autoscale,
     )
 
@@ -142,6 +146,7 @@ def control_loop(config: PlannerConfig, registry) -> ControlLoop:
 
 
 async def serve(config: PlannerConfig) -> None:
+    probe = plaintext_health(config.host, config.health_port)  # NOT_SERVING until listening
     metrics = PlannerMetrics(worker_registry())
     control = control_loop(config, metrics.registry) if config.autoscale else None
     replanner = Replanner(config.drift, config.workers)
@@ -151,11 +156,12 @@ async def serve(config: PlannerConfig) -> None:
         planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
 
     names = [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name]
-    server, health, port = await start_server(config.host, config.port, add, names)
+    server, health, port = await start_server(config.host, config.port, add, names, probe)
     announce_ready(
         "planner",
         address=f"{config.host}:{port}",
         metrics_address=serve_metrics(metrics.registry, config.host, config.metrics_port),
+        **({"health_address": probe.address} if probe is not None else {}),
     )
     loop = asyncio.create_task(control.run()) if control is not None else None
     sig = await wait_for_signal()
@@ -164,6 +170,8 @@ async def serve(config: PlannerConfig) -> None:
         loop.cancel()
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
+    if probe is not None:
+        probe.stop()
 
 
 def _degrees(text: str) -> tuple[int, ...]:

@@ -50,6 +50,7 @@ class PlannerConfig:
     num_requests: int = 1000  # simulated per instance per goodput probe
     drift: DriftConfig = field(default_factory=DriftConfig)
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     autoscale: Autoscale | None = None  # resize the running mesh (None: recommend only)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,13 @@ from services.common.gen.distserve.v1 import (
 from services.common.hub import refuse_at_start, with_local_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
-from services.common.server import run, setup_logging, start_server
+from services.common.server import (
+    add_health_port_args,
+    plaintext_health,
+    run,
+    setup_logging,
+    start_server,
+)
 from services.engine.config import (
     EngineConfig,
     add_engine_args,
@@ -50,6 +56,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")
     p.add_argument("--no-ucx", action="store_true", help="serve KV over gRPC only")
     add_metrics_args(p)
+    add_health_port_args(p)
     add_drain_args(p)
     add_ucx_args(p)
     add_engine_args(p)
@@ -71,6 +78,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         kv_faults=args.kv_faults,
         ucx=not args.no_ucx,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
         drain_timeout_s=args.drain_timeout_s,
         engine=EngineConfig.from_args(args),
         tensor_parallel_size=process_ranks(args),
@@ -81,6 +89,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
 
 
 async def serve(config: PrefillConfig) -> None:
+    probe = plaintext_health(config.host, config.health_port)  # NOT_SERVING while loading
     registry = worker_registry()
     worker = PrefillWorker(config, registry)
     registry.register(StatsCollector(lambda: worker_stats(worker)))
@@ -96,7 +105,7 @@ async def serve(config: PrefillConfig) -> None:
         prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
         kvtransfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name,
     ]
-    server, health, port = await start_server(config.host, config.port, add, names)
+    server, health, port = await start_server(config.host, config.port, add, names, probe)
     address = f"{config.host}:{port}"
     await worker.start(address)
 
@@ -104,6 +113,8 @@ async def serve(config: PrefillConfig) -> None:
         await worker.stop()
         shutdown_ucx()
         telemetry.shutdown()
+        if probe is not None:
+            probe.stop()
 
     await serve_as_worker(
         server=server,
@@ -121,6 +132,7 @@ async def serve(config: PrefillConfig) -> None:
         prefix_cache=worker.loop.prefix_log,
         ucx_port=worker.chunks.port if worker.chunks is not None else 0,
         metrics_address=metrics_address,
+        **({"health_address": probe.address} if probe is not None else {}),
     )
 
 

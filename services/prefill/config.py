@@ -22,6 +22,7 @@ class PrefillConfig:
     ucx: bool = True  # serve KV over UCX when ucxx is importable (gRPC is served always)
     kv_faults: str = ""  # fault injection on the KV data plane (tests only; see kvtransfer.faults)
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
+    health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight work may take
     engine: EngineConfig = field(default_factory=EngineConfig)
     tensor_parallel_size: int = 1  # ranks of this instance; this process is rank 0

@@ -4,9 +4,11 @@ lays it out (no network here: HF_HUB_OFFLINE=1 and the cache a test fills)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,92 @@ def test_only_the_files_the_mesh_reads_are_fetched():
         "special_tokens_map.json",
         "chat_template.jinja",
     }
+
+
+def test_tokenizer_only_fetches_what_the_gateway_reads_and_no_weights():
+    from huggingface_hub.utils import filter_repo_objects
+
+    from services.common.hub import TOKENIZER_FILES
+
+    repo = [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "README.md",
+    ]
+    fetched = set(filter_repo_objects(repo, allow_patterns=list(TOKENIZER_FILES)))
+    assert fetched == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    }
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture
+def tokenizer_cache(tmp_path, tiny_model) -> Path:
+    """HF_HOME with the tokenizer-only files of the repository (what `model fetch
+    --tokenizer-only` leaves in a cache), and the listing of all its files, weights included,
+    as huggingface_hub caches it when it lists a repository (trees/<commit>.json)."""
+    from services.common.hub import TOKENIZER_FILES
+
+    home, part = tmp_path / "hf", tmp_path / "tokenizer-only"
+    part.mkdir()
+    for file in tiny_model.iterdir():
+        if file.name in TOKENIZER_FILES:
+            (part / file.name).write_bytes(file.read_bytes())
+    assert not (part / "model.safetensors").exists()
+    snapshot = fill_hf_cache(home, REPO, part)
+    files = {
+        f.name: {"size": f.stat().st_size, "blob_id": _git_blob_id(f.read_bytes())}
+        for f in sorted(tiny_model.iterdir())
+    }
+    trees = snapshot.parent.parent / "trees"
+    trees.mkdir()
+    (trees / f"{COMMIT}.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    return home
+
+
+def test_a_tokenizer_only_fetch_is_what_the_gateway_serves_from(tokenizer_cache, tiny_model):
+    env = offline_env(tokenizer_cache)
+    run = distserve("model", "fetch", REPO, "--tokenizer-only", env=env)
+    assert run.returncode == 0, run.stderr
+    folder = Path(run.stdout.strip())
+    assert folder.name == COMMIT and not (folder / "model.safetensors").exists()
+    # The whole model's files are not there: a full fetch (a worker's) is refused, by name.
+    full = distserve("model", "fetch", REPO, env=env)
+    assert full.returncode == 2 and "Traceback" not in full.stderr
+    assert len(full.stderr.strip().splitlines()) == 1
+    assert "holds only part of distserve-test/tiny-chat" in full.stderr
+    assert "model.safetensors" in full.stderr
+    # The gateway starts from the tokenizer-only folder and serves its API.
+    gateway = subprocess.Popen(
+        [
+            sys.executable, "-m", "services.gateway", "--model", str(folder), "--port", "0",
+            "--http-port", "0", "--metrics-port", "-1", "--served-model-name", "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        ready = json.loads(gateway.stdout.readline())
+        assert ready["event"] == "ready", ready
+        with urllib.request.urlopen(f"http://{ready['http_address']}/v1/models", timeout=10) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)

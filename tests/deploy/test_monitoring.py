@@ -71,13 +71,25 @@ def test_the_service_monitor_selects_exactly_the_services_that_serve_metrics(mon
     (monitor,) = monitored["monitoring.yaml"]
     selector = monitor["spec"]["selector"]
     (port,) = {e["port"] for e in monitor["spec"]["endpoints"]}
+    chosen_components = set()
     for service in (o for o in objects(monitored) if o["kind"] == "Service"):
         labels = service["metadata"]["labels"]
         chosen = selector["matchLabels"].items() <= labels.items() and all(
-            labels[e["key"]] in e["values"] for e in selector["matchExpressions"]
+            labels[e["key"]] in e["values"] for e in selector.get("matchExpressions", [])
         )
         has_port = port in {p["name"] for p in service["spec"]["ports"]}
         assert chosen == has_port, service["metadata"]["name"]
+        if chosen:
+            chosen_components.add(labels["app.kubernetes.io/component"])
+    assert chosen_components == {"gateway", "planner", "envoy", "prefill", "decode"}
+    # Envoy's statistics have a Service of their own: the public edge Service carries only
+    # the edge's port (a LoadBalancer never exposes them).
+    (public,) = [
+        o
+        for o in objects(monitored)
+        if (o["kind"], o["metadata"]["name"]) == ("Service", "distserve-envoy")
+    ]
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["distserve"]}
 
 
@@ -100,15 +112,18 @@ def test_a_hub_model_is_staged_by_an_init_container_into_each_pods_volume():
     for component in ("gateway", "prefill", "decode"):
         spec = deployments(m, component)[0]["spec"]["template"]["spec"]
         (step,) = spec["initContainers"]
+        # The gateway reads no weights: it stages the tokenizer and configs alone.
+        gateway = component == "gateway"
         assert step["command"] + step["args"] == [
             "python", "-m", "distserve.cli", "model", "fetch", "Qwen/Qwen2.5-0.5B",
-            "--to", "/models/model", "--revision", "v1",
+            "--to", "/models/model", "--revision", "v1", *["--tokenizer-only"] * gateway,
         ]  # fmt: skip
         assert {"name": "model", "mountPath": "/models"} in step["volumeMounts"]  # writable
         mounts = {v["name"]: v for v in spec["containers"][0]["volumeMounts"]}
         assert mounts["model"]["readOnly"] is True
         (volume,) = [v for v in spec["volumes"] if v["name"] == "model"]
-        assert volume["emptyDir"] == {"sizeLimit": "136Gi"}  # opt-66b: 123 GiB of fp16, +10%
+        # opt-66b: 123 GiB of fp16, +10%; the gateway's tokenizer and configs: the least, 1 GiB
+        assert volume["emptyDir"] == {"sizeLimit": "1Gi" if gateway else "136Gi"}
     for component in ("planner", "envoy"):
         spec = deployments(m, component)[0]["spec"]["template"]["spec"]
         assert all(c["name"] != "stage-model" for c in spec.get("initContainers", []))
@@ -130,7 +145,7 @@ def test_the_staging_command_is_one_the_distserve_cli_takes(capsys):
         distserve_main([*step["args"][:3], "--help"])  # the subcommand and its options exist
     assert done.value.code == 0
     usage = capsys.readouterr().out
-    assert "--to DIR" in usage and "--revision" in usage
+    assert "--to DIR" in usage and "--revision" in usage and "--tokenizer-only" in usage
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,9 @@ def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert c[probe]["grpc"] == {"port": port}, (component, probe)
+            # Without mesh TLS the gRPC port is probed as it is: no plaintext health port.
+            assert "--health-port" not in c["args"]
+            assert all(p["name"] != "health" for p in c["ports"])
     envoy = container(deployments(high, "envoy")[0])
     health = {"path": "/health", "port": 8080, "scheme": "HTTP"}
     assert envoy["readinessProbe"]["httpGet"] == health  # the gateway's, through Envoy
@@ -353,7 +356,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
             if obj["kind"] == "Deployment":
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
-        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 5, "PodDisruptionBudget": 2,
+        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 6, "PodDisruptionBudget": 2,
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
@@ -411,6 +414,8 @@ def test_cli_passes_each_pools_and_the_gateways_own_options_into_their_container
         ("--worker-args", "--port 7000", "--port is set by the launcher (a pod's ports are fixed)"),
         ("--decode-args", "--tensor-parallel-size 4", "--tensor-parallel-size is set by the"),
         ("--gateway-args", "--metrics-port 1234", "--metrics-port is set by the launcher"),
+        ("--worker-args", "--health-port 7001", "--health-port is set by the launcher"),
+        ("--gateway-args", "--health-port 7001", "--health-port is set by the launcher"),
         ("--gateway-args", "--bogus 1", "--gateway-args '--bogus 1': unrecognized arguments"),
     ],
 )

@@ -5,7 +5,9 @@ read them, and in no other object."""
 from __future__ import annotations
 
 import base64
+import importlib
 import json
+import re
 
 import kubernetes_validate
 import pytest
@@ -90,7 +92,8 @@ def test_no_secret_value_appears_in_any_other_object(files):
 
 def test_envoy_serves_tls_requires_the_keys_and_reaches_the_gateway_over_mesh_tls(files, tmp_path):
     bootstrap = edge_bootstrap(with_secrets(files), tmp_path)  # the pod's own step, then validate
-    (listener,) = bootstrap["static_resources"]["listeners"]
+    listeners = {x["name"]: x for x in bootstrap["static_resources"]["listeners"]}
+    listener = listeners["edge"]
     (chain,) = listener["filter_chains"]
     tls = chain["transport_socket"]["typed_config"]["common_tls_context"]["tls_certificates"][0]
     assert tls["certificate_chain"]["filename"].endswith("/edge-tls/tls.crt")
@@ -103,6 +106,15 @@ def test_envoy_serves_tls_requires_the_keys_and_reaches_the_gateway_over_mesh_tl
         assert upstream["validation_context"]["trusted_ca"]["filename"].endswith("/ca.crt")
     envoy = pod(with_secrets(files), "envoy")
     assert envoy["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # Envoy's statistics: in plaintext on the port its pod declares (no key needed); its admin
+    # interface on the pod's loopback only.
+    stats = listeners["stats"]["address"]["socket_address"]
+    declared = {p["name"]: p["containerPort"] for p in envoy["containers"][0]["ports"]}
+    assert stats == {"address": "0.0.0.0", "port_value": declared["metrics"]}
+    assert "transport_socket" not in listeners["stats"]["filter_chains"][0]
+    assert "Bearer" not in json.dumps(listeners["stats"])
+    admin = bootstrap["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1" and admin["port_value"] not in declared.values()
 
 
 def test_every_mesh_process_mounts_the_mesh_certificate_and_is_told_where_it_is(files):
@@ -124,14 +136,29 @@ def test_every_mesh_process_mounts_the_mesh_certificate_and_is_told_where_it_is(
             assert env["DISTSERVE_TLS_CA"] == f"{folder}/ca.crt"
 
 
-def test_under_mesh_tls_the_probes_use_a_plaintext_signal_of_the_same_process(files):
+def _parsed(component: str, c: dict, manifests: dict[str, list[dict]]):
+    """The container's arguments as its process's own parser reads them, each $(VAR) filled
+    from the mesh ConfigMap, or a pod's IP and name."""
+    (config,) = [o for o in objects(manifests) if o["kind"] == "ConfigMap"]
+    values = config["data"] | {"POD_IP": "10.0.0.7", "POD_NAME": "pod-0"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda v: values[v.group(1)], a) for a in c["args"]]
+    if component in ("gateway", "planner"):
+        return importlib.import_module(f"services.{component}.__main__").parse(argv)
+    return importlib.import_module(f"services.{component}.__main__").parse(argv)[0]
+
+
+def test_under_mesh_tls_the_probes_use_the_plaintext_health_port_of_the_same_process(files):
+    """The kubelet's gRPC probe speaks no TLS: each process also serves grpc.health.v1 alone,
+    in plaintext, on a port its pod declares (tests/common/test_health_port.py: the same
+    statuses as its mTLS server), and the probes go there."""
     m = with_secrets(files)
-    for component in ("gateway", "prefill", "decode"):
+    for component in ("gateway", "planner", "prefill", "decode"):
         c = container(deployments(m, component)[0])
+        declared = {p["name"]: p["containerPort"] for p in c["ports"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/metrics", "port": 9100}, component
-    planner = container(deployments(m, "planner")[0])
-    assert planner["readinessProbe"]["tcpSocket"] == {"port": 50052}
+            assert c[probe]["grpc"] == {"port": declared["health"]}, component
+        assert declared["health"] not in {v for k, v in declared.items() if k != "health"}
+        assert _parsed(component, c, m).health_port == declared["health"], component
 
 
 def test_hf_token_reaches_only_the_model_staging_step(files):
