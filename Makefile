@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 GEN    := services/common/gen/.built
 PROTOS := $(wildcard protos/distserve/v1/*.proto)
 
-.PHONY: serve test lint wheel bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos bench-overload bench-conditional protos clean
+.PHONY: serve test lint wheel image image-test image-cuda container-tool bench-engine bench-mesh bench-kvtransfer bench-handoff bench-tracing bench-planner bench-chaos bench-overload bench-conditional protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,48 @@ test: $(GEN)
 # an isolated build environment, so [build-system].requires is fetched from the package index.
 wheel: $(STAMP)
 	$(BIN)/python -m build --outdir dist .
+
+# Container images (containers/Containerfile; docs/deployment.md), tagged with the package's
+# version. One recipe for podman and docker (BuildKit); the first found builds, CONTAINER= picks.
+CONTAINER  ?= $(shell command -v podman || command -v docker)
+IMAGE_FLAGS ?=
+VERSION     = $(shell $(PYTHON) -c "import distserve; print(distserve.__version__)")
+IMAGE_BASE ?= python:3.11-slim
+# The CPU image's torch: the Makefile's pin, its CPU build, fetched on this host by pip (its
+# index and configuration, as for the venv; and PyTorch's CPU index) into the build's wheelhouse.
+IMAGE_TORCH_SPEC ?= $(TORCH_SPEC)+cpu
+TORCH_CPU_INDEX  ?= https://download.pytorch.org/whl/cpu
+IMAGE_WHEELS := build/image/wheels
+# The CUDA image: a PyTorch CUDA base (its torch kept) and the flash-attn wheel built for it.
+CUDA_BASE  ?= pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+FLASH_ATTN ?= https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/flash_attn-2.8.3%2Bcu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl
+BUILD_IMAGE = $(CONTAINER) build $(IMAGE_FLAGS) -f containers/Containerfile
+
+container-tool:
+	@test -n "$(CONTAINER)" || { echo "make image: needs podman or docker (neither is on PATH)" >&2; exit 1; }
+	mkdir -p $(IMAGE_WHEELS)
+
+image: container-tool | $(BIN)/python
+	$(BIN)/python -m pip download --quiet --retries 1 --no-deps --only-binary=:all: \
+	    --platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp \
+	    $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX)) \
+	    --dest $(IMAGE_WHEELS) "$(IMAGE_TORCH_SPEC)"
+	$(BUILD_IMAGE) --target runtime --build-arg BASE=$(IMAGE_BASE) \
+	    --build-arg TORCH_SPEC="$(IMAGE_TORCH_SPEC)" -t distserve-mesh:$(VERSION) .
+	@$(CONTAINER) image inspect --format '{{.Size}}' distserve-mesh:$(VERSION) \
+	    | awk '{printf "distserve-mesh:$(VERSION): %.2f GB\n", $$1 / 1e9}'
+
+# The test stage on top of `make image`: a 1P1D mesh started inside the image serves a
+# completion through Envoy, checked against transformers (containers/smoke_test.py).
+image-test: image
+	$(BUILD_IMAGE) --target test --build-arg BASE=$(IMAGE_BASE) \
+	    --build-arg TORCH_SPEC="$(IMAGE_TORCH_SPEC)" -t distserve-mesh-test:$(VERSION) .
+
+image-cuda: container-tool
+	$(BUILD_IMAGE) --target runtime --build-arg BASE=$(CUDA_BASE) \
+	    --build-arg FLASH_ATTN="$(FLASH_ATTN)" -t distserve-mesh-cuda:$(VERSION) .
+	@$(CONTAINER) image inspect --format '{{.Size}}' distserve-mesh-cuda:$(VERSION) \
+	    | awk '{printf "distserve-mesh-cuda:$(VERSION): %.2f GB\n", $$1 / 1e9}'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,8 +2,8 @@
 subcommands run (the local mesh of `distserve up`, the load generator, the trace report, the
 Kubernetes render, the planner's offline commands). Nothing in services/ imports from here."""
 
-import importlib.metadata
-
-# Declared once, in pyproject.toml; the installed package's metadata holds it. The image tag that
-# `deploy render` defaults to.
-__version__ = importlib.metadata.version("distserve-mesh")
+# The package's version, declared here alone: pyproject.toml reads it (setuptools' `attr`, without
+# importing the package), `distserve --version` prints it, and it tags the container images
+# (`make image`) and the image `deploy render` defaults to. Readable with no install (the image
+# build reads it with the system's python).
+__version__ = "0.1.0"

@@ -9,10 +9,10 @@ exit status, and neither imports the other.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 from collections.abc import Callable, Iterable
 
+from distserve import __version__
 from services.common.errors import DistServeError
 
 Registrar = Callable[[argparse._SubParsersAction], None]
@@ -22,9 +22,7 @@ def run(registrars: Iterable[Registrar], argv: list[str] | None, description: st
     """`distserve` with the subcommands of `registrars`: parse `argv`, run the command, a
     DistServeError as exit status 2."""
     parser = argparse.ArgumentParser(prog="distserve", description=description)
-    # The version is declared once, in pyproject.toml; the installed package's metadata holds it.
-    version = importlib.metadata.version("distserve-mesh")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in registrars:
         register(sub)
