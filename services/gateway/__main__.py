@@ -19,6 +19,7 @@ from services.common.hub import refuse_at_start, resolve_model
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
 from services.common.model_config import ModelConfig
+from services.common.sampling import MAX_N
 from services.common.server import (
     add_health_port_args,
     announce_ready,
@@ -57,6 +58,7 @@ class GatewayConfig:
     # cannot reach it deregisters it); long enough for a slow heartbeat on a starved host.
     worker_lease_s: float = 6.0
     max_tokens: int | None = None  # largest max_tokens accepted; default: the model's context
+    max_n: int = MAX_N  # most choices (n, best_of) a request may ask for
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0: any free port; None: off
     served_model_name: str | None = None  # name in the HTTP API; default: Hub id, else folder
     chat_template: Path | None = None  # a template file replacing the model folder's
@@ -112,6 +114,13 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--worker-lease-s", type=float, default=6.0)
     p.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
+    p.add_argument(
+        "--max-n",
+        type=_max_n,
+        default=MAX_N,
+        help=f"most choices (n, and best_of) a request may ask for, 1..{MAX_N}; each choice "
+        "takes a decode seat and its own KV beyond the shared prompt",
+    )
     p.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; 0 any free, -1 off"
     )
@@ -202,6 +211,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         port=a.port,
         worker_lease_s=a.worker_lease_s,
         max_tokens=a.max_tokens,
+        max_n=a.max_n,
         http_port=None if a.http_port < 0 else a.http_port,
         served_model_name=a.served_model_name,
         max_body_bytes=a.max_body_bytes,
@@ -218,6 +228,13 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         time_scale=a.time_scale,
         time_epoch=a.time_epoch,
     )
+
+
+def _max_n(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= MAX_N:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_N}], got {n}")
+    return n
 
 
 def _admission_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> AdmissionConfig:
@@ -265,7 +282,11 @@ async def serve(config: GatewayConfig) -> None:
     layerwise_min = config.layerwise_min_tokens if config.layerwise_handoff else None
     router = Router(routing, tokenizer, served, metrics, feed, layerwise_min, admission)
     limits = Limits.for_model(
-        model, config.max_tokens, registry.max_model_len, default_max_tokens=defaults.max_tokens
+        model,
+        config.max_tokens,
+        registry.max_model_len,
+        default_max_tokens=defaults.max_tokens,
+        max_n=config.max_n,
     )
 
     def add(server) -> None:

@@ -15,7 +15,7 @@ from services.common.convert import sampling_from_pb
 from services.common.errors import DeadlineExceeded, InvalidRequest
 from services.common.generation_defaults import GenerationDefaults
 from services.common.model_config import ModelConfig
-from services.common.sampling import SamplingParams
+from services.common.sampling import MAX_N, SamplingParams
 from services.common.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class Limits:
     # At most this many tokens for a request that names no max_tokens (generation_config.json's
     # max_new_tokens, as vLLM); None: the context's room.
     default_max_tokens: int | None = None
+    max_n: int = MAX_N  # most choices (n, best_of) a request may ask for (--max-n)
 
     @classmethod
     def for_model(
@@ -101,6 +102,7 @@ class Limits:
         max_tokens: int | None = None,
         served: Callable[[], int | None] = lambda: None,
         default_max_tokens: int | None = None,
+        max_n: int = MAX_N,
     ) -> Limits:
         return cls(
             model_context=model.max_position_embeddings,
@@ -108,6 +110,7 @@ class Limits:
             max_tokens=max_tokens or model.max_position_embeddings,
             served=served,
             default_max_tokens=default_max_tokens,
+            max_n=max_n,
         )
 
     @property
@@ -220,6 +223,13 @@ async def build_request(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
             f"max_model_len ({max_context} tokens); set max_tokens <= {room}",
             param="max_tokens",
+        )
+    if params.num_choices > limits.max_n:
+        field = "best_of" if params.best_of is not None and params.best_of > params.n else "n"
+        raise InvalidRequest(
+            f"{field} is {params.num_choices}; this server generates at most {limits.max_n} "
+            "choices per request (--max-n): ask for fewer, or send several requests",
+            param=field,
         )
     params.check_vocabulary(limits.vocab_size)
     request_id = request_id or uuid.uuid4().hex
