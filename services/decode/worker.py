@@ -88,7 +88,11 @@ class DecodeWorker:
             detokenize=False,
             threads=config.threads,
             kv="pull",
-            kv_options={"policy": asdict(config.pull), "transport": config.kv_transport},
+            kv_options={
+                "policy": asdict(config.pull),
+                "transport": config.kv_transport,
+                "host": config.host,
+            },
         )
         self.loop = EngineLoop(
             self.engine,

@@ -40,9 +40,10 @@ class ChunkServer:
         self.port = 0
         self.requests_served = 0  # answered with every chunk's data and a status
 
-    def start(self, port: int = 0) -> int:
-        """Listen on `port` (0: any free one), from the running event loop; returns the port."""
-        self._listener = ucx_loop.worker().listen(self._serve_endpoint, port)
+    def start(self, port: int = 0, host: str = "") -> int:
+        """Listen on `host`:`port` (port 0: any free one; host "": every address), from the
+        running event loop; returns the port."""
+        self._listener = ucx_loop.worker().listen(self._serve_endpoint, port, host)
         self.port = self._listener.port
         return self.port
 

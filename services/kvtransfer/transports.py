@@ -140,7 +140,7 @@ class UcxTransport:
             ep.abort()
             accepted.put_nowait(None)
 
-        listener = ucx_loop.worker().listen(accept)
+        listener = ucx_loop.worker().listen(accept, host=host)
         try:
             for lane in range(self.lanes):
                 connecting = self._worker(lane).connect(_connectable(host), listener.port)

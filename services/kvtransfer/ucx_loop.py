@@ -56,6 +56,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from services.kvtransfer import ucx_bind
+
 log = logging.getLogger("distserve.kvtransfer")
 
 TAG_BITS = 32
@@ -186,18 +188,29 @@ class UcxWorker:
     # -- connections ----------------------------------------------------------------------------
 
     def listen(
-        self, handler: Callable[[UcxEndpoint], Awaitable[None]], port: int = 0
+        self, handler: Callable[[UcxEndpoint], Awaitable[None]], port: int = 0, host: str = ""
     ) -> UcxListener:
-        """Accept connections on `port` (0: any free one); each runs `handler(endpoint)` as a
-        task once its handshake is done."""
+        """Accept connections on `host`:`port` (port 0: any free one; host "" or a wildcard:
+        every address); each runs `handler(endpoint)` as a task once its handshake is done.
+        Raises UcxBindError when UCX cannot listen on `host` alone."""
+        bound = not ucx_bind.is_wildcard(host)
         listener = UcxListener(self, handler)
         listener.listener = self._api.UCXListener.create(
             worker=self.worker,
-            port=port,
+            port=0 if bound else port,
             cb_func=listener.accepted,
             cb_args=(),
             deliver_endpoint=True,
         )
+        if bound:
+            accept = functools.partial(listener.accepted_request, self._api.UCXEndpoint)
+            try:
+                listener.binding = ucx_bind.rebind(
+                    listener.listener, self.worker.handle, host, port, accept
+                )
+            except ucx_bind.UcxBindError:
+                listener.listener = None  # freed: its wildcard listener closes
+                raise
         self._listeners.add(listener)
         self.kick()
         return listener
@@ -395,11 +408,19 @@ class UcxListener:
     def __init__(self, worker: UcxWorker, handler) -> None:
         self.worker, self.handler = worker, handler
         self.listener = None
+        self.binding: ucx_bind.Binding | None = None  # listening on one address alone
         self._tasks: set[asyncio.Task] = set()
 
     @property
     def port(self) -> int:
         return self.listener.port
+
+    def accepted_request(self, endpoint_api, conn_request: int) -> None:
+        """A connection request on a listener bound to one address: its endpoint, as ucxx's
+        own callback would make it (peer failure handled), then `accepted`."""
+        if self.listener is None:
+            return
+        self.accepted(endpoint_api.create_from_conn_request(self.listener, conn_request, True))
 
     def accepted(self, ep) -> None:
         """A new connection (called while the worker progresses): its handshake, then the
@@ -436,6 +457,8 @@ class UcxListener:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.binding is not None:
+            self.binding.close()
         self.listener = None  # ucxx stops listening when its listener is freed
 
 

@@ -5,8 +5,15 @@ exits. Both sides of the data plane run with these settings; nothing here moves 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import socket
+import struct
 import sys
+
+from services.common.errors import FailedPrecondition
+
+_SIOCGIFADDR = 0x8915  # an interface's IPv4 address (linux/sockios.h)
 
 
 def ucx_available() -> bool:
@@ -64,9 +71,50 @@ UCX_DEFAULTS = {
 
 
 def configure_ucx(args: argparse.Namespace | None = None) -> None:
-    """Set UCX_DEFAULTS where the environment has no value, and apply --ucx-tls; before UCX is
-    first used (UCX reads its environment when its context starts)."""
+    """Set UCX_DEFAULTS where the environment has no value, apply --ucx-tls, and keep UCX's
+    network devices to the one holding --host; before UCX is first used (UCX reads its
+    environment when its context starts, and the processes a worker starts inherit it)."""
     for name, value in UCX_DEFAULTS.items():
         os.environ.setdefault(name, value)
     if args is not None and args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
+    host = getattr(args, "host", "") if args is not None else ""
+    if host and host not in ("0.0.0.0", "::") and "UCX_NET_DEVICES" not in os.environ:
+        os.environ["UCX_NET_DEVICES"] = ",".join(net_devices(host))
+
+
+def net_devices(host: str) -> list[str]:
+    """UCX's network devices for a process that listens on `host` alone: the interface holding
+    that address (UCX's TCP transport listens on every device it uses, on the device's address)
+    and every RDMA port (they open no TCP listener; KV keeps its RDMA path). Raises
+    FailedPrecondition when no interface of this machine holds `host`."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as e:
+        raise FailedPrecondition(f"--host {host}: {e}") from e
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == address:
+            return [name, *_rdma_ports()]
+    raise FailedPrecondition(
+        f"--host {host}: no network interface of this machine has this address (give one of "
+        "its addresses, or 0.0.0.0 to listen on all)"
+    )
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            ifreq = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()))
+        except OSError:  # no IPv4 address
+            return None
+    return socket.inet_ntoa(ifreq[20:24])
+
+
+def _rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return [
+        f"{dev}:{port}"
+        for dev in sorted(os.listdir(root))
+        for port in sorted(os.listdir(os.path.join(root, dev, "ports")))
+    ]

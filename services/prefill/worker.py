@@ -75,6 +75,7 @@ class PrefillWorker:
             detokenize=False,
             threads=config.threads,
             kv="serve",
+            kv_options={"host": config.host},
         )
         self.loop = EngineLoop(
             self.engine,
@@ -119,7 +120,7 @@ class PrefillWorker:
         self.control_address = control_address
         self.loop.start()
         if self.chunks is not None:
-            self.chunks.start(self.config.ucx_port)
+            self.chunks.start(self.config.ucx_port, self.config.host)
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:

@@ -61,6 +61,7 @@ class RankKv:
         serve: bool,
         policy: PullPolicy | None = None,
         transport: str = "auto",
+        host: str = "",
     ) -> None:
         self.engine = engine
         self.heads = engine.kv_geometry.heads_of(tp.rank, tp.world_size)
@@ -77,7 +78,7 @@ class RankKv:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rank-kv", daemon=True)
         self._thread.start()
-        self.port = self._call(self._start(serve, policy, transport), timeout=60)
+        self.port = self._call(self._start(serve, policy, transport, host), timeout=60)
 
     # -- from the engine thread ---------------------------------------------------------------
 
@@ -130,7 +131,9 @@ class RankKv:
 
     # -- on the loop thread --------------------------------------------------------------------
 
-    async def _start(self, serve: bool, policy: PullPolicy | None, transport: str) -> int:
+    async def _start(
+        self, serve: bool, policy: PullPolicy | None, transport: str, host: str
+    ) -> int:
         os.set_blocking(self._control_fd, False)
         self.loop.add_reader(self._control_fd, self._read_control)
         if serve:
@@ -144,9 +147,9 @@ class RankKv:
                 planes=self.engine.kv_geometry.planes,
             )
             self.server = ChunkServer(source)
-            return self.server.start()
+            return self.server.start(host=host)
         self.puller = KvPuller(policy, transport)
-        await self.puller.warm_up()
+        await self.puller.warm_up(host or "127.0.0.1")
         return 0
 
     async def _stop(self) -> None:

@@ -170,7 +170,8 @@ def start_engine(
     """This process's engine, as rank 0 of a group of `tp` ranks (the group is None for
     tp == 1: a plain engine, nothing started). `kv`: what the followers' KV data planes do,
     "serve" (prefill) or "pull" (decode); `kv_options`: {"policy": PullPolicy fields,
-    "transport": "auto" | "ucx" | "grpc"} for pulling followers. torch (its distributed
+    "transport": "auto" | "ucx" | "grpc"} for pulling followers, "host": the address their
+    UCX listeners listen on. torch (its distributed
     group) is imported only for tp > 1: an emulated instance is one process (tp 1), and never
     imports it."""
     if tp == 1:
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
             serve=args.kv == "serve",
             policy=PullPolicy(**options.get("policy", {})),
             transport=options.get("transport", "auto"),
+            host=options.get("host", ""),
         )
         kv.report({"event": "ready", "ucx_port": kv.port})
         follow(tp, engine, kv)
