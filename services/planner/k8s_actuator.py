@@ -108,15 +108,22 @@ class KubernetesActuator:
         kubeconfig's current context (namespace: given, the context's, or "distserve")."""
         from kubernetes import client, config
 
-        if kubeconfig is None:
-            configuration = client.Configuration()
-            config.load_incluster_config(client_configuration=configuration)
-            api = client.ApiClient(configuration)
-            namespace = namespace or SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-        else:
-            api = config.new_client_from_config(config_file=kubeconfig)
-            _, context = config.list_kube_config_contexts(config_file=kubeconfig)
-            namespace = namespace or context["context"].get("namespace") or "distserve"
+        try:
+            if kubeconfig is None:
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                api = client.ApiClient(configuration)
+                namespace = namespace or SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+            else:
+                api = config.new_client_from_config(config_file=kubeconfig)
+                _, context = config.list_kube_config_contexts(config_file=kubeconfig)
+                namespace = namespace or context["context"].get("namespace") or "distserve"
+        except (config.ConfigException, OSError) as e:
+            where = f"the kubeconfig {kubeconfig}" if kubeconfig else "a pod's ServiceAccount"
+            raise FailedPrecondition(
+                f"no Kubernetes API credentials from {where} ({e}): the Kubernetes actuator runs "
+                "in the cluster (`deploy render --planner-acts`), or is given a kubeconfig"
+            ) from None
         return cls(api, namespace, gateway)
 
     def scale(self, pool: str, role: str, count: int) -> None:

@@ -192,3 +192,16 @@ def test_the_drained_pod_carries_the_lowest_deletion_cost(cluster):
         act.drain(pod)
     assert cluster.pods[pod]["metadata"]["annotations"][DELETION_COST] == str(-(2**31))
     assert [i.state for i in act.status().instances if i.name == pod] == ["draining"]
+
+
+def test_the_planner_selects_it_with_actuator_kubernetes_and_outside_a_cluster_says_so():
+    from services.planner.__main__ import actuator as planner_actuator
+    from services.planner.__main__ import parse
+
+    loop = ["--budget", "8", "--model-spec", "opt-13b", "--slo", "400,100"]
+    config = parse([*loop, "--actuator", "kubernetes", "--gateway", "gw:50051"])
+    assert config.autoscale.actuator == "kubernetes" and config.autoscale.gateway == "gw:50051"
+    with pytest.raises(FailedPrecondition, match="runs in the cluster"):
+        planner_actuator(config.autoscale)  # this machine is no pod: no in-cluster config
+    with pytest.raises(InvalidRequest, match="--gateway is for --actuator kubernetes"):
+        parse([*loop, "--actuator", "127.0.0.1:1", "--gateway", "gw:1"])
