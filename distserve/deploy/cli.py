@@ -131,6 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--namespace", default=d.namespace)
     sc.add_argument("--baseline", action="store_true", help="the plans' colocated baselines")
     sc.set_defaults(func=scale_command)
+    from distserve.deploy.act import add_parser
+
+    add_parser(deploy)
 
 
 def render_command(args: argparse.Namespace) -> int:

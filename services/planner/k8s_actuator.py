@@ -19,7 +19,8 @@ Deployments (low affinity: the plan, not the actuator, chooses nodes). API error
 a 404, a conflict) become the mesh's named errors.
 
 `RULES` lists every call it makes; `deploy render --planner-acts` grants exactly these to the
-planner's ServiceAccount (distserve/deploy/planner_rbac.py).
+planner's ServiceAccount (distserve/deploy/planner_rbac.py). One idea in one file (off the
+request path): the actuator, then the small readings of API objects it makes (bottom).
 """
 
 from __future__ import annotations

@@ -205,3 +205,29 @@ def test_the_planner_selects_it_with_actuator_kubernetes_and_outside_a_cluster_s
         planner_actuator(config.autoscale)  # this machine is no pod: no in-cluster config
     with pytest.raises(InvalidRequest, match="--gateway is for --actuator kubernetes"):
         parse([*loop, "--actuator", "127.0.0.1:1", "--gateway", "gw:1"])
+
+
+def test_deploy_act_drives_it_from_a_kubeconfig(cluster, tmp_path, capsys):
+    from distserve.deploy.cli import main
+
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": cluster.url}}],
+                "users": [{"name": "me", "user": {}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "me", "namespace": NS}}
+                ],
+                "current-context": "fake",
+            }
+        )
+    )
+    assert main(["deploy", "act", "--kubeconfig", str(kubeconfig), "scale", "decode", "3"]) == 0
+    assert cluster.deployments["distserve-decode"]["spec"]["replicas"] == 3
+    assert "decode x3 (tp 4), prefill x2 (tp 4); changing" in capsys.readouterr().out
+    pod = cluster.pods_of("distserve-prefill")[0]
+    assert main(["deploy", "act", "--kubeconfig", str(kubeconfig), "drain", pod]) == 0
+    assert pod not in cluster.pods_of("distserve-prefill")
