@@ -94,6 +94,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="deploy the plan's colocated baseline instead of its placement",
     )
     r.add_argument("--no-planner", action="store_true", help="no planner Deployment")
+    r.add_argument(
+        "--planner-acts",
+        action="store_true",
+        help="the planner scales and drains the worker Deployments itself (a ServiceAccount "
+        "and a least-privilege Role; docs/kubernetes.md#the-planner-acting)",
+    )
     r.add_argument("--edge-port", type=int, default=d.edge_port, help="Envoy's listener")
     r.add_argument("--edge-replicas", type=int, default=d.edge_replicas)
     r.add_argument(
@@ -125,6 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--namespace", default=d.namespace)
     sc.add_argument("--baseline", action="store_true", help="the plans' colocated baselines")
     sc.set_defaults(func=scale_command)
+    from distserve.deploy.act import add_parser
+
+    add_parser(deploy)
 
 
 def render_command(args: argparse.Namespace) -> int:
@@ -172,6 +181,7 @@ def render_command(args: argparse.Namespace) -> int:
         slo_tpot_ms=args.slo_tpot_ms,
         baseline=args.baseline,
         planner=not args.no_planner,
+        planner_acts=args.planner_acts,
         edge_port=args.edge_port,
         edge_replicas=args.edge_replicas,
         edge_service_type=args.edge_service_type,

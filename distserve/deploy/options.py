@@ -41,6 +41,9 @@ class RenderOptions:
     slo_tpot_ms: float | None = None
     baseline: bool = False  # render the plan's colocated baseline instead of its placement
     planner: bool = True  # run a planner that the gateway feeds the live workload
+    # the planner scales and drains the worker Deployments itself (its ServiceAccount and Role:
+    # planner_rbac.py); False: it recommends only
+    planner_acts: bool = False
     edge_port: int = 8080
     edge_replicas: int = 1
     edge_service_type: str = "ClusterIP"
@@ -60,6 +63,8 @@ class RenderOptions:
             raise InvalidRequest(f"edge service type must be one of {SERVICE_TYPES}")
         if self.device not in DEVICES:
             raise InvalidRequest(f"--device must be one of {DEVICES}, not {self.device!r}")
+        if self.planner_acts and not self.planner:
+            raise InvalidRequest("--planner-acts needs the planner: drop --no-planner")
         if self.edge_replicas < 1 or self.termination_grace_s < 1 or self.rate_limit_rps < 0:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
         if not 0 < self.edge_port < 65536:

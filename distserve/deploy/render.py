@@ -39,6 +39,7 @@ from distserve.deploy.objects import (
     WORKER_PORT,
 )
 from distserve.deploy.options import RenderOptions, gpus_per_node
+from distserve.deploy.planner_rbac import ACTING_ENV, SERVICE_ACCOUNT, acting_args, planner_rbac
 from distserve.deploy.pod import MeshPods
 from distserve.deploy.pools import WORKER_ROLES, WorkerPool, select_placement, worker_pools
 from distserve.deploy.resources import (
@@ -71,8 +72,10 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
         files["secrets.yaml"] = secrets.objects
     files["config.yaml"] = [config]
     files["gateway.yaml"] = _gateway(mesh, config["data"])
+    if o.planner_acts:
+        files["planner-rbac.yaml"] = planner_rbac(o.namespace)
     if o.planner:
-        files["planner.yaml"] = _planner(mesh, plan.get("cluster"))
+        files["planner.yaml"] = _planner(mesh, plan, pools, config["data"])
     files["envoy.yaml"] = envoy(mesh)
     for role in WORKER_ROLES:
         mine = [p for p in pools if p.role == role]
@@ -199,22 +202,31 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
     ]
 
 
-def _planner(m: MeshPods, cluster: dict | None) -> list[dict]:
+def _planner(m: MeshPods, plan: dict, pools: list[WorkerPool], config: dict) -> list[dict]:
+    """The planner; acting (--planner-acts, planner_rbac.py): as its ServiceAccount, with its
+    control loop's flags and the model's config, else it only recommends."""
     args = ["--host", "0.0.0.0", "--port", str(PLANNER_PORT), "--metrics-port", str(METRICS_PORT)]
+    cluster, acts = plan.get("cluster"), m.o.planner_acts
     if isinstance(cluster, dict) and {"nodes", "gpus_per_node"} <= cluster.keys():
         spec = f"{cluster['nodes']}x{cluster['gpus_per_node']}"
         if "intra_node_gb_s" in cluster and "inter_node_gb_s" in cluster:
             spec += f",{cluster['intra_node_gb_s']:g},{cluster['inter_node_gb_s']:g}"
         args += ["--cluster", spec]
+    args += acting_args(plan, pools, config) if acts else []
     health_args, health_ports, probes = m.health(PLANNER_PORT)
     ports = [("grpc", PLANNER_PORT), ("metrics", METRICS_PORT)]
-    volumes, mounts = m.secrets.mesh_tls_volumes()
+    volumes, mounts = ([], []) if acts else m.secrets.mesh_tls_volumes()  # model_pod's if acts
+    env = [k8s.from_config(key) for key in ACTING_ENV] if acts else m.secrets.mesh_tls_env()
     planner = m.container(
         "planner", ["python", "-m", "services.planner"], args + health_args,
-        env=m.secrets.mesh_tls_env(), ports=ports + health_ports, probes=probes,
+        env=env, ports=ports + health_ports, probes=probes,
         resources=fixed(PLANNER), mounts=mounts,
     )  # fmt: skip
     pod = {"containers": [planner]} | ({"volumes": volumes} if volumes else {})
+    if acts:
+        pod = {"serviceAccountName": SERVICE_ACCOUNT} | m.model_pod(
+            [planner], [], tokenizer_only=True
+        )
     name, ns = "distserve-planner", m.o.namespace
     recreate = {"type": "Recreate"}
     return [

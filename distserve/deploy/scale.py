@@ -3,8 +3,8 @@ patch files and the exact `kubectl` commands that apply them (`ReplicaPatches`).
 no cluster itself: apply the commands (or let a controller with the rights do it), and the
 gateway's registry shows the change land. It is not an `Actuator`
 (services/planner/actuator.py): it takes whole placements, its pools are Deployments of one
-role each, it cannot re-shard, and it cannot tell whether a change has landed; the planner's
-control loop drives only the local mesh's actuator.
+role each, it cannot re-shard, and it cannot tell whether a change has landed; the planner acting
+in-cluster uses services/planner/k8s_actuator.py instead (`deploy render --planner-acts`).
 
 Only replica counts change this way: a placement whose pools differ in shape (another tensor
 degree, another node layout) needs `distserve deploy render` and `kubectl apply -k` again.

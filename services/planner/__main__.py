@@ -21,9 +21,9 @@ from services.common.server import (
     start_server,
     wait_for_signal,
 )
-from services.planner.actuator import RemoteActuator
+from services.planner.actuator import Actuator, RemoteActuator
 from services.planner.autoscale import AutoscaleConfig, Autoscaler
-from services.planner.config import Autoscale, PlannerConfig
+from services.planner.config import KUBERNETES, Autoscale, PlannerConfig
 from services.planner.control import ControlLoop
 from services.planner.drift import DriftConfig
 from services.planner.metrics import PlannerMetrics
@@ -51,7 +51,14 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         "autoscaling", "resize the running mesh within a budget (services/planner/control.py)"
     )
     g.add_argument("--budget", type=int, default=0, help="devices the mesh may use (0: off)")
-    g.add_argument("--actuator", help="host:port of the Actuator service (the launcher's)")
+    g.add_argument(
+        "--actuator",
+        help="host:port of the Actuator service (the launcher's), or `kubernetes`: scale and "
+        "drain the worker Deployments of the planner's own namespace through the cluster's API",
+    )
+    g.add_argument(
+        "--gateway", help="with --actuator kubernetes: the gateway (host:port), for worker loads"
+    )
     g.add_argument("--model-spec", help="the model served: opt-13b, ... or a model folder")
     g.add_argument("--slo", help="TTFT_MS,TPOT_MS the mesh is sized for")
     g.add_argument("--attainment", type=float, default=0.9)
@@ -98,6 +105,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
             attainment=a.attainment,
             interval_s=a.decide_every_s,
             advisory=a.advise,
+            gateway=a.gateway,
         )
     return PlannerConfig(
         host=a.host,
@@ -138,11 +146,21 @@ def control_loop(config: PlannerConfig, registry) -> ControlLoop:
     )
     return ControlLoop(
         Autoscaler(spec, auto.tp, auto.config),
-        RemoteActuator(auto.actuator),
+        actuator(auto),
         registry,
         interval_s=auto.interval_s,
         advisory=auto.advisory,
     )
+
+
+def actuator(auto: Autoscale) -> Actuator:
+    """What applies the loop's decisions: the launcher's Actuator service, or the Kubernetes
+    API of the cluster the planner runs in."""
+    if auto.actuator != KUBERNETES:
+        return RemoteActuator(auto.actuator)
+    from services.planner.k8s_actuator import KubernetesActuator
+
+    return KubernetesActuator.from_cluster(gateway=auto.gateway)
 
 
 async def serve(config: PlannerConfig) -> None:

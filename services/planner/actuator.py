@@ -9,8 +9,9 @@ and `status()` (the instances by role, degree and state, and whether a change is
 applied: no new decision is taken while one is).
 The planner process holds a `RemoteActuator` (below): the same interface over gRPC, to the
 `Actuator` service that `distserve up` serves (distserve/local_actuator.py, which drives the
-local mesh of processes and follows services/planner/transition.py's steps). On Kubernetes no
-actuator runs: `distserve deploy scale` writes the replica patches (distserve/deploy/scale.py).
+local mesh of processes and follows services/planner/transition.py's steps). On Kubernetes
+the planner holds a `KubernetesActuator` (services/planner/k8s_actuator.py: the worker
+Deployments through the cluster's API) when rendered with `--planner-acts`.
 `ActuatorStatus` and `Instance` convert to and from their messages here (`to_pb`/`from_pb`),
 the one place either side of the `Actuator` service does.
 """

@@ -9,13 +9,17 @@ from services.common.errors import InvalidRequest
 from services.planner.autoscale import AutoscaleConfig
 from services.planner.drift import DriftConfig
 
+KUBERNETES = "kubernetes"  # --actuator: the cluster's API, not an Actuator service's address
+
 
 @dataclass(frozen=True)
 class Autoscale:
     """The control loop's settings (services/planner/control.py): what it plans for, through
     which actuator, how often."""
 
-    actuator: str  # host:port of the Actuator service (the launcher's)
+    # host:port of the Actuator service (the launcher's), or "kubernetes": the Kubernetes API
+    # of the cluster the planner runs in (services/planner/k8s_actuator.py)
+    actuator: str
     model_spec: str  # opt-13b, ... or a model folder
     ttft_slo_ms: float
     tpot_slo_ms: float
@@ -24,10 +28,13 @@ class Autoscale:
     attainment: float = 0.9
     interval_s: float = 1.0  # between decisions (the mesh's clock)
     advisory: bool = False  # decide and report, never apply
+    gateway: str | None = None  # the gateway, for the workers' loads (the Kubernetes actuator)
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise InvalidRequest("autoscaling needs a positive SLO: --slo TTFT_MS,TPOT_MS")
+        if self.gateway and self.actuator != KUBERNETES:
+            raise InvalidRequest("--gateway is for --actuator kubernetes (the launcher's knows it)")
         if self.interval_s <= 0:
             raise InvalidRequest("--decide-every-s must be positive")
 
