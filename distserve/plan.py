@@ -49,7 +49,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, help="target requests/s (default: fill the cluster)")
     p.add_argument("--affinity", choices=("auto", "high", "low"), default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per instance")
-    p.add_argument("--num-requests", type=int, default=1000, help="simulated per instance")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=1000,
+        help="simulated per instance in each goodput probe of the search (default 1000)",
+    )
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=0.0125,
+        help="each reported goodput is simulated until its 95%% interval's half-width is within "
+        "this fraction of it (default 0.0125; 0: the search's estimate as it comes)",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        help="at most this many simulated requests per probe while refining (default 0: no limit)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-pp",
@@ -110,6 +128,8 @@ def plan_spec(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         num_requests=args.num_requests,
         seed=args.seed,
+        precision=args.precision or None,
+        max_requests=args.max_requests,
         max_pp=args.max_pp or None,
     )
 
@@ -198,20 +218,26 @@ def describe_plan(result) -> str:
     for phase in p.phases:
         lines.append(
             f"  {phase.role:<8} tp={phase.tp} pp={phase.pp} x{phase.replicas}"
-            f"  (one instance alone: {phase.instance_goodput:.3g} req/s)"
+            f"  (one instance alone: {phase.instance_estimate.describe()})"
         )
     for i, inst in enumerate(p.instances):
         stages = ", ".join(f"n{s[0][0]}:{','.join(str(g) for _, g in s)}" for s in inst.gpus)
         lines.append(f"    {inst.role}[{i}] stages {stages}")
     lines += [
-        f"goodput {p.goodput:.3g} req/s on {p.num_gpus} GPUs = {p.per_device:.3g} req/s per GPU",
+        f"goodput {p.estimate.describe()} on {p.num_gpus} GPUs = {p.per_device:.3g} req/s per GPU",
         f"colocated baseline: tp={c.phases[0].tp} pp={c.phases[0].pp} x{c.phases[0].replicas}, "
-        f"{c.goodput:.3g} req/s on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
+        f"{c.estimate.describe()} on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
+        "goodputs: [95% interval] (simulated requests per probe); each placement's simulated "
+        f"until the interval is within {_precision(result.spec.precision)} of it",
         f"ratio over colocated: {result.ratio:.2f}x  (search {result.search_seconds:.1f} s)",
         f"latency: {result.spec.latency.source}",
         f"colocated baseline's latency: {result.spec.colocated_latency.source}",
     ]
     return "\n".join(lines)
+
+
+def _precision(precision: float | None) -> str:
+    return "the search's own precision" if precision is None else f"+-{precision:.2%}"
 
 
 def profile_command(args: argparse.Namespace) -> int:

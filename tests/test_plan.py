@@ -49,6 +49,18 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
     assert plan["latency_source"].endswith("distserve.json")
     assert "vllm.json (the vLLM fit, by default" in plan["colocated_latency_source"]
     assert f"colocated baseline's latency: {plan['colocated_latency_source']}" in printed
+    # Every goodput with its 95% interval and the simulated requests behind it, in both.
+    for side in ("placement", "colocated"):
+        g = plan[side]["goodput"]
+        low, high = g["ci95_rps"]
+        assert low <= g["rps"] == plan[side]["goodput_rps"] <= high
+        assert (high - low) / 2 <= 0.0125 * g["rps"] + 1e-4 and g["requests"] >= 300
+        shown = f"{g['rps']:.3g} req/s [{low:.3g}, {high:.3g}] ({g['requests']:,} requests)"
+        assert shown in printed
+    for phase in plan["placement"]["phases"].values():
+        g = phase["instance_goodput"]
+        assert f"alone: {g['rps']:.3g} req/s [" in printed and g["requests"] >= 300
+    assert "until the interval is within +-1.25% of it" in printed
 
 
 def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys):

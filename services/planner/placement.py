@@ -23,6 +23,7 @@ search the same space with the same simulator and memory rules.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from services.common.latency import LatencyModel
 from services.common.model_spec import ModelSpec
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, divisors, kv_capacity, parallel_problem
-from services.planner.goodput import capacity, goodput
+from services.planner.goodput import GoodputEstimate, capacity, goodput
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import TraceWorkload, Workload
 
@@ -57,8 +58,13 @@ class PlanSpec:
     rate: float | None = None
     affinity: str = "auto"
     max_num_seqs: int = 256  # running requests per decode or colocated instance
-    num_requests: int = 1000  # simulated per instance in each goodput probe
+    num_requests: int = 1000  # simulated per instance in each goodput probe of the search
     seed: int = 0
+    # Each reported placement's goodput is simulated until its 95% interval's half-width is
+    # within this fraction of it (None: the search pass's estimate, as it comes), with at most
+    # `max_requests` per probe (0: no limit).
+    precision: float | None = 0.0125
+    max_requests: int = 0
     # The largest pipeline degree to consider; None: any (DistServe's search). The mesh's
     # workers implement tensor parallelism only, so plans to deploy use 1.
     max_pp: int | None = None
@@ -72,6 +78,10 @@ class PlanSpec:
             raise InvalidRequest(f"affinity must be one of {AFFINITIES}", param="affinity")
         if self.max_pp is not None and self.max_pp < 1:
             raise InvalidRequest(f"max_pp must be >= 1, got {self.max_pp}", param="max_pp")
+        if self.precision is not None and not 0 < self.precision < 1:
+            raise InvalidRequest(
+                f"precision must be in (0, 1), got {self.precision}", param="precision"
+            )
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,11 @@ class PhasePlan:
     tp: int
     pp: int
     replicas: int
-    instance_goodput: float  # req/s of one instance, this phase alone (colocated: both)
+    instance_estimate: GoodputEstimate  # one instance, this phase alone (colocated: both)
+
+    @property
+    def instance_goodput(self) -> float:
+        return self.instance_estimate.rate
 
     @property
     def gpus(self) -> int:
@@ -116,6 +130,7 @@ class PhasePlan:
             "pp": self.pp,
             "replicas": self.replicas,
             "instance_goodput_rps": round(self.instance_goodput, 4),
+            "instance_goodput": self.instance_estimate.to_json(),
         }
 
 
@@ -126,7 +141,11 @@ class Placement:
     algorithm: str  # high-affinity | low-affinity | colocated | single-host
     phases: tuple[PhasePlan, ...]
     instances: tuple[InstancePlacement, ...]
-    goodput: float  # req/s meeting both SLOs at the attainment target
+    estimate: GoodputEstimate  # req/s meeting both SLOs at the attainment target
+
+    @property
+    def goodput(self) -> float:
+        return self.estimate.rate
 
     @property
     def num_gpus(self) -> int:
@@ -146,6 +165,7 @@ class Placement:
             "num_gpus": self.num_gpus,
             "goodput_rps": round(self.goodput, 4),
             "goodput_per_gpu_rps": round(self.per_device, 4),
+            "goodput": self.estimate.to_json(),
             "instances": [i.to_json() for i in self.instances],
         }
 
@@ -205,8 +225,9 @@ def plan(spec: PlanSpec) -> Plan:
             f"no low-affinity placement of {spec.model.name} fits: each pipeline stage's prefill "
             f"and decode segments must share one node of {spec.cluster.gpus_per_node} GPUs"
         )
+    candidates = {k: search.refine(v) for k, v in candidates.items()}
     best = max(candidates.values(), key=lambda p: p.per_device)
-    colocated = search.colocated()
+    colocated = search.refine(search.colocated())
     return Plan(best, colocated, spec, time.perf_counter() - start, candidates)
 
 
@@ -224,13 +245,13 @@ def split_workers(spec: PlanSpec, workers: int) -> Placement:
         roles = [("prefill", 1, 1)] * n_p + [("decode", 1, 1)] * (workers - n_p)
         mapped = [InstancePlacement(r, 1, 1, (((0, i),),)) for i, (r, _, _) in enumerate(roles)]
         phases = (
-            PhasePlan("prefill", 1, 1, n_p, search.phase_goodput("prefill", 1, 1)),
-            PhasePlan("decode", 1, 1, workers - n_p, search.phase_goodput("decode", 1, 1)),
+            PhasePlan("prefill", 1, 1, n_p, search.phase_estimate("prefill", 1, 1)),
+            PhasePlan("decode", 1, 1, workers - n_p, search.phase_estimate("decode", 1, 1)),
         )
         candidate = search.finish("single-host", phases, mapped)
         if best is None or candidate.goodput > best.goodput:
             best = candidate
-    return best
+    return search.refine(best)
 
 
 def sim_instance(
@@ -270,7 +291,8 @@ class _Search:
         m, c = spec.model, spec.cluster
         # Only tensor degrees both latency profiles cover (a profile measures what it measures).
         profiled = set(spec.latency.by_tp) & set(spec.colocated_latency.by_tp)
-        self._goodputs: dict[tuple[str, int, int], float] = {}
+        self._goodputs: dict[tuple[str, int, int], GoodputEstimate] = {}
+        self._refined: dict[tuple[InstancePlacement, ...], GoodputEstimate] = {}
         self._lengths = spec.workload.sample(spec.num_requests, spec.seed)
         self.configs = [
             (tp, pp)
@@ -296,7 +318,10 @@ class _Search:
     def instance(self, role: str, tp: int, pp: int, nodes: tuple[int, ...] = ()) -> Instance:
         return sim_instance(self.spec, role, tp, pp, nodes)
 
-    def simulate_goodput(self, instances: list[Instance], slo: Slo) -> float:
+    def simulate_goodput(
+        self, instances: list[Instance], slo: Slo, precise: bool = False
+    ) -> GoodputEstimate:
+        """The search pass's estimate, or (precise) one to the spec's precision."""
         s = self.spec
         return goodput(
             sim_cluster(s, instances),
@@ -305,9 +330,11 @@ class _Search:
             s.alpha,
             min_requests=s.num_requests * len(instances),
             seed=s.seed,
+            rel_halfwidth=s.precision if precise else None,
+            max_requests=s.max_requests,
         )
 
-    def phase_goodput(self, role: str, tp: int, pp: int) -> float:
+    def phase_estimate(self, role: str, tp: int, pp: int) -> GoodputEstimate:
         """One instance's goodput for its phase alone (colocated: both SLOs); memoised."""
         key = (role, tp, pp)
         if key not in self._goodputs:
@@ -319,11 +346,14 @@ class _Search:
             self._goodputs[key] = self.simulate_goodput([self.instance(role, tp, pp)], slo)
         return self._goodputs[key]
 
+    def phase_goodput(self, role: str, tp: int, pp: int) -> float:
+        return self.phase_estimate(role, tp, pp).rate
+
     def phase_bound(self, role: str, tp: int, pp: int) -> float:
         """The phase goodput when simulated already, else a cheap optimistic bound."""
         key = (role, tp, pp)
         if key in self._goodputs:
-            return self._goodputs[key]
+            return self._goodputs[key].rate
         lat = self.spec.colocated_latency if role == "colocated" else self.spec.latency
         return CAPACITY_SLACK * capacity(self.instance(role, tp, pp), lat, self._lengths)
 
@@ -389,8 +419,8 @@ class _Search:
         else:
             raise InvalidRequest(f"no high-affinity placement maps onto {total} GPUs' nodes")
         phases = (
-            PhasePlan("prefill", tp_p, pp_p, n, self.phase_goodput("prefill", tp_p, pp_p)),
-            PhasePlan("decode", tp_d, pp_d, m, self.phase_goodput("decode", tp_d, pp_d)),
+            PhasePlan("prefill", tp_p, pp_p, n, self.phase_estimate("prefill", tp_p, pp_p)),
+            PhasePlan("decode", tp_d, pp_d, m, self.phase_estimate("decode", tp_d, pp_d)),
         )
         return self.finish("high-affinity", phases, mapped)
 
@@ -436,7 +466,8 @@ class _Search:
             insts = [self.instance("prefill", tp_p, pp, nodes)] * n_p + [
                 self.instance("decode", tp_d, pp, nodes)
             ] * n_d
-            per_gpu = self.simulate_goodput(insts, self.spec.slo) / (pp * (n_p * tp_p + n_d * tp_d))
+            rate = self.simulate_goodput(insts, self.spec.slo).rate
+            per_gpu = rate / (pp * (n_p * tp_p + n_d * tp_d))
             if per_gpu > best:
                 best, best_unit = per_gpu, (unit, per_gpu * pp * (n_p * tp_p + n_d * tp_d))
         if best_unit is None:
@@ -458,13 +489,14 @@ class _Search:
             )
         mapped = unit_mapping(count, pp, [(tp_p, n_p), (tp_d, n_d)], c)
         phases = (
-            PhasePlan("prefill", tp_p, pp, n_p * count, g_p),
-            PhasePlan("decode", tp_d, pp, n_d * count, g_d),
+            PhasePlan("prefill", tp_p, pp, n_p * count, self.phase_estimate("prefill", tp_p, pp)),
+            PhasePlan("decode", tp_d, pp, n_d * count, self.phase_estimate("decode", tp_d, pp)),
         )
         return self.finish("low-affinity", phases, mapped)
 
     def colocated(self) -> Placement:
         g, tp, pp = max(self.scored("colocated"), key=lambda x: x[0] / (x[1] * x[2]))
+        estimate = self.phase_estimate("colocated", tp, pp)
         size = tp * pp
         total = self.spec.cluster.num_gpus
         n = total // size if self.spec.rate is None else math.ceil(self.spec.rate / g)
@@ -474,14 +506,24 @@ class _Search:
                 break
         else:
             raise InvalidRequest(f"colocated tp={tp} pp={pp} cannot be mapped onto the cluster")
-        return self.finish("colocated", (PhasePlan("colocated", tp, pp, count, g),), mapped)
+        return self.finish("colocated", (PhasePlan("colocated", tp, pp, count, estimate),), mapped)
 
     def finish(
         self, algorithm: str, phases: tuple[PhasePlan, ...], mapped: list[InstancePlacement]
     ) -> Placement:
         insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in mapped]
-        rate = self.simulate_goodput(insts, self.spec.slo)
-        return Placement(algorithm, phases, tuple(mapped), rate)
+        estimate = self.simulate_goodput(insts, self.spec.slo)
+        return Placement(algorithm, phases, tuple(mapped), estimate)
+
+    def refine(self, placement: Placement) -> Placement:
+        """The placement with its goodput simulated to the spec's precision (memoised: two
+        algorithms may find the same placement). Candidates are compared on the search pass's
+        estimates; only those reported are refined, so the search costs what it did."""
+        key = placement.instances
+        if key not in self._refined:
+            insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in placement.instances]
+            self._refined[key] = self.simulate_goodput(insts, self.spec.slo, precise=True)
+        return dataclasses.replace(placement, estimate=self._refined[key])
 
 
 # -- mapping onto nodes ----------------------------------------------------------------------------
