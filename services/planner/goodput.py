@@ -1,22 +1,17 @@
 """Goodput: the highest request rate at which a fraction alpha of requests meet both SLOs.
 
-Found on the simulator, as an estimate with a 95% confidence interval and the number of
-simulated requests behind it (`GoodputEstimate`):
+Found on the simulator in two steps, each an estimate with a 95% interval and the number of
+simulated requests behind it (`GoodputEstimate`, services/planner/estimate.py):
 
-1. A search pass: the requests are sampled once at unit rate and rescaled (`Requests.at_rate`),
-   so every probe sees the same prompts, outputs and arrival pattern (common random numbers) and
-   attainment falls with the rate without sampling noise between the probes. Bisection brackets
-   the rate where attainment crosses alpha to 2%; the goodput is interpolated between the
-   bracket's ends.
-2. The interval: the judged requests split into `BATCHES` consecutive batches whose attainments
-   give the attainment's standard error (batch means: neighbouring requests share a queue, so
-   single requests are not independent); divided by the attainment curve's slope across the
-   bracket it is the rate's (the delta method).
-3. With a precision asked (`rel_halfwidth`), while the interval is wider than that the run is
-   lengthened (more judged requests, the same warm-up and tail) by the factor the interval's
-   width says it needs, and the crossing found again on the longer sample, near the last one.
-   A longer sample extends the shorter (`Workload.sample` is prefix-stable), so every candidate
-   placement and every probe still sees the same draws.
+1. `goodput`, the search's quick estimate: one sample of requests (at least `min_requests`,
+   and 8x what the cluster holds at once) drawn once at unit rate and rescaled to every probed
+   rate, so probes and candidates compare on the same draws (common random numbers). `bracket`
+   finds the rate where attainment crosses alpha to 2%, in few probes: it aims each probe at the
+   interpolated crossing and straddles it. The search compares candidates on these.
+2. `refine`, for the placements a plan reports: the run is lengthened to as many judged
+   requests as the quick estimate's interval says the precision needs (its width falls as
+   1/sqrt(n)), and the crossing found again near the last one, until the interval is within the
+   precision or the budget of simulated requests is spent (the interval printed says which).
 
 The spread of a short estimate comes from the queueing itself: at the goodput, whether a tenth
 of the requests miss hangs on a few bursts of arrivals, so only more judged requests narrow it.
@@ -26,55 +21,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import numpy as np
 
 from services.common.latency import LatencyModel
 from services.common.slo import Slo
-from services.planner.simulator import Instance, SimCluster, simulate
+from services.planner.estimate import Crossing, GoodputEstimate
+from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import Requests, TraceWorkload, Workload
 
-REL_TOL = 0.02  # bisection stops when the bracket is within 2% of its upper end
-BATCHES = 20  # batch means for the attainment's standard error
-T_975 = 2.093  # Student's t, 97.5th percentile, BATCHES - 1 degrees of freedom
-STEP = 0.02  # relative step that brackets the crossing again on a longer sample
-MAX_GROWTH = 16  # a longer sample is at most this many times the last one's judged requests
-
-
-@dataclass(frozen=True)
-class GoodputEstimate:
-    """A goodput (req/s), its 95% confidence interval [low, high], and the requests simulated in
-    each probe behind it (warm-up and tail included)."""
-
-    rate: float
-    low: float
-    high: float
-    requests: int
-
-    @property
-    def rel_halfwidth(self) -> float:
-        """Half the interval's width relative to the rate (0 for a zero goodput)."""
-        return (self.high - self.low) / 2 / self.rate if self.rate > 0 else 0.0
-
-    def scaled(self, factor: float) -> GoodputEstimate:
-        """The same estimate in other units (e.g. per GPU)."""
-        return GoodputEstimate(
-            self.rate * factor, self.low * factor, self.high * factor, self.requests
-        )
-
-    def describe(self) -> str:
-        """`5.29 req/s [5.23, 5.35] (40,000 requests)`."""
-        return (
-            f"{self.rate:.3g} req/s [{self.low:.3g}, {self.high:.3g}] ({self.requests:,} requests)"
-        )
-
-    def to_json(self) -> dict:
-        return {
-            "rps": round(self.rate, 4),
-            "ci95_rps": [round(self.low, 4), round(self.high, 4)],
-            "requests": self.requests,
-        }
+REL_TOL = 0.02  # the search's bracket ends within 2% of each other
+FIRST_GROWTH = 16  # the first longer run judges at most this many times the quick estimate's
+MARGIN = 1.3  # a longer run judges this many times what the last interval says it needs
+PROBES_PER_REFINE = 2.5  # probes one refinement step takes, for its budget
 
 
 def bracket(
@@ -84,28 +41,43 @@ def bracket(
     rel_tol: float = REL_TOL,
 ) -> tuple[float, float]:
     """(lo, hi): attainment_at(lo) >= alpha > attainment_at(hi), hi - lo <= rel_tol * hi;
-    (0, hi) if nothing above hint/1e4 meets alpha.
+    (0, hi) if nothing down to hint/1e4 meets alpha.
 
-    Starts at `hint`, doubles or halves until the answer is bracketed, then bisects.
+    From `hint` (usually within some 10% of the answer), steps up or down by 1.25x, then by the
+    square of the last step, until the crossing is bracketed; after three steps down it tries
+    hint/1e4 at once, so a configuration that never meets the SLO costs five probes. Inside the
+    bracket: bisection while an end's attainment is saturated (1 or 0, which says nothing of
+    where the curve falls), else the Illinois method (the interpolated crossing, with the
+    weight of an end that has stayed twice halved, so a curved attainment does not stall it).
     """
-    lo, hi = 0.0, math.inf
-    rate = hint
+    lo, hi, f_lo, f_hi = 0.0, math.inf, 1.0, -1.0  # f: attainment - alpha at the ends
     floor = hint * 1e-4
+    rate, step, downs, last = hint, 1.25, 0, 0
     while True:
-        if attainment_at(rate) >= alpha:
-            lo = rate
+        f = attainment_at(rate) - alpha
+        side = 1 if f >= 0 else -1
+        if side > 0:
+            lo, f_lo = rate, f
+            f_hi = f_hi / 2 if last == side else f_hi
         else:
-            hi = rate
+            hi, f_hi = rate, f
+            f_lo = f_lo / 2 if last == side else f_lo
+        last = side
         if hi == math.inf:
-            rate = lo * 2
+            rate, step = lo * step, step * step
         elif lo == 0.0:
-            if hi < floor:
+            if hi <= floor:
                 return 0.0, hi
-            rate = hi / 2
+            downs += 1
+            rate, step = (floor if downs == 3 else hi / step), step * step
         elif hi - lo <= rel_tol * hi:
             return lo, hi
+        elif f_lo >= 1.0 - alpha or f_hi <= -alpha:
+            rate, last = (lo + hi) / 2, 0
         else:
-            rate = (lo + hi) / 2
+            edge = rel_tol * hi / 4
+            aim = lo + f_lo / (f_lo - f_hi) * (hi - lo)
+            rate = min(max(aim, lo + edge), hi - edge)
 
 
 def max_rate(
@@ -127,99 +99,69 @@ def goodput(
     min_requests: int = 1000,
     seed: int = 0,
     hint: float | None = None,
-    rel_halfwidth: float | None = None,
-    max_requests: int = 0,
 ) -> GoodputEstimate:
-    """Goodput of the cluster on the workload, with its 95% interval.
+    """The search's quick estimate of the cluster's goodput on the workload, with its interval.
 
-    Each probe simulates n requests and judges the middle: the first quarter of the search
-    pass's n fills the cluster (warm-up), as many again at the end keep it loaded until the
-    judged ones finish. n is at least 8x the requests the cluster can hold at once, so both
-    cover its batches. With `rel_halfwidth`, the run grows until the interval's half-width is
-    within that fraction of the rate, or n reaches `max_requests` (0: no limit).
+    Each probe simulates n requests and judges the middle half: the first quarter fills the
+    cluster (warm-up), the last quarter keeps it loaded until the judged ones finish. n is at
+    least 8x the requests the cluster can hold at once, so both quarters cover its batches.
     """
     requests = workload.sample(min_requests, seed)
     n = max(min_requests, 8 * concurrency(cluster, requests))
     if n > min_requests:
         requests = workload.sample(n, seed)
-    edge = n // 4
-    crossing = _Crossing(cluster, requests, slo, alpha, edge)
+    crossing = Crossing(cluster, requests, slo, alpha, n // 4)
     lo, hi = bracket(crossing.attainment, alpha, hint or capacity_hint(cluster, requests))
     if lo == 0.0:
         return GoodputEstimate(0.0, 0.0, 0.0, n)
-    estimate = crossing.estimate(lo, hi)
-    limit = max_requests or math.inf
+    return crossing.estimate(lo, hi)
+
+
+def refine(
+    cluster: SimCluster,
+    workload: Workload | TraceWorkload,
+    slo: Slo,
+    alpha: float,
+    quick: GoodputEstimate,
+    *,
+    precision: float,
+    budget: int,
+    seed: int = 0,
+) -> GoodputEstimate:
+    """The goodput to a precision: from the quick estimate (`goodput`'s, same workload and seed),
+    longer runs until the 95% interval's half-width is within `precision` of the rate, or until
+    the next run would take the requests simulated past `budget` (the estimate then says how
+    wide its interval is). A budget in simulated requests, not seconds, so the same plan comes
+    out however loaded the host is.
+
+    A longer run keeps the quick estimate's warm-up and tail and judges more requests; how many
+    comes from the last interval (its width falls as 1/sqrt(judged)), with a margin. The quick
+    estimate's interval is rough (a slope over a wide span of few requests), so the first longer
+    run is at most FIRST_GROWTH times as long, and its interval sizes the next. Each run probes
+    the last rate -+ about its interval's half-width and interpolates (`Crossing.near`).
+    """
+    estimate, n = quick, quick.requests
+    edge = n // 4
     width = estimate.rel_halfwidth
-    while rel_halfwidth is not None and width > rel_halfwidth and n < limit:
+    left, refined = budget, False
+    while estimate.rate > 0 and width > precision:
         judged = n - 2 * edge
-        growth = min(MAX_GROWTH, max(2.0, 1.3 * (width / rel_halfwidth) ** 2))
-        n = int(min(limit, 2 * edge + judged * growth))
-        crossing = _Crossing(cluster, workload.sample(n, seed), slo, alpha, edge)
-        estimate = crossing.estimate(*crossing.bracket_near(estimate.rate))
-        # An interval is itself an estimate: stop on the wider of this one and the last one
-        # scaled to this length, so one that came out narrow by chance does not end the run.
-        width = max(estimate.rel_halfwidth, width * math.sqrt(judged / (n - 2 * edge)))
+        growth = max(1.25, MARGIN * (width / precision) ** 2)
+        growth = growth if refined else min(FIRST_GROWTH, growth)
+        affordable = left / PROBES_PER_REFINE - 2 * edge
+        if affordable < 2 * judged:
+            break
+        n = 2 * edge + int(min(judged * growth, affordable))
+        crossing = Crossing(cluster, workload.sample(n, seed), slo, alpha, edge)
+        scaled = width * math.sqrt(judged / (n - 2 * edge))
+        estimate = crossing.estimate(*crossing.near(estimate.rate, min(0.05, max(0.01, scaled))))
+        left -= crossing.simulated
+        # An interval is itself an estimate: after the first longer run, go on from the wider
+        # of this one and the last one scaled to this length, so one that came out narrow by
+        # chance does not end the run. (The quick estimate's is too rough to hold one to.)
+        width = max(estimate.rel_halfwidth, scaled) if refined else estimate.rel_halfwidth
+        refined = True
     return estimate
-
-
-class _Crossing:
-    """Attainment of one sample at any rate (memoised), and where it crosses alpha."""
-
-    def __init__(
-        self, cluster: SimCluster, requests: Requests, slo: Slo, alpha: float, edge: int
-    ) -> None:
-        self.cluster, self.requests, self.slo, self.alpha = cluster, requests, slo, alpha
-        self.edge = edge  # requests of warm-up, and of tail
-        self._met: dict[float, np.ndarray] = {}
-
-    def met(self, rate: float) -> np.ndarray:
-        """Whether each judged request met both SLOs at this rate."""
-        if rate not in self._met:
-            n, edge = len(self.requests), self.edge
-            result = simulate(self.cluster, self.requests.at_rate(rate), n - edge)
-            self._met[rate] = self.slo.met(result.ttft[edge:], result.tpot[edge:])
-        return self._met[rate]
-
-    def attainment(self, rate: float) -> float:
-        return float(np.mean(self.met(rate)))
-
-    def bracket_near(self, rate: float) -> tuple[float, float]:
-        """(lo, hi) around `rate`, STEP apart, then narrowed once at the interpolated crossing."""
-        step = 1 + STEP
-        if self.attainment(rate) >= self.alpha:
-            lo, hi = rate, rate * step
-            while self.attainment(hi) >= self.alpha:
-                lo, hi = hi, hi * step
-        else:
-            lo, hi = rate / step, rate
-            while self.attainment(lo) < self.alpha:
-                lo, hi = lo / step, lo
-        mid = self.interpolate(lo, hi)
-        if lo < mid < hi:
-            if self.attainment(mid) >= self.alpha:
-                lo = mid
-            else:
-                hi = mid
-        return lo, hi
-
-    def interpolate(self, lo: float, hi: float) -> float:
-        """The rate where the straight line between (lo, A(lo)) and (hi, A(hi)) crosses alpha."""
-        a_lo, a_hi = self.attainment(lo), self.attainment(hi)
-        return lo + (a_lo - self.alpha) / (a_lo - a_hi) * (hi - lo)
-
-    def estimate(self, lo: float, hi: float) -> GoodputEstimate:
-        """The crossing between lo (meets alpha) and hi (misses), with its 95% interval."""
-        rate = self.interpolate(lo, hi)
-        slope = (self.attainment(lo) - self.attainment(hi)) / (hi - lo)  # attainment per req/s
-        stderr = (self._stderr(lo) + self._stderr(hi)) / 2
-        half = T_975 * stderr / slope
-        return GoodputEstimate(rate, max(0.0, rate - half), rate + half, len(self.requests))
-
-    def _stderr(self, rate: float) -> float:
-        met = self.met(rate)
-        size = len(met) // BATCHES
-        batches = met[: size * BATCHES].reshape(BATCHES, size).mean(axis=1)
-        return float(np.std(batches, ddof=1)) / math.sqrt(BATCHES)
 
 
 def concurrency(cluster: SimCluster, requests: Requests) -> int:
@@ -244,13 +186,16 @@ def capacity(inst: Instance, latency: LatencyModel, requests: Requests) -> float
     rates = []
     if inst.role in ("prefill", "colocated"):
         k = max(1.0, inst.max_batch_tokens // prompt)  # prompts per batch
-        stage = lat.prefill_ms(k * prompt, k * square) / inst.pp + latency.stage_overhead_ms
+        over = latency.iteration_overhead_ms + latency.iteration_overhead_ms_per_token * k * prompt
+        stage = lat.prefill_ms(k * prompt, k * square) / inst.pp + latency.stage_overhead_ms + over
         rates.append(1000 * k / stage)  # a batch enters the pipeline every stage time
     if inst.role in ("decode", "colocated") and output > 1:
         # pp lanes, each with 1/pp of the seats and memory, each stepping the whole model
         seats, room = inst.max_num_seqs // inst.pp, inst.kv_capacity // inst.pp
         batch = max(1, min(seats, int(room // (prompt + output))))
-        step = lat.decode_ms(batch, batch * (prompt + output / 2))
+        context = batch * (prompt + output / 2)
+        step = lat.decode_ms(batch, context) + latency.iteration_overhead_ms
+        step += latency.iteration_overhead_ms_per_token * context
         rates.append(1000 * inst.pp * batch / (step * (output - 1)))
     return min(rates) if rates else math.inf
 

@@ -17,8 +17,9 @@ Every configuration respects memory (weights plus the longest request's KV), tp 
 heads and fitting a node, pp dividing the layers, and the cluster's GPUs. The predicted goodput of
 a placement is that of the whole placement, simulated with both SLOs.
 
-Why one file (~520 lines): DistServe's two placement algorithms and the colocated baseline
-search the same space with the same simulator and memory rules.
+Why one file (~530 lines): DistServe's two placement algorithms and the colocated baseline
+search the same space with the same simulator and memory rules; where instances land on nodes
+is services/planner/mapping.py, how a goodput is estimated services/planner/goodput.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from services.common.latency import LatencyModel
 from services.common.model_spec import ModelSpec
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, divisors, kv_capacity, parallel_problem
-from services.planner.goodput import GoodputEstimate, capacity, goodput
+from services.planner.estimate import GoodputEstimate
+from services.planner.goodput import capacity, goodput, refine
+from services.planner.mapping import InstancePlacement, first_fit, unit_mapping
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import TraceWorkload, Workload
 
@@ -60,11 +63,12 @@ class PlanSpec:
     max_num_seqs: int = 256  # running requests per decode or colocated instance
     num_requests: int = 1000  # simulated per instance in each goodput probe of the search
     seed: int = 0
-    # Each reported placement's goodput is simulated until its 95% interval's half-width is
-    # within this fraction of it (None: the search pass's estimate, as it comes), with at most
-    # `max_requests` per probe (0: no limit).
-    precision: float | None = 0.0125
-    max_requests: int = 0
+    # The two placements a plan reports (the chosen one and the colocated baseline) are
+    # simulated again until each 95% interval's half-width is within `precision` of its
+    # goodput, or each has simulated `refine_requests` more requests. None: the search's quick
+    # estimates, as they come.
+    precision: float | None = 0.01
+    refine_requests: int = 400_000
     # The largest pipeline degree to consider; None: any (DistServe's search). The mesh's
     # workers implement tensor parallelism only, so plans to deploy use 1.
     max_pp: int | None = None
@@ -82,28 +86,10 @@ class PlanSpec:
             raise InvalidRequest(
                 f"precision must be in (0, 1), got {self.precision}", param="precision"
             )
-
-
-@dataclass(frozen=True)
-class InstancePlacement:
-    """One instance and its GPUs: gpus[stage] lists the (node, gpu) of that stage's tp GPUs."""
-
-    role: str
-    tp: int
-    pp: int
-    gpus: tuple[tuple[tuple[int, int], ...], ...]
-
-    @property
-    def nodes(self) -> tuple[int, ...]:
-        return tuple(stage[0][0] for stage in self.gpus)
-
-    def to_json(self) -> dict:
-        return {
-            "role": self.role,
-            "tp": self.tp,
-            "pp": self.pp,
-            "stages": [{"node": s[0][0], "gpus": [g for _, g in s]} for s in self.gpus],
-        }
+        if self.refine_requests < 0:
+            raise InvalidRequest(
+                f"refine_requests must be >= 0, got {self.refine_requests}", "refine_requests"
+            )
 
 
 @dataclass(frozen=True)
@@ -177,8 +163,9 @@ class Plan:
     placement: Placement
     colocated: Placement
     spec: PlanSpec
-    search_seconds: float
+    search_seconds: float  # the search, on quick estimates
     candidates: dict = field(default_factory=dict)  # per algorithm: its best placement
+    plan_seconds: float = 0.0  # the search and the refinement of the two reported placements
 
     @property
     def ratio(self) -> float:
@@ -201,11 +188,24 @@ class Plan:
             "rate": s.rate,
             "latency_source": s.latency.source,
             "colocated_latency_source": s.colocated_latency.source,
+            "iteration_overhead_ms": {
+                "latency": [
+                    s.latency.iteration_overhead_ms,
+                    s.latency.iteration_overhead_ms_per_token,
+                ],
+                "colocated_latency": [
+                    s.colocated_latency.iteration_overhead_ms,
+                    s.colocated_latency.iteration_overhead_ms_per_token,
+                ],
+            },  # [ms per iteration, ms per token], added to the fits
             "placement": self.placement.to_json(),
             "colocated": self.colocated.to_json(),
             "ratio_over_colocated": round(self.ratio, 4) if math.isfinite(self.ratio) else None,
             "candidates": {k: v.to_json() for k, v in self.candidates.items()},
             "search_seconds": round(self.search_seconds, 3),
+            "plan_seconds": round(self.plan_seconds, 3),
+            "precision": s.precision,
+            "refine_requests": s.refine_requests,
         }
 
 
@@ -225,10 +225,12 @@ def plan(spec: PlanSpec) -> Plan:
             f"no low-affinity placement of {spec.model.name} fits: each pipeline stage's prefill "
             f"and decode segments must share one node of {spec.cluster.gpus_per_node} GPUs"
         )
-    candidates = {k: search.refine(v) for k, v in candidates.items()}
     best = max(candidates.values(), key=lambda p: p.per_device)
-    colocated = search.refine(search.colocated())
-    return Plan(best, colocated, spec, time.perf_counter() - start, candidates)
+    colocated = search.colocated()
+    searched = time.perf_counter() - start
+    best, colocated = search.refine(best), search.refine(colocated)
+    candidates = {k: best if v.instances == best.instances else v for k, v in candidates.items()}
+    return Plan(best, colocated, spec, searched, candidates, time.perf_counter() - start)
 
 
 def split_workers(spec: PlanSpec, workers: int) -> Placement:
@@ -251,7 +253,7 @@ def split_workers(spec: PlanSpec, workers: int) -> Placement:
         candidate = search.finish("single-host", phases, mapped)
         if best is None or candidate.goodput > best.goodput:
             best = candidate
-    return search.refine(best)
+    return best
 
 
 def sim_instance(
@@ -292,7 +294,6 @@ class _Search:
         # Only tensor degrees both latency profiles cover (a profile measures what it measures).
         profiled = set(spec.latency.by_tp) & set(spec.colocated_latency.by_tp)
         self._goodputs: dict[tuple[str, int, int], GoodputEstimate] = {}
-        self._refined: dict[tuple[InstancePlacement, ...], GoodputEstimate] = {}
         self._lengths = spec.workload.sample(spec.num_requests, spec.seed)
         self.configs = [
             (tp, pp)
@@ -318,10 +319,8 @@ class _Search:
     def instance(self, role: str, tp: int, pp: int, nodes: tuple[int, ...] = ()) -> Instance:
         return sim_instance(self.spec, role, tp, pp, nodes)
 
-    def simulate_goodput(
-        self, instances: list[Instance], slo: Slo, precise: bool = False
-    ) -> GoodputEstimate:
-        """The search pass's estimate, or (precise) one to the spec's precision."""
+    def simulate_goodput(self, instances: list[Instance], slo: Slo) -> GoodputEstimate:
+        """The search's quick estimate."""
         s = self.spec
         return goodput(
             sim_cluster(s, instances),
@@ -330,8 +329,6 @@ class _Search:
             s.alpha,
             min_requests=s.num_requests * len(instances),
             seed=s.seed,
-            rel_halfwidth=s.precision if precise else None,
-            max_requests=s.max_requests,
         )
 
     def phase_estimate(self, role: str, tp: int, pp: int) -> GoodputEstimate:
@@ -516,57 +513,22 @@ class _Search:
         return Placement(algorithm, phases, tuple(mapped), estimate)
 
     def refine(self, placement: Placement) -> Placement:
-        """The placement with its goodput simulated to the spec's precision (memoised: two
-        algorithms may find the same placement). Candidates are compared on the search pass's
-        estimates; only those reported are refined, so the search costs what it did."""
-        key = placement.instances
-        if key not in self._refined:
-            insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in placement.instances]
-            self._refined[key] = self.simulate_goodput(insts, self.spec.slo, precise=True)
-        return dataclasses.replace(placement, estimate=self._refined[key])
-
-
-# -- mapping onto nodes ----------------------------------------------------------------------------
-
-
-def first_fit(
-    roles: list[tuple[str, int, int]], cluster: ClusterSpec
-) -> list[InstancePlacement] | None:
-    """Each stage's tp GPUs on one node, stages filling nodes in order; None if they do not fit.
-
-    Larger segments go first (first-fit decreasing), so small ones fill the gaps.
-    """
-    free = [list(range(cluster.gpus_per_node)) for _ in range(cluster.nodes)]
-    order = sorted(range(len(roles)), key=lambda i: -roles[i][1])
-    placed: dict[int, InstancePlacement] = {}
-    for i in order:
-        role, tp, pp = roles[i]
-        stages = []
-        for _ in range(pp):
-            node = next((n for n, gpus in enumerate(free) if len(gpus) >= tp), None)
-            if node is None:
-                return None
-            taken, free[node] = free[node][:tp], free[node][tp:]
-            stages.append(tuple((node, g) for g in taken))
-        placed[i] = InstancePlacement(role, tp, pp, tuple(stages))
-    return [placed[i] for i in range(len(roles))]
-
-
-def unit_mapping(
-    count: int, pp: int, segments: list[tuple[int, int]], cluster: ClusterSpec
-) -> list[InstancePlacement]:
-    """Low affinity: `count` units, each on pp nodes; stage k of every instance of a unit on the
-    unit's k-th node. segments: (tp, instances) of prefill, then of decode."""
-    used = sum(tp * n for tp, n in segments)
-    per_group = cluster.gpus_per_node // used
-    out = []
-    for u in range(count):
-        group, slot = divmod(u, per_group)
-        nodes = [group * pp + k for k in range(pp)]
-        offset = slot * used
-        for role, (tp, n) in zip(("prefill", "decode"), segments, strict=True):
-            for _ in range(n):
-                stages = tuple(tuple((node, offset + g) for g in range(tp)) for node in nodes)
-                out.append(InstancePlacement(role, tp, pp, stages))
-                offset += tp
-    return out
+        """The placement with its goodput simulated to the spec's precision, within the spec's
+        budget of simulated requests.
+        Candidates are compared on the quick estimates; only the reported ones are refined, so
+        the search costs what it did."""
+        s = self.spec
+        if s.precision is None or placement.goodput == 0:
+            return placement
+        insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in placement.instances]
+        estimate = refine(
+            sim_cluster(s, insts),
+            s.workload,
+            s.slo,
+            s.alpha,
+            placement.estimate,
+            precision=s.precision,
+            budget=s.refine_requests,
+            seed=s.seed,
+        )
+        return dataclasses.replace(placement, estimate=estimate)

@@ -114,20 +114,14 @@ class Workload:
             raise InvalidRequest("burstiness cv must be positive", param="workload")
 
     def sample(self, n: int, seed: int = 0) -> Requests:
-        """n requests at rate 1 per second. Prefix-stable: the first n of a longer sample of the
-        same seed are these (arrivals, prompts and outputs each draw from a stream of their
-        own), so samples of any size share their draws (common random numbers)."""
-        arrivals, prompts, outputs = (
-            np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
-        )
+        """n requests at rate 1 per second."""
+        rng = np.random.default_rng(seed)
         if self.cv == 1.0:
-            gaps = arrivals.exponential(1.0, n)
+            gaps = rng.exponential(1.0, n)
         else:
             shape = 1.0 / self.cv**2  # gamma: mean shape*scale = 1, cv = 1/sqrt(shape)
-            gaps = arrivals.gamma(shape, 1.0 / shape, n)
-        return Requests(
-            np.cumsum(gaps), self.prompt.sample(prompts, n), self.output.sample(outputs, n)
-        )
+            gaps = rng.gamma(shape, 1.0 / shape, n)
+        return Requests(np.cumsum(gaps), self.prompt.sample(rng, n), self.output.sample(rng, n))
 
     @property
     def max_tokens(self) -> int:

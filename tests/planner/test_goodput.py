@@ -9,7 +9,7 @@ from services.common.latency import for_model
 from services.common.model_spec import PRESETS
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec
-from services.planner.goodput import goodput, max_rate
+from services.planner.goodput import bracket, goodput, max_rate, refine
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import LengthDist, Workload, parse_workload
@@ -34,8 +34,28 @@ def test_bisection_finds_the_threshold_from_any_hint(hint):
     assert len(calls) < 30
 
 
-def test_unreachable_slo_has_zero_goodput():
-    assert max_rate(lambda rate: 0.0, 0.9, 5.0) == 0.0
+def test_unreachable_slo_has_zero_goodput_in_few_probes():
+    calls = []
+
+    def never(rate: float) -> float:
+        calls.append(rate)
+        return 0.0
+
+    assert max_rate(never, 0.9, 5.0) == 0.0
+    assert len(calls) <= 5  # three halvings, then the floor at once
+
+
+def test_a_smooth_attainment_curve_is_bracketed_by_aiming_at_the_crossing():
+    # attainment falls linearly from 1 at rate 5 to 0 at rate 15: it crosses 0.9 at 6.
+    calls = []
+
+    def attainment(rate: float) -> float:
+        calls.append(rate)
+        return min(1.0, max(0.0, 1 - (rate - 5) / 10))
+
+    lo, hi = bracket(attainment, 0.9, 9.0, rel_tol=0.02)
+    assert lo <= 6.0 < hi and hi - lo <= 0.02 * hi
+    assert len(calls) <= 6  # bisection from [4.5, 9] to 2% takes 7 probes after the first two
 
 
 def disaggregated(n_prefill: int, n_decode: int) -> SimCluster:
@@ -72,9 +92,9 @@ def test_goodput_is_where_attainment_crosses_alpha():
 
 
 def issue_51_colocated() -> tuple[SimCluster, Workload, Slo]:
-    """One colocated OPT-13B instance (a candidate of issue 51's example: `distserve plan
-    --model-spec opt-13b --cluster 1x2 --workload prompt=fixed:512,output=fixed:64 --slo 400,40`),
-    built as the planner builds it."""
+    """The colocated baseline of issue 51's example (`distserve plan --model-spec opt-13b
+    --cluster 1x2 --workload prompt=fixed:512,output=fixed:64 --slo 400,40`): two colocated
+    OPT-13B instances, built as the planner builds them."""
     model = PRESETS["opt-13b"]
     spec = PlanSpec(
         model=model,
@@ -84,23 +104,31 @@ def issue_51_colocated() -> tuple[SimCluster, Workload, Slo]:
         latency=LAT,
         colocated_latency=for_model(model, None, "vllm"),
     )
-    return sim_cluster(spec, [sim_instance(spec, "colocated", 1)]), spec.workload, spec.slo
+    instances = [sim_instance(spec, "colocated", 1)] * 2
+    return sim_cluster(spec, instances), spec.workload, spec.slo
 
 
-def test_ten_seeds_give_the_same_goodput_within_two_percent():
+def test_ten_seeds_give_the_same_refined_goodput_within_two_percent():
     cluster, workload, slo = issue_51_colocated()
-    estimates = [
-        goodput(cluster, workload, slo, 0.9, seed=s, rel_halfwidth=0.0125) for s in range(10)
+    quick = [goodput(cluster, workload, slo, 0.9, min_requests=2000, seed=s) for s in range(10)]
+    refined = [
+        refine(cluster, workload, slo, 0.9, q, precision=0.01, budget=2_000_000, seed=s)
+        for s, q in enumerate(quick)
     ]
-    rates = [e.rate for e in estimates]
-    spread = (max(rates) - min(rates)) / (sum(rates) / len(rates))
-    assert spread <= 0.02, rates
-    # each one's interval met the precision asked, on more requests than the search pass's
-    assert all(e.rel_halfwidth <= 0.0125 and e.requests > 1000 for e in estimates)
+    rates = [e.rate for e in refined]
+    assert spread(rates) <= 0.02, rates
+    # each one's interval met the precision asked, on more requests than the quick estimate's
+    assert all(e.rel_halfwidth <= 0.01 and e.requests > 2000 for e in refined)
+    # and the quick estimates alone do not: the reason for refining
+    assert spread([q.rate for q in quick]) > 0.02
 
 
-def test_the_search_pass_alone_varies_more_than_two_percent():
-    # the reason for the above: 1,000 requests' estimate moves with the seed by more than 2%
+def test_a_refinement_without_budget_is_the_quick_estimate():
     cluster, workload, slo = issue_51_colocated()
-    rates = [goodput(cluster, workload, slo, 0.9, seed=s).rate for s in range(10)]
-    assert (max(rates) - min(rates)) / (sum(rates) / len(rates)) > 0.02, rates
+    quick = goodput(cluster, workload, slo, 0.9, min_requests=2000)
+    assert refine(cluster, workload, slo, 0.9, quick, precision=0.01, budget=0) == quick
+    assert quick.low < quick.rate < quick.high and quick.rel_halfwidth > 0.01
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / (sum(values) / len(values))
