@@ -49,7 +49,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, help="target requests/s (default: fill the cluster)")
     p.add_argument("--affinity", choices=("auto", "high", "low"), default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per instance")
-    p.add_argument("--num-requests", type=int, default=1000, help="simulated per instance")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=1000,
+        help="simulated per instance in each goodput probe of the search (default 1000)",
+    )
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=0.01,
+        help="the chosen placement's and the colocated baseline's goodputs are simulated again "
+        "until each 95%% interval's half-width is within this fraction of it (default 0.01: "
+        "within about 2%% from seed to seed; 0: the search's quick estimates as they come)",
+    )
+    p.add_argument(
+        "--refine-requests",
+        type=int,
+        default=400_000,
+        help="at most about this many more simulated requests for each of the two (default "
+        "400000, a few seconds); the interval printed says how far they got",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-pp",
@@ -110,6 +130,8 @@ def plan_spec(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         num_requests=args.num_requests,
         seed=args.seed,
+        precision=args.precision or None,
+        refine_requests=args.refine_requests,
         max_pp=args.max_pp or None,
     )
 
@@ -198,20 +220,49 @@ def describe_plan(result) -> str:
     for phase in p.phases:
         lines.append(
             f"  {phase.role:<8} tp={phase.tp} pp={phase.pp} x{phase.replicas}"
-            f"  (one instance alone: {phase.instance_goodput:.3g} req/s)"
+            f"  (one instance alone: {phase.instance_estimate.describe()})"
         )
     for i, inst in enumerate(p.instances):
         stages = ", ".join(f"n{s[0][0]}:{','.join(str(g) for _, g in s)}" for s in inst.gpus)
         lines.append(f"    {inst.role}[{i}] stages {stages}")
     lines += [
-        f"goodput {p.goodput:.3g} req/s on {p.num_gpus} GPUs = {p.per_device:.3g} req/s per GPU",
+        f"goodput {p.estimate.describe()} on {p.num_gpus} GPUs = {p.per_device:.3g} req/s per GPU",
         f"colocated baseline: tp={c.phases[0].tp} pp={c.phases[0].pp} x{c.phases[0].replicas}, "
-        f"{c.goodput:.3g} req/s on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
-        f"ratio over colocated: {result.ratio:.2f}x  (search {result.search_seconds:.1f} s)",
-        f"latency: {result.spec.latency.source}",
-        f"colocated baseline's latency: {result.spec.colocated_latency.source}",
+        f"{c.estimate.describe()} on {c.num_gpus} GPUs = {c.per_device:.3g} req/s per GPU",
+        "goodputs: [95% interval] (simulated requests per probe); "
+        + _precision(result.spec, p.estimate, c.estimate),
+        f"ratio over colocated: {result.ratio:.2f}x  (search {result.search_seconds:.1f} s, "
+        f"plan {result.plan_seconds:.1f} s)",
+        f"latency: {result.spec.latency.source}{_overhead(result.spec.latency)}",
+        f"colocated baseline's latency: {result.spec.colocated_latency.source}"
+        + _overhead(result.spec.colocated_latency),
     ]
     return "\n".join(lines)
+
+
+def _overhead(latency) -> str:
+    """The per-iteration overhead the simulator adds to a profile's fits, when it adds one."""
+    if not latency.iteration_ms(1):
+        return ""
+    return (
+        f"; + {latency.iteration_overhead_ms:g} ms + {latency.iteration_overhead_ms_per_token:g} "
+        "ms per token each iteration (the engine's overhead beyond the fit)"
+    )
+
+
+def _precision(spec, *reported) -> str:
+    """How far the two reported goodputs were refined, as the plan's reader needs it."""
+    if spec.precision is None:
+        return "all are the search's quick estimates (--precision 0)"
+    short = [e for e in reported if e.rel_halfwidth > spec.precision]
+    head = (
+        f"the placement and the baseline re-simulated until within +-{spec.precision:.2%} "
+        f"(or {spec.refine_requests:,} more requests each)"
+    )
+    if not short:
+        return head + "; the phases' are the search's quick estimates"
+    widest = max(e.rel_halfwidth for e in short)
+    return head + f": the budget ended first, at +-{widest:.2%} (raise --refine-requests)"
 
 
 def profile_command(args: argparse.Namespace) -> int:

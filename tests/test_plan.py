@@ -36,7 +36,7 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = [
         "plan", "--model-spec", "opt-13b", "--cluster", "1x4", "--workload", "code",
-        "--slo", "250,100", "--num-requests", "300", "--out", str(out),
+        "--slo", "250,100", "--num-requests", "300", "--precision", "0.03", "--out", str(out),
     ]  # fmt: skip
     assert plan_cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -49,6 +49,36 @@ def test_plan_prints_the_placement_and_writes_json(tmp_path, capsys):
     assert plan["latency_source"].endswith("distserve.json")
     assert "vllm.json (the vLLM fit, by default" in plan["colocated_latency_source"]
     assert f"colocated baseline's latency: {plan['colocated_latency_source']}" in printed
+    # The published fits' per-iteration overhead, added by the simulator, said in both.
+    assert plan["iteration_overhead_ms"]["latency"] == [2.0, 1e-4]
+    assert "+ 2 ms + 0.0001 ms per token each iteration" in printed
+    # Every goodput with its 95% interval and the simulated requests behind it, in both; the
+    # two reported ones refined to the precision asked, on more requests than the search's.
+    for side in ("placement", "colocated"):
+        g = plan[side]["goodput"]
+        low, high = g["ci95_rps"]
+        assert low <= g["rps"] == plan[side]["goodput_rps"] <= high
+        assert (high - low) / 2 <= 0.03 * g["rps"] + 1e-4
+        assert g["requests"] > 300 * plan[side]["num_gpus"]
+        shown = f"{g['rps']:.3g} req/s [{low:.3g}, {high:.3g}] ({g['requests']:,} requests)"
+        assert shown in printed
+    for phase in plan["placement"]["phases"].values():
+        g = phase["instance_goodput"]
+        assert f"alone: {g['rps']:.3g} req/s [" in printed and g["requests"] >= 300
+    assert "re-simulated until within +-3.00% (or 400,000 more requests each)" in printed
+    assert plan["precision"] == 0.03 and plan["refine_requests"] == 400_000
+    assert plan["plan_seconds"] >= plan["search_seconds"] > 0
+
+
+def test_a_plan_out_of_refinement_budget_says_how_far_it_got(tmp_path, capsys):
+    argv = [
+        "plan", "--model-spec", "opt-13b", "--cluster", "1x2", "--workload",
+        "prompt=fixed:512,output=fixed:64", "--slo", "400,40", "--refine-requests", "0",
+        "--out", str(tmp_path / "plan.json"),
+    ]  # fmt: skip
+    assert plan_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "the budget ended first, at +-" in printed and "(raise --refine-requests)" in printed
 
 
 def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys):
@@ -94,7 +124,7 @@ def test_an_opt_folder_plans_as_the_paper_model_it_is(tmp_path):
         argv = [
             "plan", "--model-spec", spec, "--cluster", "1x2", "--workload",
             "prompt=fixed:512,output=fixed:64", "--slo", "400,40", "--num-requests", "200",
-            "--out", str(out),
+            "--precision", "0", "--out", str(out),
         ]  # fmt: skip
         assert plan_cli.main(argv) == 0
         plan = json.loads(out.read_text())

@@ -129,7 +129,7 @@ def compare(
 
     def per_core(**roles: int) -> float:
         c = cluster(latency, kv_bytes_per_token, bandwidth, **roles)
-        return goodput(c, workload, slo, ALPHA) / cores
+        return goodput(c, workload, slo, ALPHA).rate / cores
 
     colocated = per_core(colocated=cores)
     splits = {f"{p}P{cores - p}D": per_core(prefill=p, decode=cores - p) for p in range(1, cores)}

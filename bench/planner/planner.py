@@ -13,7 +13,8 @@
     a gap smaller than that cannot be told from noise.
 (2) Placement search for an OPT-175B-sized model on 4 nodes x 8 A100-80GB GPUs (latency scaled
     from DistServe's published OPT-66B profile, chat workload, SLO TTFT 4 s / TPOT 200 ms at 90%,
-    25 Gb/s between nodes): wall time of `plan()` (both algorithms and the colocated baseline).
+    25 Gb/s between nodes): wall time of `plan()` (both algorithms and the colocated baseline),
+    the search alone (`precision=None`: the reported placements not refined).
     Baseline: DistServe reports under 1.3 minutes for this search; our target is <= 10 s.
 (3) Simulator speed: simulated requests per second of `simulate()` on OPT-13B, chat workload, for
     a disaggregated cluster (2 prefill + 2 decode) near its goodput and a colocated one (2
@@ -65,6 +66,7 @@ def placement_search() -> tuple[float, dict]:
         slo=Slo(4.0, 0.2),
         latency=for_model(model, None),
         colocated_latency=for_model(model, None, "vllm"),
+        precision=None,  # the search; bench/planner/seed_spread.py times the refinement too
     )
     start = time.perf_counter()
     result = plan(spec)

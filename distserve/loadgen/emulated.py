@@ -95,10 +95,12 @@ class EmulatedCluster:
     @classmethod
     def of(cls, model: str, profile: Path | None = None, **kwargs) -> EmulatedCluster:
         spec = spec_named(model)
+        # The emulated workers' steps are the fit; their engine loop around it is real, so the
+        # simulator beside them leaves out the published fit's per-iteration overhead.
         return cls(
             spec,
-            for_model(spec, profile),
-            colocated_for_model(spec, None, profile),
+            for_model(spec, profile).without_iteration_overhead(),
+            colocated_for_model(spec, None, profile).without_iteration_overhead(),
             profile=profile,
             **kwargs,
         )

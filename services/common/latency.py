@@ -11,6 +11,14 @@ instance of tensor degree `tp` running the whole model:
 one from it up. With pipeline degree `pp` each of the pp stages does 1/pp of that work; a prefill
 stage also pays `stage_overhead_ms` for its hop (DistServe's simulator: `t / pp + pp`).
 
+Every iteration (a prefill batch, a decode step) also pays the serving engine's own overhead
+beyond the model's kernels, `iteration_overhead_ms + iteration_overhead_ms_per_token * tokens`
+(tokens: the batch's prompt tokens, or a decode step's context). DistServe's published fits
+time the model alone, and its simulator adds 2 ms + 0.0001 ms per token to every iteration
+(`simdistserve/base/worker.py`, `add_ray_overhead`), so a published profile carries that term
+(`PUBLISHED_ITERATION_OVERHEAD`); a profile of ours times whole engine steps, so the term is
+inside its fit and the file says 0 unless it measured one.
+
 Two file formats load into a `LatencyModel`:
 
 * DistServe's published profile (`data/distserve-a100/profiler-a100-80g.*.json`):
@@ -39,6 +47,8 @@ from services.common.model_spec import ModelSpec
 
 FORMAT = "distserve-mesh-profile/1"
 DATA = Path(__file__).parent / "data" / "distserve-a100"
+# DistServe's simulator's per-iteration overhead on its published fits: (ms, ms per token).
+PUBLISHED_ITERATION_OVERHEAD = (2.0, 1e-4)
 PUBLISHED = {
     "distserve": DATA / "profiler-a100-80g.distserve.json",
     "vllm": DATA / "profiler-a100-80g.vllm.json",
@@ -104,6 +114,8 @@ class LatencyModel:
     max_batch_tokens: int | None = None  # L_m measured by the profiler, if it was
     stage_overhead_ms: float = 1.0  # per pipeline stage of a prefill batch
     fit_error: dict = field(default_factory=dict)
+    iteration_overhead_ms: float = 0.0  # per prefill batch or decode step, beyond the fit
+    iteration_overhead_ms_per_token: float = 0.0  # per prompt token, or per context token
 
     def at(self, tp: int) -> TpLatency:
         if tp not in self.by_tp:
@@ -116,6 +128,15 @@ class LatencyModel:
     def prefill_stage_ms(self, tp: int, pp: int, sum_l: float, sum_l2: float) -> float:
         """One pipeline stage of a prefill batch (the whole batch when pp = 1)."""
         return self.at(tp).prefill_ms(sum_l, sum_l2) / pp + self.stage_overhead_ms
+
+    def iteration_ms(self, tokens: float) -> float:
+        """The engine's overhead of one iteration of `tokens` prompt (or context) tokens."""
+        return self.iteration_overhead_ms + self.iteration_overhead_ms_per_token * tokens
+
+    def without_iteration_overhead(self) -> LatencyModel:
+        """The model's kernels alone: for an engine that pays its own overhead for real (the
+        emulated runner's steps are the fit; its loop around them is real)."""
+        return replace(self, iteration_overhead_ms=0.0, iteration_overhead_ms_per_token=0.0)
 
     def saturation_tokens(self, tp: int) -> int:
         """L_m: the measured one if there is one, else the smallest power of two T past which
@@ -135,6 +156,8 @@ class LatencyModel:
             "source": self.source,
             "max_batch_tokens": self.max_batch_tokens,
             "stage_overhead_ms": self.stage_overhead_ms,
+            "iteration_overhead_ms": self.iteration_overhead_ms,
+            "iteration_overhead_ms_per_token": self.iteration_overhead_ms_per_token,
             "tp": {str(tp): lat.to_json() for tp, lat in sorted(self.by_tp.items())},
             "fit_error": self.fit_error,
         }
@@ -166,6 +189,8 @@ def _ours(raw: dict, path: Path) -> LatencyModel:
             max_batch_tokens=raw.get("max_batch_tokens"),
             stage_overhead_ms=float(raw.get("stage_overhead_ms", 1.0)),
             fit_error=raw.get("fit_error", {}),
+            iteration_overhead_ms=float(raw.get("iteration_overhead_ms", 0.0)),
+            iteration_overhead_ms_per_token=float(raw.get("iteration_overhead_ms_per_token", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidRequest(f"profile {path} is malformed: {e!r}", param="profile") from e
@@ -184,7 +209,14 @@ def _published(raw: dict, path: Path, model: str | None) -> LatencyModel:
         by_tp = {int(tp): TpLatency.from_json(v) for tp, v in raw[match].items()}
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidRequest(f"profile {path} is malformed: {e!r}", param="profile") from e
-    return LatencyModel(model=match, by_tp=by_tp, source=str(path))
+    fixed, per_token = PUBLISHED_ITERATION_OVERHEAD
+    return LatencyModel(
+        model=match,
+        by_tp=by_tp,
+        source=str(path),
+        iteration_overhead_ms=fixed,
+        iteration_overhead_ms_per_token=per_token,
+    )
 
 
 def for_model(spec: ModelSpec, path: str | Path | None, engine: str = "distserve") -> LatencyModel:
@@ -278,7 +310,7 @@ def scaled(base: LatencyModel, base_spec: ModelSpec, spec: ModelSpec) -> Latency
         )
     by_tp = _fill_tensor_degrees(by_tp, [d for d in range(1, 9) if spec.num_heads % d == 0])
     source = f"{base.source} scaled from {base.model} to {spec.name}"
-    return LatencyModel(model=spec.name, by_tp=by_tp, source=source)
+    return replace(base, model=spec.name, by_tp=by_tp, source=source, fit_error={})
 
 
 def _fill_tensor_degrees(by_tp: dict[int, TpLatency], wanted: list[int]) -> dict[int, TpLatency]:

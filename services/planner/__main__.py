@@ -43,6 +43,13 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--workers", type=int, default=0, help="single host: split this many workers")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument(
+        "--precision",
+        type=float,
+        default=0.01,
+        help="refine the reported placements' goodputs to this 95%% half-width (0: do not)",
+    )
+    p.add_argument("--refine-requests", type=int, default=400_000, help="each, at most")
     p.add_argument("--drift-window", type=int, default=200, help="samples per window")
     p.add_argument("--drift-rate", type=float, default=0.3, help="relative rate shift")
     p.add_argument("--drift-length", type=float, default=0.25, help="relative length shift")
@@ -116,6 +123,8 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         workers=a.workers,
         max_num_seqs=a.max_num_seqs,
         num_requests=a.num_requests,
+        precision=a.precision or None,
+        refine_requests=a.refine_requests,
         drift=DriftConfig(a.drift_window, a.drift_rate, a.drift_length, a.drift_confirm),
         metrics_port=a.metrics_port,
         health_port=a.health_port,

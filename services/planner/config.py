@@ -55,6 +55,10 @@ class PlannerConfig:
     workers: int = 0
     max_num_seqs: int = 256  # running requests per decode or colocated instance
     num_requests: int = 1000  # simulated per instance per goodput probe
+    # the Plan RPC's two reported placements, refined as `distserve plan` refines them
+    # (PlanSpec.precision; None: the search's quick estimates), within refine_requests each
+    precision: float | None = 0.01
+    refine_requests: int = 400_000
     drift: DriftConfig = field(default_factory=DriftConfig)
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off

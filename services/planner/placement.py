@@ -17,12 +17,14 @@ Every configuration respects memory (weights plus the longest request's KV), tp 
 heads and fitting a node, pp dividing the layers, and the cluster's GPUs. The predicted goodput of
 a placement is that of the whole placement, simulated with both SLOs.
 
-Why one file (~520 lines): DistServe's two placement algorithms and the colocated baseline
-search the same space with the same simulator and memory rules.
+Why one file (~530 lines): DistServe's two placement algorithms and the colocated baseline
+search the same space with the same simulator and memory rules; where instances land on nodes
+is services/planner/mapping.py, how a goodput is estimated services/planner/goodput.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +34,9 @@ from services.common.latency import LatencyModel
 from services.common.model_spec import ModelSpec
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, divisors, kv_capacity, parallel_problem
-from services.planner.goodput import capacity, goodput
+from services.planner.estimate import GoodputEstimate
+from services.planner.goodput import capacity, goodput, refine
+from services.planner.mapping import InstancePlacement, first_fit, unit_mapping
 from services.planner.simulator import Instance, SimCluster
 from services.planner.workload import TraceWorkload, Workload
 
@@ -57,8 +61,14 @@ class PlanSpec:
     rate: float | None = None
     affinity: str = "auto"
     max_num_seqs: int = 256  # running requests per decode or colocated instance
-    num_requests: int = 1000  # simulated per instance in each goodput probe
+    num_requests: int = 1000  # simulated per instance in each goodput probe of the search
     seed: int = 0
+    # The two placements a plan reports (the chosen one and the colocated baseline) are
+    # simulated again until each 95% interval's half-width is within `precision` of its
+    # goodput, or each has simulated `refine_requests` more requests. None: the search's quick
+    # estimates, as they come.
+    precision: float | None = 0.01
+    refine_requests: int = 400_000
     # The largest pipeline degree to consider; None: any (DistServe's search). The mesh's
     # workers implement tensor parallelism only, so plans to deploy use 1.
     max_pp: int | None = None
@@ -72,28 +82,14 @@ class PlanSpec:
             raise InvalidRequest(f"affinity must be one of {AFFINITIES}", param="affinity")
         if self.max_pp is not None and self.max_pp < 1:
             raise InvalidRequest(f"max_pp must be >= 1, got {self.max_pp}", param="max_pp")
-
-
-@dataclass(frozen=True)
-class InstancePlacement:
-    """One instance and its GPUs: gpus[stage] lists the (node, gpu) of that stage's tp GPUs."""
-
-    role: str
-    tp: int
-    pp: int
-    gpus: tuple[tuple[tuple[int, int], ...], ...]
-
-    @property
-    def nodes(self) -> tuple[int, ...]:
-        return tuple(stage[0][0] for stage in self.gpus)
-
-    def to_json(self) -> dict:
-        return {
-            "role": self.role,
-            "tp": self.tp,
-            "pp": self.pp,
-            "stages": [{"node": s[0][0], "gpus": [g for _, g in s]} for s in self.gpus],
-        }
+        if self.precision is not None and not 0 < self.precision < 1:
+            raise InvalidRequest(
+                f"precision must be in (0, 1), got {self.precision}", param="precision"
+            )
+        if self.refine_requests < 0:
+            raise InvalidRequest(
+                f"refine_requests must be >= 0, got {self.refine_requests}", "refine_requests"
+            )
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,11 @@ class PhasePlan:
     tp: int
     pp: int
     replicas: int
-    instance_goodput: float  # req/s of one instance, this phase alone (colocated: both)
+    instance_estimate: GoodputEstimate  # one instance, this phase alone (colocated: both)
+
+    @property
+    def instance_goodput(self) -> float:
+        return self.instance_estimate.rate
 
     @property
     def gpus(self) -> int:
@@ -116,6 +116,7 @@ class PhasePlan:
             "pp": self.pp,
             "replicas": self.replicas,
             "instance_goodput_rps": round(self.instance_goodput, 4),
+            "instance_goodput": self.instance_estimate.to_json(),
         }
 
 
@@ -126,7 +127,11 @@ class Placement:
     algorithm: str  # high-affinity | low-affinity | colocated | single-host
     phases: tuple[PhasePlan, ...]
     instances: tuple[InstancePlacement, ...]
-    goodput: float  # req/s meeting both SLOs at the attainment target
+    estimate: GoodputEstimate  # req/s meeting both SLOs at the attainment target
+
+    @property
+    def goodput(self) -> float:
+        return self.estimate.rate
 
     @property
     def num_gpus(self) -> int:
@@ -146,6 +151,7 @@ class Placement:
             "num_gpus": self.num_gpus,
             "goodput_rps": round(self.goodput, 4),
             "goodput_per_gpu_rps": round(self.per_device, 4),
+            "goodput": self.estimate.to_json(),
             "instances": [i.to_json() for i in self.instances],
         }
 
@@ -157,8 +163,9 @@ class Plan:
     placement: Placement
     colocated: Placement
     spec: PlanSpec
-    search_seconds: float
+    search_seconds: float  # the search, on quick estimates
     candidates: dict = field(default_factory=dict)  # per algorithm: its best placement
+    plan_seconds: float = 0.0  # the search and the refinement of the two reported placements
 
     @property
     def ratio(self) -> float:
@@ -181,11 +188,24 @@ class Plan:
             "rate": s.rate,
             "latency_source": s.latency.source,
             "colocated_latency_source": s.colocated_latency.source,
+            "iteration_overhead_ms": {
+                "latency": [
+                    s.latency.iteration_overhead_ms,
+                    s.latency.iteration_overhead_ms_per_token,
+                ],
+                "colocated_latency": [
+                    s.colocated_latency.iteration_overhead_ms,
+                    s.colocated_latency.iteration_overhead_ms_per_token,
+                ],
+            },  # [ms per iteration, ms per token], added to the fits
             "placement": self.placement.to_json(),
             "colocated": self.colocated.to_json(),
             "ratio_over_colocated": round(self.ratio, 4) if math.isfinite(self.ratio) else None,
             "candidates": {k: v.to_json() for k, v in self.candidates.items()},
             "search_seconds": round(self.search_seconds, 3),
+            "plan_seconds": round(self.plan_seconds, 3),
+            "precision": s.precision,
+            "refine_requests": s.refine_requests,
         }
 
 
@@ -207,7 +227,10 @@ def plan(spec: PlanSpec) -> Plan:
         )
     best = max(candidates.values(), key=lambda p: p.per_device)
     colocated = search.colocated()
-    return Plan(best, colocated, spec, time.perf_counter() - start, candidates)
+    searched = time.perf_counter() - start
+    best, colocated = search.refine(best), search.refine(colocated)
+    candidates = {k: best if v.instances == best.instances else v for k, v in candidates.items()}
+    return Plan(best, colocated, spec, searched, candidates, time.perf_counter() - start)
 
 
 def split_workers(spec: PlanSpec, workers: int) -> Placement:
@@ -224,8 +247,8 @@ def split_workers(spec: PlanSpec, workers: int) -> Placement:
         roles = [("prefill", 1, 1)] * n_p + [("decode", 1, 1)] * (workers - n_p)
         mapped = [InstancePlacement(r, 1, 1, (((0, i),),)) for i, (r, _, _) in enumerate(roles)]
         phases = (
-            PhasePlan("prefill", 1, 1, n_p, search.phase_goodput("prefill", 1, 1)),
-            PhasePlan("decode", 1, 1, workers - n_p, search.phase_goodput("decode", 1, 1)),
+            PhasePlan("prefill", 1, 1, n_p, search.phase_estimate("prefill", 1, 1)),
+            PhasePlan("decode", 1, 1, workers - n_p, search.phase_estimate("decode", 1, 1)),
         )
         candidate = search.finish("single-host", phases, mapped)
         if best is None or candidate.goodput > best.goodput:
@@ -270,7 +293,7 @@ class _Search:
         m, c = spec.model, spec.cluster
         # Only tensor degrees both latency profiles cover (a profile measures what it measures).
         profiled = set(spec.latency.by_tp) & set(spec.colocated_latency.by_tp)
-        self._goodputs: dict[tuple[str, int, int], float] = {}
+        self._goodputs: dict[tuple[str, int, int], GoodputEstimate] = {}
         self._lengths = spec.workload.sample(spec.num_requests, spec.seed)
         self.configs = [
             (tp, pp)
@@ -296,7 +319,8 @@ class _Search:
     def instance(self, role: str, tp: int, pp: int, nodes: tuple[int, ...] = ()) -> Instance:
         return sim_instance(self.spec, role, tp, pp, nodes)
 
-    def simulate_goodput(self, instances: list[Instance], slo: Slo) -> float:
+    def simulate_goodput(self, instances: list[Instance], slo: Slo) -> GoodputEstimate:
+        """The search's quick estimate."""
         s = self.spec
         return goodput(
             sim_cluster(s, instances),
@@ -307,7 +331,7 @@ class _Search:
             seed=s.seed,
         )
 
-    def phase_goodput(self, role: str, tp: int, pp: int) -> float:
+    def phase_estimate(self, role: str, tp: int, pp: int) -> GoodputEstimate:
         """One instance's goodput for its phase alone (colocated: both SLOs); memoised."""
         key = (role, tp, pp)
         if key not in self._goodputs:
@@ -319,11 +343,14 @@ class _Search:
             self._goodputs[key] = self.simulate_goodput([self.instance(role, tp, pp)], slo)
         return self._goodputs[key]
 
+    def phase_goodput(self, role: str, tp: int, pp: int) -> float:
+        return self.phase_estimate(role, tp, pp).rate
+
     def phase_bound(self, role: str, tp: int, pp: int) -> float:
         """The phase goodput when simulated already, else a cheap optimistic bound."""
         key = (role, tp, pp)
         if key in self._goodputs:
-            return self._goodputs[key]
+            return self._goodputs[key].rate
         lat = self.spec.colocated_latency if role == "colocated" else self.spec.latency
         return CAPACITY_SLACK * capacity(self.instance(role, tp, pp), lat, self._lengths)
 
@@ -389,8 +416,8 @@ class _Search:
         else:
             raise InvalidRequest(f"no high-affinity placement maps onto {total} GPUs' nodes")
         phases = (
-            PhasePlan("prefill", tp_p, pp_p, n, self.phase_goodput("prefill", tp_p, pp_p)),
-            PhasePlan("decode", tp_d, pp_d, m, self.phase_goodput("decode", tp_d, pp_d)),
+            PhasePlan("prefill", tp_p, pp_p, n, self.phase_estimate("prefill", tp_p, pp_p)),
+            PhasePlan("decode", tp_d, pp_d, m, self.phase_estimate("decode", tp_d, pp_d)),
         )
         return self.finish("high-affinity", phases, mapped)
 
@@ -436,7 +463,8 @@ class _Search:
             insts = [self.instance("prefill", tp_p, pp, nodes)] * n_p + [
                 self.instance("decode", tp_d, pp, nodes)
             ] * n_d
-            per_gpu = self.simulate_goodput(insts, self.spec.slo) / (pp * (n_p * tp_p + n_d * tp_d))
+            rate = self.simulate_goodput(insts, self.spec.slo).rate
+            per_gpu = rate / (pp * (n_p * tp_p + n_d * tp_d))
             if per_gpu > best:
                 best, best_unit = per_gpu, (unit, per_gpu * pp * (n_p * tp_p + n_d * tp_d))
         if best_unit is None:
@@ -458,13 +486,14 @@ class _Search:
             )
         mapped = unit_mapping(count, pp, [(tp_p, n_p), (tp_d, n_d)], c)
         phases = (
-            PhasePlan("prefill", tp_p, pp, n_p * count, g_p),
-            PhasePlan("decode", tp_d, pp, n_d * count, g_d),
+            PhasePlan("prefill", tp_p, pp, n_p * count, self.phase_estimate("prefill", tp_p, pp)),
+            PhasePlan("decode", tp_d, pp, n_d * count, self.phase_estimate("decode", tp_d, pp)),
         )
         return self.finish("low-affinity", phases, mapped)
 
     def colocated(self) -> Placement:
         g, tp, pp = max(self.scored("colocated"), key=lambda x: x[0] / (x[1] * x[2]))
+        estimate = self.phase_estimate("colocated", tp, pp)
         size = tp * pp
         total = self.spec.cluster.num_gpus
         n = total // size if self.spec.rate is None else math.ceil(self.spec.rate / g)
@@ -474,57 +503,32 @@ class _Search:
                 break
         else:
             raise InvalidRequest(f"colocated tp={tp} pp={pp} cannot be mapped onto the cluster")
-        return self.finish("colocated", (PhasePlan("colocated", tp, pp, count, g),), mapped)
+        return self.finish("colocated", (PhasePlan("colocated", tp, pp, count, estimate),), mapped)
 
     def finish(
         self, algorithm: str, phases: tuple[PhasePlan, ...], mapped: list[InstancePlacement]
     ) -> Placement:
         insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in mapped]
-        rate = self.simulate_goodput(insts, self.spec.slo)
-        return Placement(algorithm, phases, tuple(mapped), rate)
+        estimate = self.simulate_goodput(insts, self.spec.slo)
+        return Placement(algorithm, phases, tuple(mapped), estimate)
 
-
-# -- mapping onto nodes ----------------------------------------------------------------------------
-
-
-def first_fit(
-    roles: list[tuple[str, int, int]], cluster: ClusterSpec
-) -> list[InstancePlacement] | None:
-    """Each stage's tp GPUs on one node, stages filling nodes in order; None if they do not fit.
-
-    Larger segments go first (first-fit decreasing), so small ones fill the gaps.
-    """
-    free = [list(range(cluster.gpus_per_node)) for _ in range(cluster.nodes)]
-    order = sorted(range(len(roles)), key=lambda i: -roles[i][1])
-    placed: dict[int, InstancePlacement] = {}
-    for i in order:
-        role, tp, pp = roles[i]
-        stages = []
-        for _ in range(pp):
-            node = next((n for n, gpus in enumerate(free) if len(gpus) >= tp), None)
-            if node is None:
-                return None
-            taken, free[node] = free[node][:tp], free[node][tp:]
-            stages.append(tuple((node, g) for g in taken))
-        placed[i] = InstancePlacement(role, tp, pp, tuple(stages))
-    return [placed[i] for i in range(len(roles))]
-
-
-def unit_mapping(
-    count: int, pp: int, segments: list[tuple[int, int]], cluster: ClusterSpec
-) -> list[InstancePlacement]:
-    """Low affinity: `count` units, each on pp nodes; stage k of every instance of a unit on the
-    unit's k-th node. segments: (tp, instances) of prefill, then of decode."""
-    used = sum(tp * n for tp, n in segments)
-    per_group = cluster.gpus_per_node // used
-    out = []
-    for u in range(count):
-        group, slot = divmod(u, per_group)
-        nodes = [group * pp + k for k in range(pp)]
-        offset = slot * used
-        for role, (tp, n) in zip(("prefill", "decode"), segments, strict=True):
-            for _ in range(n):
-                stages = tuple(tuple((node, offset + g) for g in range(tp)) for node in nodes)
-                out.append(InstancePlacement(role, tp, pp, stages))
-                offset += tp
-    return out
+    def refine(self, placement: Placement) -> Placement:
+        """The placement with its goodput simulated to the spec's precision, within the spec's
+        budget of simulated requests.
+        Candidates are compared on the quick estimates; only the reported ones are refined, so
+        the search costs what it did."""
+        s = self.spec
+        if s.precision is None or placement.goodput == 0:
+            return placement
+        insts = [self.instance(m.role, m.tp, m.pp, m.nodes) for m in placement.instances]
+        estimate = refine(
+            sim_cluster(s, insts),
+            s.workload,
+            s.slo,
+            s.alpha,
+            placement.estimate,
+            precision=s.precision,
+            budget=s.refine_requests,
+            seed=s.seed,
+        )
+        return dataclasses.replace(placement, estimate=estimate)

@@ -10,6 +10,9 @@ It runs the real engine (services.engine.LLMEngine) through its public step func
 
 Then it fits prefill `a + b*sum(L) + c*sum(L^2)` and decode `a + b*sum(ctx) + c*B` (two batch
 regimes) with non-negative least squares on relative error, and reports the fit error.
+It times whole engine steps, so the engine's per-iteration overhead beyond the model (scheduling,
+sampling, bookkeeping) is inside the fits' `a`: the profile's `iteration_overhead_ms` is 0, where
+DistServe's published fits, which time the model alone, carry the 2 ms their simulator adds.
 The profile covers tp = 1 (the engine runs one device per instance).
 """
 
@@ -242,6 +245,7 @@ def describe(profile_json: dict) -> str:
             *lat["decoding_largebs"]
         ),
         f"L_m = {profile_json['max_batch_tokens']} tokens",
+        "per-iteration overhead: inside the fits (whole engine steps timed)",
     ]
     for phase in ("prefill", "decode"):
         e = FitError(**err[phase])

@@ -157,6 +157,8 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
         affinity=request.affinity or "auto",
         max_num_seqs=config.max_num_seqs,
         num_requests=config.num_requests,
+        precision=config.precision,
+        refine_requests=config.refine_requests,
         max_pp=1,  # what the workers implement: the placement is for this mesh
     )
 

@@ -25,6 +25,9 @@ doing both) of any size. What it models, and what it leaves out:
 * Colocated instances (the baseline): vLLM's policy per lane: at each iteration boundary, if the
   waiting head fits in memory, run a prefill batch (up to L_m tokens) and stall decoding,
   else one decode iteration for every running request.
+* Every iteration (prefill batch, decode step, colocated either) pays the engine's overhead
+  beyond the model, `LatencyModel.iteration_overhead_ms` plus `..._per_token` times its prompt
+  tokens or context (a prefill batch in its first stage only, as DistServe's simulator does).
 * Not modelled: prefill-side memory (held KV waiting for a decode slot), network contention
   between instances, preemption, failures.
 
@@ -174,6 +177,7 @@ class _Prefill:
         "busy",
         "coeffs",
         "index",
+        "iteration",
         "max_size",
         "max_tokens",
         "overhead",
@@ -183,12 +187,15 @@ class _Prefill:
         "stage_free",
     )
 
-    def __init__(self, index: int, inst: Instance, lat: TpLatency, overhead_s: float) -> None:
+    def __init__(
+        self, index: int, inst: Instance, lat: TpLatency, overhead_s: float, iteration: tuple
+    ) -> None:
         self.index = index
         self.pp = inst.pp
         p = lat.prefill
         self.coeffs = (p.a / 1000 / inst.pp, p.b / 1000 / inst.pp, p.c / 1000 / inst.pp)
         self.overhead = overhead_s
+        self.iteration = iteration  # (s, s per prompt token): paid once, in the first stage
         self.max_tokens = inst.max_batch_tokens
         self.max_size = inst.max_batch_size or 2**62
         self.queue: deque[int] = deque()
@@ -226,15 +233,18 @@ class _Lane:
         "version",
     )
 
-    def __init__(self, index: int, inst: Instance, lat: TpLatency, overhead_s: float) -> None:
+    def __init__(
+        self, index: int, inst: Instance, lat: TpLatency, overhead_s: float, iteration: tuple
+    ) -> None:
         self.index = index
         self.colocated = inst.role == "colocated"
         s, g = lat.decode_small, lat.decode_large
+        o, ot = iteration  # the engine's per-iteration overhead: (s, s per token)
         # seconds: (a, b per context token, c per sequence) for small and large batches
-        self.coeffs = ((s.a / 1000, s.b / 1000, s.c / 1000), (g.a / 1000, g.b / 1000, g.c / 1000))
+        self.coeffs = tuple((x.a / 1000 + o, x.b / 1000 + ot, x.c / 1000) for x in (s, g))
         self.threshold = lat.threshold
         p = lat.prefill
-        self.prefill_coeffs = (p.a / 1000, p.b / 1000, p.c / 1000)
+        self.prefill_coeffs = (p.a / 1000 + o, p.b / 1000 + ot, p.c / 1000)
         self.overhead = overhead_s * inst.pp  # a colocated prefill passes every stage
         self.max_tokens = inst.max_batch_tokens
         self.free = inst.kv_capacity // inst.pp
@@ -301,20 +311,28 @@ class _Sim:
         self.events: list[tuple] = []
         self.counter = itertools.count()  # breaks ties between events of equal time
         ov = cluster.latency.stage_overhead_ms / 1000
+
+        def iteration(model: LatencyModel) -> tuple[float, float]:
+            return model.iteration_overhead_ms / 1000, model.iteration_overhead_ms_per_token / 1000
+
         self.prefills: list[_Prefill] = []
         self.lanes: list[_Lane] = []
         prefill_insts, lane_insts = [], []
         for inst in cluster.instances:
             if inst.role == "prefill":
                 lat = cluster.latency.at(inst.tp)
-                self.prefills.append(_Prefill(len(self.prefills), inst, lat, ov))
+                self.prefills.append(
+                    _Prefill(len(self.prefills), inst, lat, ov, iteration(cluster.latency))
+                )
                 prefill_insts.append(inst)
                 continue
             model = cluster.latency
             if inst.role == "colocated" and cluster.colocated_latency is not None:
                 model = cluster.colocated_latency
             for _ in range(inst.pp):
-                self.lanes.append(_Lane(len(self.lanes), inst, model.at(inst.tp), ov))
+                self.lanes.append(
+                    _Lane(len(self.lanes), inst, model.at(inst.tp), ov, iteration(model))
+                )
                 lane_insts.append(inst)
         self.colocated = "colocated" in roles
         self.layerwise_cost = cluster.layerwise_prefill_s
@@ -399,8 +417,9 @@ class _Sim:
         layerwise = [i for i in batch if prompt[i] >= self.layerwise_min and self.output[i] > 1]
         stage += len(layerwise) * self.layerwise_cost / p.pp
         free = p.stage_free
-        end = t
-        for s in range(p.pp):
+        end = max(t, free[0]) + stage + p.iteration[0] + p.iteration[1] * tokens
+        free[0] = end
+        for s in range(1, p.pp):
             end = max(end, free[s]) + stage
             free[s] = end
         p.busy = True

@@ -27,6 +27,20 @@ def test_published_profile_loads_as_published():
     assert tp1.decode_ms(95, 1000) == pytest.approx(7.16619 + 0.57980 + 0.15831 * 95, rel=1e-3)
 
 
+def test_published_fits_carry_distserve_simulators_per_iteration_overhead():
+    """simdistserve adds 2 ms + 0.0001 ms per token to every iteration on top of these fits (its
+    `add_ray_overhead`): the fits time the model alone. Scaled models and the vLLM fit keep it;
+    the emulated runner, whose loop is real, can drop it."""
+    for model in (
+        latency.for_model(PRESETS["opt-13b"], None),
+        latency.for_model(PRESETS["opt-175b"], None),
+        latency.for_model(PRESETS["opt-13b"], None, "vllm"),
+    ):
+        assert model.iteration_ms(0) == 2.0
+        assert model.iteration_ms(10_000) == pytest.approx(3.0)
+        assert model.without_iteration_overhead().iteration_ms(10_000) == 0.0
+
+
 def test_pipeline_stage_divides_the_work_and_adds_a_hop():
     model = latency.for_model(PRESETS["opt-66b"], None)
     whole = model.at(2).prefill_ms(1024, 1024**2)
@@ -116,11 +130,14 @@ def test_our_profile_format_round_trips(tmp_path):
         source="test",
         max_batch_tokens=256,
         fit_error={"prefill": {"mean_rel": 0.01}},
+        iteration_overhead_ms=0.7,
+        iteration_overhead_ms_per_token=2e-5,
     )
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(model.to_json()))
     loaded = latency.load(path)
     assert loaded.by_tp == model.by_tp
+    assert loaded.iteration_ms(1000) == pytest.approx(0.7 + 0.02)
     assert loaded.saturation_tokens(1) == 256
     assert latency.for_model(PRESETS["opt-13b"], path).model == "tiny"  # ours wins as given
 

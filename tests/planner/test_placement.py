@@ -16,7 +16,8 @@ from services.common.model_spec import (
 )
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec, kv_capacity, parallel_problem
-from services.planner.placement import Plan, PlanSpec, first_fit, plan
+from services.planner.mapping import first_fit
+from services.planner.placement import Plan, PlanSpec, plan
 from services.planner.workload import PRESETS as WORKLOADS
 from services.planner.workload import parse_workload
 
@@ -27,6 +28,7 @@ def spec_for(model: str, cluster: str, **kw) -> PlanSpec:
         "workload": WORKLOADS["chat"],
         "slo": Slo(4.0, 0.2) if model == "opt-175b" else Slo(0.4, 0.1),
         "num_requests": 400,
+        "precision": None,  # these test the search; test_goodput and test_plan the refinement
         **kw,
     }
     return PlanSpec(

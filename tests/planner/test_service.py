@@ -32,7 +32,7 @@ def planner(tmp_path_factory):
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "services.planner", "--port", "0", "--cluster", "1x4",
-            "--num-requests", "200", "--drift-window", str(WINDOW),
+            "--num-requests", "200", "--precision", "0", "--drift-window", str(WINDOW),
         ],
         stdout=subprocess.PIPE,
         text=True,

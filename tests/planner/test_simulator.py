@@ -32,7 +32,7 @@ def one_request(prompt: int, output: int) -> Requests:
 @pytest.mark.parametrize("utilisation", [0.3, 0.6, 0.9])
 def test_unbatched_prefill_queue_is_md1(utilisation):
     """Constant prompts, one instance, no batching: mean TTFT = D + R D^2 / (2 (1 - R D))."""
-    d = LAT.prefill_stage_ms(1, 1, 512, 512**2) / 1000
+    d = (LAT.prefill_stage_ms(1, 1, 512, 512**2) + LAT.iteration_ms(512)) / 1000
     rate = utilisation / d
     cluster = SimCluster((Instance("prefill", max_batch_size=1), Instance("decode")), LAT)
     # A queue at 0.9 forgets its past slowly (the standard error of a 400k-request run's mean
@@ -70,9 +70,10 @@ def test_a_lone_request_takes_the_model_times():
         intra_node_bandwidth=100e9,
     )
     result = simulate(cluster, one_request(prompt, output))
-    ttft = LAT.prefill_stage_ms(1, 1, prompt, prompt**2) / 1000
+    ttft = (LAT.prefill_stage_ms(1, 1, prompt, prompt**2) + LAT.iteration_ms(prompt)) / 1000
     transfer = prompt * OPT13.kv_bytes_per_token / 100e9
-    steps = sum(LAT.at(1).decode_ms(1, prompt + 1 + k) for k in range(output - 1)) / 1000
+    contexts = [prompt + 1 + k for k in range(output - 1)]
+    steps = sum(LAT.at(1).decode_ms(1, c) + LAT.iteration_ms(c) for c in contexts) / 1000
     assert result.ttft[0] == pytest.approx(ttft)
     assert result.tpot[0] == pytest.approx((transfer + steps) / (output - 1))
 
