@@ -1,10 +1,12 @@
 """`distserve up`: the mesh's processes on this host, started, watched and stopped together.
 
-Each service runs as its own process and prints one JSON "ready" line when it serves; the
-launcher waits for all of them and for every worker to appear in the gateway's registry, then
-starts Envoy in front of the gateway (when the spec has an edge) and waits until it is ready.
-Stopping sends SIGTERM (Envoy first, then the workers, then the gateway), and SIGKILL to any that
-outlive the grace period. Children die with the launcher even if it is killed
+Each service runs as its own process and prints one JSON "ready" line when it serves. The
+launcher starts etcd first (the mesh's membership: services/common/discovery.py; or uses the
+spec's existing one), then the gateway and the workers, which join through etcd; it waits for all
+of them and for every worker to appear in the gateway's view, then starts Envoy in front of the
+gateway (when the spec has an edge) and waits until it is ready. Stopping sends SIGTERM (Envoy
+first, then the workers, then the gateway, then etcd), and SIGKILL to any that outlive the grace
+period. Children die with the launcher even if it is killed
 (PR_SET_PDEATHSIG).
 
 A running mesh also grows and shrinks one worker at a time (`add_worker`, `stop_worker`: a
@@ -28,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distserve.etcd import Etcd
 from services.common import mesh_tls, orphan_guard
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -76,6 +79,7 @@ class MeshSpec:
     engine: str = "torch"  # or "emulated": `model` is an emulated folder (docs/engine.md)
     emulation_args: tuple[str, ...] = ()  # the emulated workers' device options
     time_scale: float = 1.0  # an emulated mesh's wall seconds per emulated second
+    etcd: str | None = None  # an existing etcd's client URL; None: the mesh starts its own
 
 
 @dataclass
@@ -113,6 +117,8 @@ class Mesh:
         self.actuator = None  # a LocalActuator when the planner resizes the mesh (spec.budget)
         self._actuator_server = None
         self._registry = None  # a channel to the gateway's registry, kept (the planner polls)
+        self.etcd: Etcd | None = None  # the mesh's own etcd (none when the spec names one)
+        self.etcd_url = ""
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -137,7 +143,12 @@ class Mesh:
                 repr(time.time()),
             )
         try:
-            gateway_args = [*spec.gateway_args, *self._clock_args]
+            self.etcd_url = spec.etcd or ""
+            if not self.etcd_url:
+                self.etcd = Etcd(spec.host, die_with_parent=True)
+                self.etcd.start(timeout_s=spec.ready_timeout_s)
+                self.etcd_url = self.etcd.url
+            gateway_args = [*spec.gateway_args, *self._clock_args, "--etcd", self.etcd_url]
             if spec.planner:
                 gateway_args += ["--planner", self._start_planner()]
             gateway = self._spawn(
@@ -190,8 +201,8 @@ class Mesh:
             "services.prefill" if role == "prefill" else "services.decode",
             "--model",
             str(spec.model),
-            "--gateway",
-            self.gateway_address,
+            "--etcd",
+            self.etcd_url,
             "--host",
             spec.host,
             "--worker-id",
@@ -298,8 +309,8 @@ class Mesh:
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the planner that resizes the mesh (so it asks nothing more), Envoy, the
-        workers, then the gateway; SIGKILL what outlives the grace period (default: the
-        workers' drain timeout and 10 s)."""
+        workers, then the gateway, then the mesh's own etcd; SIGKILL what outlives the grace
+        period (default: the workers' drain timeout and 10 s)."""
         grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
         if self._actuator_server is not None:
             _terminate([p for p in self.processes if p.name == "planner"], grace_s)
@@ -315,6 +326,9 @@ class Mesh:
         if self._registry is not None:
             self._registry.close()
             self._registry = None
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
 
     def restart(self, name: str) -> Process:
         """Start the worker `name`, which stopped or died, again under its name and with the
