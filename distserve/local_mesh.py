@@ -431,6 +431,8 @@ def run_until_signal(spec: MeshSpec) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with Mesh(spec) as mesh:
+        own = " (its own; data removed at exit)" if mesh.etcd is not None else ""
+        print(f"distserve: etcd on {mesh.etcd_url}{own}", flush=True)
         print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
         print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
         for p in [*mesh.workers, *(p for p in mesh.processes if p.name == "planner")]:

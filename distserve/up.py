@@ -57,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="on Ctrl-C or SIGTERM: how long workers may finish or hand off in-flight work",
     )
+    up.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="an existing etcd (http://host:port) for the mesh's membership (default: start "
+        "one, its data in a temporary folder removed at exit)",
+    )
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
     up.add_argument(
@@ -119,6 +125,13 @@ def _up(args: argparse.Namespace) -> int:
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if value is not None:
             gateway_args += [flag, str(value)]
+    if args.etcd:
+        from services.common.discovery import etcd_target
+
+        try:
+            etcd_target(args.etcd)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
     planner_args: list[str] = []
     if args.budget:
         planner_args = _autoscale_args(args)
@@ -138,6 +151,7 @@ def _up(args: argparse.Namespace) -> int:
         colocated_args=passed.colocated,
         gateway_args=(*gateway_args, *passed.gateway),
         pin=args.pin,
+        etcd=args.etcd,
         edge=None if args.no_edge else edge_config(args, args.host),
         planner=args.planner or bool(args.budget),
         planner_args=tuple(planner_args),

@@ -84,10 +84,10 @@ def workers(mesh) -> set[str]:
 
 
 def children_models(pid: int) -> list[str]:
-    """The --model argument of each child process of `pid`."""
+    """The --model argument of each child process of `pid` that has one (etcd has none)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     argvs = [Path(f"/proc/{int(c)}/cmdline").read_text().split("\0") for c in out.stdout.split()]
-    return [argv[argv.index("--model") + 1] for argv in argvs]
+    return [argv[argv.index("--model") + 1] for argv in argvs if "--model" in argv]
 
 
 def test_up_serves_a_hub_id_from_the_offline_cache_under_its_id(hub_mesh):
