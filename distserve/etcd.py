@@ -5,14 +5,21 @@ private temporary folder removed when it stops.
 mesh's membership lives there (services/common/discovery.py). A local member keeps nothing across
 runs, so it skips fsync (`--unsafe-no-fsync`): its data dies with it either way. It listens on a
 free port (port 0), read back from its log once it serves clients, so several meshes share a host.
+
+etcd runs under a small keeper, `python -m distserve.etcd DIR ETCD_ARGV...`, that owns the folder:
+when etcd ends, or the keeper is told to stop (SIGTERM, also sent by the kernel when the launcher
+dies: services/common/orphan_guard.py), it stops etcd and removes the folder. So a killed
+`distserve up` leaves no etcd and no data behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +76,7 @@ class Etcd:
             "--log-outputs",
             "stderr",
         ]
+        argv = [sys.executable, "-m", "distserve.etcd", str(self._dir), *argv]
         log = open(self._dir / "etcd.log", "wb")  # noqa: SIM115 (the child writes it)
         kwargs = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": log}
         if self.die_with_parent:
@@ -100,10 +108,8 @@ class Etcd:
         return (self._dir / "etcd.log").read_text(errors="replace")[-2000:]
 
     def kill(self) -> None:
-        """SIGKILL it (tests: etcd gone, routing goes on with the last view)."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
+        """Stop it at once, no grace (tests: etcd gone, routing goes on with the last view)."""
+        self.stop(grace_s=0.1)
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -124,3 +130,28 @@ class Etcd:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def keep(folder: Path, argv: list[str]) -> int:
+    """Run etcd (`argv`) until it ends or this process gets SIGTERM or SIGINT; then stop it and
+    remove `folder`. etcd gets SIGTERM if this process dies any other way."""
+
+    def die_with_keeper() -> None:  # no threads here: safe between fork and exec
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_keeper)
+
+    def stop(*_) -> None:
+        child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        code = child.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(keep(Path(sys.argv[1]), sys.argv[2:]))

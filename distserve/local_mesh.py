@@ -80,6 +80,9 @@ class MeshSpec:
     emulation_args: tuple[str, ...] = ()  # the emulated workers' device options
     time_scale: float = 1.0  # an emulated mesh's wall seconds per emulated second
     etcd: str | None = None  # an existing etcd's client URL; None: the mesh starts its own
+    # Gateway processes, each seeing every worker through etcd; Envoy balances over all of
+    # them. The first is "gateway" on gateway_port, the others "gateway-1", ... on free ports.
+    gateways: int = 1
 
 
 @dataclass
@@ -109,8 +112,9 @@ class Mesh:
     def __init__(self, spec: MeshSpec) -> None:
         self.spec = spec
         self.processes: list[Process] = []
-        self.gateway_address = ""
+        self.gateway_address = ""  # the first gateway's
         self.gateway_http_address = ""
+        self.gateway_addresses: list[str] = []  # every gateway's gRPC address
         self.envoy: Envoy | None = None
         self.edge_address = ""  # Envoy's listener, when the spec has an edge
         self._clock_args: tuple[str, ...] = ()  # every process's --time-scale and --time-epoch
@@ -129,7 +133,11 @@ class Mesh:
 
     @property
     def workers(self) -> list[Process]:
-        return [p for p in self.processes if p.name not in ("gateway", "planner")]
+        return [p for p in self.processes if p.name != "planner" and not _is_gateway(p.name)]
+
+    @property
+    def gateways(self) -> list[Process]:
+        return [p for p in self.processes if _is_gateway(p.name)]
 
     def start(self) -> None:
         spec = self.spec
@@ -151,24 +159,28 @@ class Mesh:
             gateway_args = [*spec.gateway_args, *self._clock_args, "--etcd", self.etcd_url]
             if spec.planner:
                 gateway_args += ["--planner", self._start_planner()]
-            gateway = self._spawn(
-                "gateway",
-                [
-                    "services.gateway",
-                    "--model",
-                    str(spec.model),
-                    "--host",
-                    spec.host,
-                    "--port",
-                    str(spec.gateway_port),
-                    "--http-port",
-                    str(spec.gateway_http_port),
-                    *gateway_args,
-                ],
-            )
-            self._wait_ready([gateway])
-            self.gateway_address = gateway.ready["address"]
-            self.gateway_http_address = gateway.ready.get("http_address", "")
+            gateways = [
+                self._spawn(
+                    "gateway" if i == 0 else f"gateway-{i}",
+                    [
+                        "services.gateway",
+                        "--model",
+                        str(spec.model),
+                        "--host",
+                        spec.host,
+                        "--port",
+                        str(spec.gateway_port if i == 0 else 0),
+                        "--http-port",
+                        str(spec.gateway_http_port if i == 0 else 0),
+                        *gateway_args,
+                    ],
+                )
+                for i in range(spec.gateways)
+            ]
+            self._wait_ready(gateways)
+            self.gateway_addresses = [g.ready["address"] for g in gateways]
+            self.gateway_address = gateways[0].ready["address"]
+            self.gateway_http_address = gateways[0].ready.get("http_address", "")
             started = [
                 self._spawn_worker(role, i)
                 for role, count in (
@@ -181,11 +193,14 @@ class Mesh:
             self._wait_ready(started)
             self._wait_listed(lambda ws: len(ws) >= len(started))
             if spec.edge is not None:
-                upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
+                upstreams = [
+                    Upstream(grpc=g.ready["address"], http=g.ready.get("http_address", ""))
+                    for g in gateways
+                ]
                 edge = spec.edge
                 if edge.upstream_tls is None and (tls := mesh_tls.mesh_tls()) is not None:
                     edge = dataclasses.replace(edge, upstream_tls=tls.paths)
-                self.envoy = Envoy(edge, [upstream], die_with_parent=True)
+                self.envoy = Envoy(edge, upstreams, die_with_parent=True)
                 self.envoy.start(timeout_s=spec.ready_timeout_s)
                 self.edge_address = self.envoy.address
         except BaseException:
@@ -321,7 +336,9 @@ class Mesh:
             self.envoy.stop(grace_s)
             self.envoy = None
         _terminate(self.workers, grace_s)
-        _terminate([p for p in self.processes if p.name in ("gateway", "planner")], grace_s)
+        _terminate(
+            [p for p in self.processes if p.name == "planner" or _is_gateway(p.name)], grace_s
+        )
         self.processes = []
         if self._registry is not None:
             self._registry.close()
@@ -335,7 +352,7 @@ class Mesh:
         same command line; return once it is ready and registered with the gateway (its new
         address in the registry)."""
         i, old = next(((i, p) for i, p in enumerate(self.processes) if p.name == name), (-1, None))
-        if old is None or old.name in ("gateway", "planner"):
+        if old is None or old.name == "planner" or _is_gateway(old.name):
             raise ValueError(f"no worker named {name!r}")
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.popen.pid})")
@@ -381,18 +398,25 @@ class Mesh:
                     )
 
     def _wait_listed(self, done, timeout_s: float = 30.0) -> None:
-        """Wait until `done(workers)` holds for the gateway's registry (its WorkerInfo list)."""
+        """Wait until `done(workers)` holds for every gateway's view (its WorkerInfo list)."""
         deadline = time.monotonic() + timeout_s
-        with mesh_tls.channel(self.gateway_address) as channel:
-            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
-            while True:
-                workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
-                if done(workers):
-                    return
-                if time.monotonic() > deadline:
-                    names = sorted(w.worker_id for w in workers)
-                    raise TimeoutError(f"the gateway's registry did not settle: it lists {names}")
-                time.sleep(0.1)
+        for address in self.gateway_addresses:
+            with mesh_tls.channel(address) as channel:
+                stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+                while True:
+                    workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+                    if done(workers):
+                        break
+                    if time.monotonic() > deadline:
+                        names = sorted(w.worker_id for w in workers)
+                        raise TimeoutError(
+                            f"the gateway at {address} did not settle: it lists {names}"
+                        )
+                    time.sleep(0.1)
+
+
+def _is_gateway(name: str) -> bool:
+    return name == "gateway" or name.startswith("gateway-")
 
 
 def _terminate(group: list[Process], grace_s: float) -> None:
@@ -433,8 +457,9 @@ def run_until_signal(spec: MeshSpec) -> int:
     with Mesh(spec) as mesh:
         own = " (its own; data removed at exit)" if mesh.etcd is not None else ""
         print(f"distserve: etcd on {mesh.etcd_url}{own}", flush=True)
-        print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
-        print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
+        for g in mesh.gateways:
+            print(f"distserve: {g.name} (gRPC) on {g.ready['address']}", flush=True)
+            print(f"distserve: {g.name} (HTTP) on {g.ready.get('http_address', '')}", flush=True)
         for p in [*mesh.workers, *(p for p in mesh.processes if p.name == "planner")]:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
         for p in mesh.processes:

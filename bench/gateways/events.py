@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distserve.loadgen.procfs import cpu_seconds
+from distserve.loadgen.procfs import cpu_seconds, descendants
 from distserve.loadgen.report import host, log, percentiles
 
 LOAD_PREFIX = b"/bench/load/"
@@ -106,9 +106,10 @@ async def workers(mode: str, etcd: str, n: int, interval_s: float, events: int) 
     await asyncio.Event().wait()
 
 
-async def gateway(mode: str, etcd: str) -> None:
-    """One gateway's view; prints its count of events delivered and their latencies on SIGUSR1
-    (the window's start) and SIGUSR2 (its end)."""
+async def gateway(mode: str, etcd: str, workers: int) -> None:
+    """One gateway's view; says ready once it hears from all `workers`, then prints its count
+    of events delivered and their latencies on SIGUSR1 (the window's start) and SIGUSR2 (its
+    end)."""
     import grpc
     from aetcd import rpc
 
@@ -150,6 +151,9 @@ async def gateway(mode: str, etcd: str) -> None:
             return channels.setdefault(address, grpc.aio.insecure_channel(address))
 
         Membership(registry, EtcdDiscovery(etcd), channel).start()
+        while len(registry.live()) < workers:
+            await asyncio.sleep(0.05)
+        print("ready", flush=True)
     else:
         from services.gateway.prefix_index import CachedBlocks
         from services.gateway.registry import Load
@@ -159,6 +163,7 @@ async def gateway(mode: str, etcd: str) -> None:
         end = LOAD_PREFIX[:-1] + bytes([LOAD_PREFIX[-1] + 1])
         create = rpc.WatchCreateRequest(key=LOAD_PREFIX, range_end=end)
         await call.write(rpc.WatchRequest(create_request=create))
+        print("ready", flush=True)  # hears every put from now on
         async for reply in call:
             for event in reply.events:
                 worker_id = event.kv.key[len(LOAD_PREFIX) :].decode()
@@ -186,7 +191,7 @@ def main() -> int:
         asyncio.run(workers(a.mode, a.etcd, a.workers, a.interval_s, a.events))
         return 0
     if a.role == "gateway":
-        asyncio.run(gateway(a.mode, a.etcd))
+        asyncio.run(gateway(a.mode, a.etcd, a.workers))
         return 0
     from distserve.etcd import Etcd
 
@@ -195,11 +200,15 @@ def main() -> int:
         with Etcd() as etcd:
             results[mode] = _run(mode, etcd, a)
     log(f"{a.workers} emulated workers x {a.gateways} gateways, a report every {a.interval_s} s")
-    log(f"{'mode':8} {'events/s':>9} {'CPU us/event':>13} {'p50 ms':>7} {'p99 ms':>7}")
+    log(
+        f"{'mode':8} {'events/s':>9} {'CPU us/event':>13} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'CPU s: workers':>15} {'gateways':>9} {'etcd':>6}"
+    )
     for mode, r in results.items():
         log(
             f"{mode:8} {r['events_per_s']:9.0f} {r['cpu_us_per_event']:13.1f} "
-            f"{r['latency_ms_p50']:7.1f} {r['latency_ms_p99']:7.1f}"
+            f"{r['latency_ms_p50']:7.1f} {r['latency_ms_p99']:7.1f} "
+            f"{r['workers_cpu_s']:15.2f} {r['gateways_cpu_s']:9.2f} {r['etcd_cpu_s']:6.2f}"
         )
     print(
         json.dumps(
@@ -231,12 +240,15 @@ def _run(mode: str, etcd, a: argparse.Namespace) -> dict:
     try:
         assert procs[0].stdout.readline().strip() == "ready"
         gateways = [
-            subprocess.Popen([*me, "--role", "gateway"], stdout=subprocess.PIPE, text=True)
+            subprocess.Popen([*me, "--role", "gateway", *args], stdout=subprocess.PIPE, text=True)
             for _ in range(a.gateways)
         ]
         procs += gateways
-        time.sleep(3.0)  # every gateway subscribed (or watching)
-        pids = [p.pid for p in procs] + [etcd.popen.pid]
+        for g in gateways:
+            assert g.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # past the subscriptions' first (whole) reports
+        etcd_pid = descendants(etcd.popen.pid)[0]  # etcd, under its keeper
+        pids = [p.pid for p in procs] + [etcd_pid]
         cpu0 = [cpu_seconds(pid) for pid in pids]
         for g in gateways:
             g.send_signal(signal.SIGUSR1)
@@ -245,8 +257,8 @@ def _run(mode: str, etcd, a: argparse.Namespace) -> dict:
         for g in gateways:
             g.send_signal(signal.SIGUSR2)
         window = time.monotonic() - t0
-        cpu = sum(cpu_seconds(pid) for pid in pids) - sum(cpu0)
-        etcd_cpu = cpu_seconds(etcd.popen.pid) - cpu0[-1]
+        spent = [cpu_seconds(pid) - c0 for pid, c0 in zip(pids, cpu0, strict=True)]
+        cpu, workers_cpu, etcd_cpu = sum(spent), spent[0], spent[-1]
         seen = [json.loads(g.stdout.readline()) for g in gateways]
     finally:
         for p in procs:
@@ -260,6 +272,8 @@ def _run(mode: str, etcd, a: argparse.Namespace) -> dict:
     return {
         "events_per_s": round(events / window, 1),
         "cpu_us_per_event": round(cpu / max(1, events) * 1e6, 1),
+        "workers_cpu_s": round(workers_cpu, 2),
+        "gateways_cpu_s": round(cpu - workers_cpu - etcd_cpu, 2),
         "etcd_cpu_s": round(etcd_cpu, 2),
         "cpu_s": round(cpu, 2),
         "latency_ms_p50": pct["p50"],
