@@ -175,7 +175,9 @@ def _mesh_config(plan: dict, o: RenderOptions) -> dict:
     slo = plan.get("slo_ms") or {}
     data = {
         "MODEL_DIR": f"{MODEL_MOUNT}/{Path(o.model_path).as_posix()}",
-        "GATEWAY_ADDRESS": o.service_address("distserve-gateway", GATEWAY_GRPC_PORT),
+        # The mesh's membership (services/common/discovery.py): an etcd this render does not
+        # create (yet); every worker and gateway joins it.
+        "ETCD_URL": "http://" + o.service_address("distserve-etcd", 2379),
     }
     if o.planner:
         data["PLANNER_ADDRESS"] = o.service_address("distserve-planner", PLANNER_PORT)
@@ -236,6 +238,7 @@ def _gateway(o: RenderOptions, mesh: dict[str, str], mesh_hash: str) -> list[dic
         ("--slo-ttft-ms", "SLO_TTFT_MS"),
         ("--slo-tpot-ms", "SLO_TPOT_MS"),
         ("--planner", "PLANNER_ADDRESS"),
+        ("--etcd", "ETCD_URL"),
     ):
         if key in mesh:
             args += [flag, f"$({key})"]
@@ -313,7 +316,7 @@ def _worker(pool: WorkerPool, o: RenderOptions, mesh_hash: str) -> dict:
     """A worker pool's Deployment. The pod advertises its own IP to the gateway; SIGTERM starts
     its drain (health NOT_SERVING, deregister, finish in-flight work) within the grace period."""
     module = "services.prefill" if pool.role == "prefill" else "services.decode"
-    args = ["--model", "$(MODEL_DIR)", "--gateway", "$(GATEWAY_ADDRESS)", "--host", "$(POD_IP)"]
+    args = ["--model", "$(MODEL_DIR)", "--etcd", "$(ETCD_URL)", "--host", "$(POD_IP)"]
     args += ["--port", str(WORKER_PORT), "--worker-id", "$(POD_NAME)"]
     args += ["--metrics-port", str(METRICS_PORT), "--tensor-parallel-size", str(pool.tp)]
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]
@@ -322,7 +325,7 @@ def _worker(pool: WorkerPool, o: RenderOptions, mesh_hash: str) -> dict:
         _from_field("POD_IP", "status.podIP"),
         _from_field("POD_NAME", "metadata.name"),
         _from_config("MODEL_DIR"),
-        _from_config("GATEWAY_ADDRESS"),
+        _from_config("ETCD_URL"),
     ]
     ports = _worker_ports(pool.role)
     container = _container(

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from services.common.discovery import DEFAULT_TTL_S, ROLE_NAMES, EtcdDiscovery, Member
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.gen.distserve.v1 import common_pb2, gateway_pb2
 from services.worker.prefix_log import PrefixCacheLog
 
 log = logging.getLogger("distserve.announcer")
@@ -21,7 +21,7 @@ log = logging.getLogger("distserve.announcer")
 LOAD_FEED_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["WorkerLoadFeed"].full_name
 
 
-class LoadFeed(gateway_pb2_grpc.WorkerLoadFeedServicer):
+class LoadFeed:
     """The worker's load and prefix-cache events, every `interval_s`, to every subscribed gateway.
 
     One ticker takes a report (the load now, the prefix cache's changes since the last tick) and
@@ -44,7 +44,13 @@ class LoadFeed(gateway_pb2_grpc.WorkerLoadFeedServicer):
         self._task: asyncio.Task | None = None
 
     def add_to(self, server: grpc.aio.Server) -> None:
-        gateway_pb2_grpc.add_WorkerLoadFeedServicer_to_server(self, server)
+        """Serve `Watch` on `server`. Its replies are serialized once per tick, not once per
+        subscriber: the handler sends the bytes as they are (no response serializer)."""
+        watch = grpc.unary_stream_rpc_method_handler(
+            self.Watch, request_deserializer=gateway_pb2.WatchLoadRequest.FromString
+        )
+        handler = grpc.method_handlers_generic_handler(LOAD_FEED_SERVICE, {"Watch": watch})
+        server.add_generic_rpc_handlers((handler,))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._tick())
@@ -58,12 +64,13 @@ class LoadFeed(gateway_pb2_grpc.WorkerLoadFeedServicer):
         for queue in self._subscribers:
             queue.put_nowait(None)
 
-    def _report(self, whole: bool) -> gateway_pb2.LoadReport:
+    def _report(self, whole: bool) -> bytes:
+        """A LoadReport, serialized."""
         report = gateway_pb2.LoadReport(load=self.load())
         if self.prefix_cache is not None:
             cache = self.prefix_cache.whole() if whole else self.prefix_cache.report()
             report.prefix_cache.CopyFrom(cache)
-        return report
+        return report.SerializeToString()
 
     async def _tick(self) -> None:
         while True:
