@@ -38,11 +38,17 @@ class Etcd:
     """Start, wait for, and stop one single-member etcd on `host`."""
 
     def __init__(
-        self, host: str = "127.0.0.1", binary: Path | None = None, die_with_parent: bool = False
+        self,
+        host: str = "127.0.0.1",
+        binary: Path | None = None,
+        die_with_parent: bool = False,
+        command_prefix: tuple[str, ...] = (),
     ) -> None:
         self.host = host
         self.binary = binary or etcd_binary()
         self.die_with_parent = die_with_parent  # etcd gets SIGTERM when this process dies
+        # A command to run it under, e.g. ("ip", "netns", "exec", "NS"); it must exec the rest.
+        self.command_prefix = command_prefix
         self.popen: subprocess.Popen | None = None
         self.address = ""  # host:port of its client (gRPC) listener, once ready
         self._dir: Path | None = None
@@ -76,7 +82,7 @@ class Etcd:
             "--log-outputs",
             "stderr",
         ]
-        argv = [sys.executable, "-m", "distserve.etcd", str(self._dir), *argv]
+        argv = [*self.command_prefix, sys.executable, "-m", "distserve.etcd", str(self._dir), *argv]
         log = open(self._dir / "etcd.log", "wb")  # noqa: SIM115 (the child writes it)
         kwargs = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": log}
         if self.die_with_parent:

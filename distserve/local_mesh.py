@@ -71,7 +71,7 @@ class MeshSpec:
     # launcher's actuator (distserve/local_actuator.py); planner_args must name the model
     # spec and the SLO it plans for.
     budget: int = 0
-    # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
+    # A command to run single processes under, by name ("etcd", "gateway", "prefill-0", ...), e.g.
     # ("ip", "netns", "exec", "NS") to place one in a network namespace; it must exec the rest.
     command_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The tensor degree of each role's instances (an emulated engine models it in one process).
@@ -153,7 +153,8 @@ class Mesh:
         try:
             self.etcd_url = spec.etcd or ""
             if not self.etcd_url:
-                self.etcd = Etcd(spec.host, die_with_parent=True)
+                prefix = spec.command_prefix.get("etcd", ())
+                self.etcd = Etcd(spec.host, die_with_parent=True, command_prefix=prefix)
                 self.etcd.start(timeout_s=spec.ready_timeout_s)
                 self.etcd_url = self.etcd.url
             gateway_args = [*spec.gateway_args, *self._clock_args, "--etcd", self.etcd_url]

@@ -113,8 +113,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--etcd",
         metavar="URL",
-        required=True,
-        help="the mesh's etcd (http://host:port): workers are found there",
+        default="http://127.0.0.1:2379",
+        help="the mesh's etcd: workers are found there (default: etcd's own default address)",
     )
     p.add_argument(
         "--worker-lease-s",
