@@ -76,11 +76,12 @@ class LoadFeed:
         while True:
             await asyncio.sleep(self.interval_s)
             report = self._report(whole=False)
-            for queue in self._subscribers:
+            for queue in list(self._subscribers):
                 if queue.qsize() < self.max_behind:
                     queue.put_nowait(report)
-                else:
-                    queue.put_nowait(None)  # ends it; it subscribes again for the whole set
+                else:  # ends it; it subscribes again for the whole set
+                    self._subscribers.discard(queue)
+                    queue.put_nowait(None)
 
     async def Watch(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
