@@ -68,7 +68,7 @@ class Worker:
     _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
     _tickets: itertools.count = field(default_factory=itertools.count, repr=False)
     # (queued tokens, waiting, open) of this gateway's own calls when the last report came
-    _own_at_heartbeat: tuple[int, int, int] = (0, 0, 0)
+    _own_at_report: tuple[int, int, int] = (0, 0, 0)
 
     def send(self, prompt_tokens: int = 0, kv_tokens: int = 0) -> int:
         """A call is going to this worker with a prompt of this many tokens to prefill (0: the
@@ -95,7 +95,7 @@ class Worker:
     def heard(self, load: Load) -> None:
         """A report's load: remember what of it was this gateway's own work."""
         self.load = load
-        self._own_at_heartbeat = self._own()
+        self._own_at_report = self._own()
 
     def _reported(self) -> tuple[int, int, int]:
         load = self.load
@@ -109,7 +109,7 @@ class Worker:
         """Figure i (queued tokens, waiting, open) now: this gateway's own, plus what the last
         report showed beyond this gateway's own at the time (other gateways' work)."""
         own = self._own()[i]
-        return own + max(0, self._reported()[i] - self._own_at_heartbeat[i])
+        return own + max(0, self._reported()[i] - self._own_at_report[i])
 
     @property
     def queued_tokens(self) -> int:
