@@ -1,10 +1,12 @@
 """`distserve up`: the mesh's processes on this host, started, watched and stopped together.
 
-Each service runs as its own process and prints one JSON "ready" line when it serves; the
-launcher waits for all of them and for every worker to appear in the gateway's registry, then
-starts Envoy in front of the gateway (when the spec has an edge) and waits until it is ready.
-Stopping sends SIGTERM (Envoy first, then the workers, then the gateway), and SIGKILL to any that
-outlive the grace period. Children die with the launcher even if it is killed
+Each service runs as its own process and prints one JSON "ready" line when it serves. The
+launcher starts etcd first (the mesh's membership: services/common/discovery.py; or uses the
+spec's existing one), then the gateway and the workers, which join through etcd; it waits for all
+of them and for every worker to appear in the gateway's view, then starts Envoy in front of the
+gateway (when the spec has an edge) and waits until it is ready. Stopping sends SIGTERM (Envoy
+first, then the workers, then the gateway, then etcd), and SIGKILL to any that outlive the grace
+period. Children die with the launcher even if it is killed
 (PR_SET_PDEATHSIG).
 
 A running mesh also grows and shrinks one worker at a time (`add_worker`, `stop_worker`: a
@@ -28,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distserve.etcd import Etcd
 from services.common import mesh_tls, orphan_guard
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -68,7 +71,7 @@ class MeshSpec:
     # launcher's actuator (distserve/local_actuator.py); planner_args must name the model
     # spec and the SLO it plans for.
     budget: int = 0
-    # A command to run single processes under, by name ("gateway", "prefill-0", ...), e.g.
+    # A command to run single processes under, by name ("etcd", "gateway", "prefill-0", ...), e.g.
     # ("ip", "netns", "exec", "NS") to place one in a network namespace; it must exec the rest.
     command_prefix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The tensor degree of each role's instances (an emulated engine models it in one process).
@@ -76,6 +79,10 @@ class MeshSpec:
     engine: str = "torch"  # or "emulated": `model` is an emulated folder (docs/engine.md)
     emulation_args: tuple[str, ...] = ()  # the emulated workers' device options
     time_scale: float = 1.0  # an emulated mesh's wall seconds per emulated second
+    etcd: str | None = None  # an existing etcd's client URL; None: the mesh starts its own
+    # Gateway processes, each seeing every worker through etcd; Envoy balances over all of
+    # them. The first is "gateway" on gateway_port, the others "gateway-1", ... on free ports.
+    gateways: int = 1
 
 
 @dataclass
@@ -105,14 +112,17 @@ class Mesh:
     def __init__(self, spec: MeshSpec) -> None:
         self.spec = spec
         self.processes: list[Process] = []
-        self.gateway_address = ""
+        self.gateway_address = ""  # the first gateway's
         self.gateway_http_address = ""
+        self.gateway_addresses: list[str] = []  # every gateway's gRPC address
         self.envoy: Envoy | None = None
         self.edge_address = ""  # Envoy's listener, when the spec has an edge
         self._clock_args: tuple[str, ...] = ()  # every process's --time-scale and --time-epoch
         self.actuator = None  # a LocalActuator when the planner resizes the mesh (spec.budget)
         self._actuator_server = None
         self._registry = None  # a channel to the gateway's registry, kept (the planner polls)
+        self.etcd: Etcd | None = None  # the mesh's own etcd (none when the spec names one)
+        self.etcd_url = ""
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -123,7 +133,11 @@ class Mesh:
 
     @property
     def workers(self) -> list[Process]:
-        return [p for p in self.processes if p.name not in ("gateway", "planner")]
+        return [p for p in self.processes if p.name != "planner" and not _is_gateway(p.name)]
+
+    @property
+    def gateways(self) -> list[Process]:
+        return [p for p in self.processes if _is_gateway(p.name)]
 
     def start(self) -> None:
         spec = self.spec
@@ -137,27 +151,37 @@ class Mesh:
                 repr(time.time()),
             )
         try:
-            gateway_args = [*spec.gateway_args, *self._clock_args]
+            self.etcd_url = spec.etcd or ""
+            if not self.etcd_url:
+                prefix = spec.command_prefix.get("etcd", ())
+                self.etcd = Etcd(spec.host, die_with_parent=True, command_prefix=prefix)
+                self.etcd.start(timeout_s=spec.ready_timeout_s)
+                self.etcd_url = self.etcd.url
+            gateway_args = [*spec.gateway_args, *self._clock_args, "--etcd", self.etcd_url]
             if spec.planner:
                 gateway_args += ["--planner", self._start_planner()]
-            gateway = self._spawn(
-                "gateway",
-                [
-                    "services.gateway",
-                    "--model",
-                    str(spec.model),
-                    "--host",
-                    spec.host,
-                    "--port",
-                    str(spec.gateway_port),
-                    "--http-port",
-                    str(spec.gateway_http_port),
-                    *gateway_args,
-                ],
-            )
-            self._wait_ready([gateway])
-            self.gateway_address = gateway.ready["address"]
-            self.gateway_http_address = gateway.ready.get("http_address", "")
+            gateways = [
+                self._spawn(
+                    "gateway" if i == 0 else f"gateway-{i}",
+                    [
+                        "services.gateway",
+                        "--model",
+                        str(spec.model),
+                        "--host",
+                        spec.host,
+                        "--port",
+                        str(spec.gateway_port if i == 0 else 0),
+                        "--http-port",
+                        str(spec.gateway_http_port if i == 0 else 0),
+                        *gateway_args,
+                    ],
+                )
+                for i in range(spec.gateways)
+            ]
+            self._wait_ready(gateways)
+            self.gateway_addresses = [g.ready["address"] for g in gateways]
+            self.gateway_address = gateways[0].ready["address"]
+            self.gateway_http_address = gateways[0].ready.get("http_address", "")
             started = [
                 self._spawn_worker(role, i)
                 for role, count in (
@@ -170,11 +194,14 @@ class Mesh:
             self._wait_ready(started)
             self._wait_listed(lambda ws: len(ws) >= len(started))
             if spec.edge is not None:
-                upstream = Upstream(grpc=self.gateway_address, http=self.gateway_http_address)
+                upstreams = [
+                    Upstream(grpc=g.ready["address"], http=g.ready.get("http_address", ""))
+                    for g in gateways
+                ]
                 edge = spec.edge
                 if edge.upstream_tls is None and (tls := mesh_tls.mesh_tls()) is not None:
                     edge = dataclasses.replace(edge, upstream_tls=tls.paths)
-                self.envoy = Envoy(edge, [upstream], die_with_parent=True)
+                self.envoy = Envoy(edge, upstreams, die_with_parent=True)
                 self.envoy.start(timeout_s=spec.ready_timeout_s)
                 self.edge_address = self.envoy.address
         except BaseException:
@@ -190,8 +217,8 @@ class Mesh:
             "services.prefill" if role == "prefill" else "services.decode",
             "--model",
             str(spec.model),
-            "--gateway",
-            self.gateway_address,
+            "--etcd",
+            self.etcd_url,
             "--host",
             spec.host,
             "--worker-id",
@@ -298,8 +325,8 @@ class Mesh:
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the planner that resizes the mesh (so it asks nothing more), Envoy, the
-        workers, then the gateway; SIGKILL what outlives the grace period (default: the
-        workers' drain timeout and 10 s)."""
+        workers, then the gateway, then the mesh's own etcd; SIGKILL what outlives the grace
+        period (default: the workers' drain timeout and 10 s)."""
         grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
         if self._actuator_server is not None:
             _terminate([p for p in self.processes if p.name == "planner"], grace_s)
@@ -310,18 +337,23 @@ class Mesh:
             self.envoy.stop(grace_s)
             self.envoy = None
         _terminate(self.workers, grace_s)
-        _terminate([p for p in self.processes if p.name in ("gateway", "planner")], grace_s)
+        _terminate(
+            [p for p in self.processes if p.name == "planner" or _is_gateway(p.name)], grace_s
+        )
         self.processes = []
         if self._registry is not None:
             self._registry.close()
             self._registry = None
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
 
     def restart(self, name: str) -> Process:
         """Start the worker `name`, which stopped or died, again under its name and with the
         same command line; return once it is ready and registered with the gateway (its new
         address in the registry)."""
         i, old = next(((i, p) for i, p in enumerate(self.processes) if p.name == name), (-1, None))
-        if old is None or old.name in ("gateway", "planner"):
+        if old is None or old.name == "planner" or _is_gateway(old.name):
             raise ValueError(f"no worker named {name!r}")
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.popen.pid})")
@@ -367,18 +399,25 @@ class Mesh:
                     )
 
     def _wait_listed(self, done, timeout_s: float = 30.0) -> None:
-        """Wait until `done(workers)` holds for the gateway's registry (its WorkerInfo list)."""
+        """Wait until `done(workers)` holds for every gateway's view (its WorkerInfo list)."""
         deadline = time.monotonic() + timeout_s
-        with mesh_tls.channel(self.gateway_address) as channel:
-            stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
-            while True:
-                workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
-                if done(workers):
-                    return
-                if time.monotonic() > deadline:
-                    names = sorted(w.worker_id for w in workers)
-                    raise TimeoutError(f"the gateway's registry did not settle: it lists {names}")
-                time.sleep(0.1)
+        for address in self.gateway_addresses:
+            with mesh_tls.channel(address) as channel:
+                stub = gateway_pb2_grpc.WorkerRegistryStub(channel)
+                while True:
+                    workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
+                    if done(workers):
+                        break
+                    if time.monotonic() > deadline:
+                        names = sorted(w.worker_id for w in workers)
+                        raise TimeoutError(
+                            f"the gateway at {address} did not settle: it lists {names}"
+                        )
+                    time.sleep(0.1)
+
+
+def _is_gateway(name: str) -> bool:
+    return name == "gateway" or name.startswith("gateway-")
 
 
 def _terminate(group: list[Process], grace_s: float) -> None:
@@ -417,8 +456,11 @@ def run_until_signal(spec: MeshSpec) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with Mesh(spec) as mesh:
-        print(f"distserve: gateway (gRPC) on {mesh.gateway_address}", flush=True)
-        print(f"distserve: gateway (HTTP) on {mesh.gateway_http_address}", flush=True)
+        own = " (its own; data removed at exit)" if mesh.etcd is not None else ""
+        print(f"distserve: etcd on {mesh.etcd_url}{own}", flush=True)
+        for g in mesh.gateways:
+            print(f"distserve: {g.name} (gRPC) on {g.ready['address']}", flush=True)
+            print(f"distserve: {g.name} (HTTP) on {g.ready.get('http_address', '')}", flush=True)
         for p in [*mesh.workers, *(p for p in mesh.processes if p.name == "planner")]:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
         for p in mesh.processes:

@@ -31,7 +31,7 @@ _SET = "launcher-sets-this"  # a value nobody passes: an option that changes it 
 # why the launcher's must stand).
 _WORKER_OWN = (
     ("model", f"/{_SET}", "give the launcher's --model"),
-    ("gateway", f"{_SET}:1", "every worker registers with the launcher's gateway"),
+    ("etcd", f"http://{_SET}:1", "every worker joins the launcher's etcd (`up --etcd`)"),
     ("host", _SET, "the launcher's --host, or a pod's IP"),
     ("worker_id", _SET, "the launcher names every worker"),
     ("tensor_parallel_size", "977", "`up --prefill-tp/--decode-tp/--colocated-tp`, or the plan's"),
@@ -42,6 +42,7 @@ _GATEWAY_OWN = (
     ("port", "1", "`up --port`; a pod's ports are fixed"),
     ("http_port", "1", "`up --gateway-http-port`; a pod's ports are fixed"),
     ("planner", f"{_SET}:1", "`up --planner`, or the rendered planner"),
+    ("etcd", f"http://{_SET}:1", "the launcher's etcd (`up --etcd`)"),
 )
 _PORTS = (
     ("port", "1", "a pod's ports are fixed"),

@@ -57,6 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="on Ctrl-C or SIGTERM: how long workers may finish or hand off in-flight work",
     )
+    up.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="an existing etcd (http://host:port) for the mesh's membership (default: start "
+        "one, its data in a temporary folder removed at exit)",
+    )
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes, each seeing every worker (through etcd), behind Envoy's "
+        "least-request balancing; the first on --port, the others on free ports",
+    )
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
     up.add_argument(
@@ -119,6 +132,17 @@ def _up(args: argparse.Namespace) -> int:
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if value is not None:
             gateway_args += [flag, str(value)]
+    if args.gateways < 1:
+        raise InvalidRequest("--gateways must be at least 1")
+    if args.gateways > 1 and args.no_edge:
+        raise InvalidRequest("--gateways N > 1 needs the edge (Envoy balances over them)")
+    if args.etcd:
+        from services.common.discovery import etcd_target
+
+        try:
+            etcd_target(args.etcd)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
     planner_args: list[str] = []
     if args.budget:
         planner_args = _autoscale_args(args)
@@ -138,6 +162,8 @@ def _up(args: argparse.Namespace) -> int:
         colocated_args=passed.colocated,
         gateway_args=(*gateway_args, *passed.gateway),
         pin=args.pin,
+        etcd=args.etcd,
+        gateways=args.gateways,
         edge=None if args.no_edge else edge_config(args, args.host),
         planner=args.planner or bool(args.budget),
         planner_args=tuple(planner_args),

@@ -158,6 +158,22 @@ def test_up_refuses_options_a_process_does_not_take_before_starting_anything(tin
         assert "gateway" not in run.stdout  # nothing started
 
 
+def test_up_passes_etcd_and_gateways_and_refuses_what_cannot_work(monkeypatch, tiny_model):
+    spec = _up_spec(monkeypatch, "--model", str(tiny_model), "--gateways", "3")
+    assert (spec.gateways, spec.etcd) == (3, None)  # None: the mesh starts its own etcd
+    spec = _up_spec(monkeypatch, "--model", str(tiny_model), "--etcd", "http://10.0.0.5:2379")
+    assert spec.etcd == "http://10.0.0.5:2379"
+    for argv, message in [
+        (("--gateways", "0"), "--gateways must be at least 1"),
+        (("--gateways", "2", "--no-edge"), "needs the edge"),
+        (("--etcd", "https://etcd:2379"), "--etcd takes http://HOST:PORT"),
+        (("--worker-args", "--etcd http://elsewhere:1"), "--etcd is set by the launcher"),
+    ]:
+        run = distserve("up", "--model", str(tiny_model), "--port", "0", *argv)
+        assert run.returncode == 2 and message in run.stderr, (argv, run.stderr)
+        assert "gateway" not in run.stdout  # nothing started
+
+
 def test_version_is_the_one_pyproject_declares():
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["project"]["version"]

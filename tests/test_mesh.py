@@ -291,7 +291,7 @@ def test_distserve_up_serves_and_stops_every_process_on_sigterm(tiny_model, tmp_
         with pytest.raises(grpc.RpcError, match=r"exceeds max_model_len \(300 tokens\)"):
             asyncio.run(generate(gateway, "Hello", 299))
         children = children_of(proc.pid)
-        assert len(children) == 4  # gateway, prefill, decode, envoy
+        assert len(children) == 5  # etcd, gateway, prefill, decode, envoy
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         for pid in children:
@@ -332,7 +332,7 @@ def test_every_process_dies_with_a_killed_distserve_up(tiny_model, tmp_path):
             if "serving" in line:
                 break
         children = children_of(proc.pid)
-        assert len(children) == 4  # gateway, prefill, decode, envoy
+        assert len(children) == 5  # etcd, gateway, prefill, decode, envoy
         proc.kill()  # no chance to stop them: the kernel tells them (PR_SET_PDEATHSIG)
         proc.wait()
 
@@ -549,3 +549,41 @@ def test_each_worker_reports_its_kv_capacity_and_the_gateway_serves_the_smallest
         assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60)) == 10
     with urllib.request.urlopen(f"http://{mesh.gateway_http_address}/v1/models", timeout=5) as r:
         assert json.load(r)["data"][0]["max_model_len"] == 400
+
+
+def test_two_gateways_behind_envoy_both_route_and_both_see_every_worker(mesh_factory, tiny_model):
+    from services.edge.config import EdgeConfig
+
+    mesh = mesh_factory(prefill=2, decode=1, gateways=2, edge=EdgeConfig(port=0))
+    assert len(mesh.gateway_addresses) == 2
+    for address in mesh.gateway_addresses:
+        with grpc.insecure_channel(address) as channel:
+            listed = gateway_pb2_grpc.WorkerRegistryStub(channel).ListWorkers(
+                gateway_pb2.ListWorkersRequest(), timeout=5
+            )
+        assert {w.worker_id for w in listed.workers} == {"prefill-0", "prefill-1", "decode-0"}
+
+    # Each gateway serves exact greedy output on its own, concurrently with the other ...
+    async def both():
+        calls = [generate(a, q) for a in mesh.gateway_addresses for q in PROMPTS[:3]]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(asyncio.wait_for(both(), 120))
+    want = [w[0] for w in expected(tiny_model, PROMPTS[:3])]
+    assert [r[0] for r in results] == want * 2
+
+    # ... and Envoy sends requests to both (least requests: concurrent ones spread).
+    def served(process) -> float:
+        samples = process.metrics()
+        return sum(s.value for s in samples if s.name == "distserve_gateway_requests_total")
+
+    before = [served(g) for g in mesh.gateways]
+
+    async def through_envoy():
+        return await asyncio.gather(*(generate(mesh.edge_address, q) for q in PROMPTS * 2))
+
+    results = asyncio.run(asyncio.wait_for(through_envoy(), 120))
+    assert [r[0] for r in results] == [w[0] for w in expected(tiny_model, PROMPTS)] * 2
+    after = [served(g) for g in mesh.gateways]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    wait_until(lambda: kv_all_free(mesh), what="every block free")

@@ -111,17 +111,15 @@ def test_only_holders_of_a_mesh_certificate_reach_the_mesh(tls_mesh, pki):
         with pytest.raises(grpc.RpcError) as err:  # plaintext, no cert, another CA's cert
             _prefill_stats(prefill, credentials)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    # The gateway's own port likewise: its registry only hears the mesh's workers.
+    # A worker's load feed likewise: only the mesh's gateways hear its load and KV events.
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        asyncio.run(_register(tls_mesh.gateway_address, _credentials(pki, None)))
+        asyncio.run(_watch_load(prefill, _credentials(pki, None)))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def _register(address: str, credentials) -> None:
+async def _watch_load(address: str, credentials) -> None:
     async with grpc.aio.secure_channel(address, credentials, options=TARGET) as channel:
-        await gateway_pb2_grpc.WorkerRegistryStub(channel).Register(
-            gateway_pb2.RegisterRequest(
-                worker_id="rogue", role=common_pb2.WORKER_ROLE_DECODE, address="1.2.3.4:5"
-            ),
-            timeout=5,
+        call = gateway_pb2_grpc.WorkerLoadFeedStub(channel).Watch(
+            gateway_pb2.WatchLoadRequest(), timeout=5
         )
+        await call.read()

@@ -56,7 +56,9 @@ def hub_mesh(tiny_model, tmp_path_factory):
         assert any("serving" in ln for ln in lines), "".join(lines)
         grpc_address = next(ln.split()[-1] for ln in lines if "gateway (gRPC) on" in ln)
         http_address = next(ln.split()[-1] for ln in lines if "gateway (HTTP) on" in ln)
+        etcd = next(ln.split()[3] for ln in lines if "distserve: etcd on" in ln)
         yield {
+            "etcd": etcd,
             "proc": proc,
             "grpc": grpc_address,
             "http": f"http://{http_address}",
@@ -84,10 +86,10 @@ def workers(mesh) -> set[str]:
 
 
 def children_models(pid: int) -> list[str]:
-    """The --model argument of each child process of `pid`."""
+    """The --model argument of each child process of `pid` that has one (etcd has none)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     argvs = [Path(f"/proc/{int(c)}/cmdline").read_text().split("\0") for c in out.stdout.split()]
-    return [argv[argv.index("--model") + 1] for argv in argvs]
+    return [argv[argv.index("--model") + 1] for argv in argvs if "--model" in argv]
 
 
 def test_up_serves_a_hub_id_from_the_offline_cache_under_its_id(hub_mesh):
@@ -178,7 +180,7 @@ def tokenizerless(tiny_model, tmp_path_factory) -> Path:
 def test_a_worker_on_a_quantized_checkpoint_is_refused_and_the_mesh_goes_on(hub_mesh, quantized):
     before = workers(hub_mesh)
     run = start_refused(
-        "services.prefill", quantized, "--gateway", hub_mesh["grpc"], "--no-ucx", "--worker-id", "q"
+        "services.prefill", quantized, "--etcd", hub_mesh["etcd"], "--no-ucx", "--worker-id", "q"
     )
     assert_one_line_refusal(
         run, "prefill", "quantization_config", "'gptq'", "float32, bfloat16 or float16"
@@ -189,7 +191,7 @@ def test_a_worker_on_a_quantized_checkpoint_is_refused_and_the_mesh_goes_on(hub_
 
 def test_a_worker_without_a_tokenizer_is_refused_and_the_mesh_goes_on(hub_mesh, tokenizerless):
     before = workers(hub_mesh)
-    run = start_refused("services.decode", tokenizerless, "--gateway", hub_mesh["grpc"])
+    run = start_refused("services.decode", tokenizerless, "--etcd", hub_mesh["etcd"])
     assert_one_line_refusal(run, "decode", "has no tokenizer.json", str(tokenizerless))
     assert workers(hub_mesh) == before
     assert complete(hub_mesh, max_tokens=3)["usage"]["completion_tokens"] == 3

@@ -6,7 +6,7 @@ Each probe offers Poisson arrivals for `PROBE_S` seconds of prompts of 32-128 to
 `OUTPUT_TOKENS`-token answers, at double the rate of the one before, until the gateway's CPU
 passes 90% of a core, the host's CPU 90% of its cores, or the median TPOT 1.5x the first
 probe's. The figures: the most tokens/s delivered, the gateway's CPU per token beyond its idle
-cost (32 workers' heartbeats), so the tokens/s one gateway core forwards, the whole host's CPU
+cost (32 workers' load reports), so the tokens/s one gateway core forwards, the whole host's CPU
 beside it (on a 2-core host the 32 workers and the load generator share the cores: whichever
 saturates first is named), and where the gateway's CPU goes at the last probe (py-spy: the top 5
 functions by own time, and the top 5 of the mesh's own code by inclusive time).
@@ -113,7 +113,7 @@ def measure(log=print) -> dict:
             gateway = next(p for p in mesh.processes if p.name == "gateway").popen.pid
             g0 = cpu_seconds(gateway)
             time.sleep(IDLE_S)
-            idle = (cpu_seconds(gateway) - g0) / IDLE_S  # cores: heartbeats, metrics
+            idle = (cpu_seconds(gateway) - g0) / IDLE_S  # cores: load reports, metrics
             rate, top = FIRST_RATE, {}
             for i in range(MAX_PROBES):
                 n = max(20, int(rate * PROBE_S))

@@ -156,6 +156,9 @@ def _mesh_config(plan: dict, o: RenderOptions) -> dict:
     data = {
         "MODEL_DIR": o.model.folder,
         "GATEWAY_ADDRESS": o.service_address("distserve-gateway", GATEWAY_GRPC_PORT),
+        # The mesh's membership (services/common/discovery.py): an etcd this render does not
+        # create (yet); every worker and gateway joins it.
+        "ETCD_URL": "http://" + o.service_address("distserve-etcd", 2379),
     }
     if o.planner:
         data["PLANNER_ADDRESS"] = o.service_address("distserve-planner", PLANNER_PORT)
@@ -182,6 +185,7 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
         ("--slo-ttft-ms", "SLO_TTFT_MS"),
         ("--slo-tpot-ms", "SLO_TPOT_MS"),
         ("--planner", "PLANNER_ADDRESS"),
+        ("--etcd", "ETCD_URL"),
     ):
         if key in config:
             args += [flag, f"$({key})"]
@@ -247,7 +251,7 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         gpu_memory_gib=o.gpu_memory_gib, cpus_per_rank=o.cpus_per_rank,
     )  # fmt: skip
     module = "services.prefill" if pool.role == "prefill" else "services.decode"
-    args = ["--model", "$(MODEL_DIR)", "--gateway", "$(GATEWAY_ADDRESS)", "--host", "$(POD_IP)"]
+    args = ["--model", "$(MODEL_DIR)", "--etcd", "$(ETCD_URL)", "--host", "$(POD_IP)"]
     args += ["--port", str(WORKER_PORT), "--worker-id", "$(POD_NAME)"]
     args += ["--metrics-port", str(METRICS_PORT), "--tensor-parallel-size", str(pool.tp)]
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]
@@ -259,7 +263,7 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         k8s.from_field("POD_IP", "status.podIP"),
         k8s.from_field("POD_NAME", "metadata.name"),
         k8s.from_config("MODEL_DIR"),
-        k8s.from_config("GATEWAY_ADDRESS"),
+        k8s.from_config("ETCD_URL"),
     ]
     worker = m.container(
         pool.role, ["python", "-m", module], args, env=env,

@@ -29,7 +29,12 @@ from services.engine.config import (
 )
 from services.kvtransfer.puller import PullPolicy
 from services.kvtransfer.ucx_setup import add_ucx_args, configure_ucx, shutdown_ucx
-from services.worker.announcer import add_drain_args, serve_as_worker
+from services.worker.announcer import (
+    LOAD_FEED_SERVICE,
+    LoadFeed,
+    add_drain_args,
+    serve_as_worker,
+)
 
 log = logging.getLogger("distserve.decode")
 
@@ -41,7 +46,11 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
     )
     p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
-    p.add_argument("--gateway", help="gateway host:port to register with")
+    p.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="the mesh's etcd (http://host:port): join the mesh there (none: standalone)",
+    )
     p.add_argument("--role", choices=ROLES, default="decode")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -78,7 +87,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         args.model = default_model("tiny")
     config = DecodeConfig(
         model=Path(args.model),
-        gateway=args.gateway,
+        etcd=args.etcd,
         role=args.role,
         host=args.host,
         port=args.port,
@@ -108,11 +117,13 @@ async def serve(config: DecodeConfig) -> None:
     worker = DecodeWorker(config, registry)
     registry.register(StatsCollector(lambda: worker_stats(worker)))
     metrics_address = serve_metrics(registry, config.host, config.metrics_port)
+    feed = LoadFeed(lambda: worker_load(worker), worker.loop.prefix_log)
 
     def add(server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+        feed.add_to(server)
 
-    names = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+    names = [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name, LOAD_FEED_SERVICE]
     server, health, port = await start_server(config.host, config.port, add, names, probe)
     address = f"{config.host}:{port}"
     await worker.start()
@@ -127,17 +138,17 @@ async def serve(config: DecodeConfig) -> None:
     await serve_as_worker(
         server=server,
         health=health,
-        gateway=config.gateway,
+        etcd=config.etcd,
+        feed=feed,
         worker_id=config.worker_id,
         role=role_pb(worker),
         service=config.role,
         address=address,
         model=config.model.name,
-        load=lambda: worker_load(worker),
+        tensor_parallel_size=config.tensor_parallel_size,
         drain=worker.drain,
         drain_timeout_s=config.drain_timeout_s,
         stop=stop,
-        prefix_cache=worker.loop.prefix_log,
         metrics_address=metrics_address,
         **({"health_address": probe.address} if probe is not None else {}),
     )

@@ -15,7 +15,7 @@ ROLES = ("decode", "colocated")
 @dataclass(frozen=True)
 class DecodeConfig:
     model: Path
-    gateway: str | None  # host:port of the gateway's registry; None runs standalone
+    etcd: str | None  # the mesh's etcd (http://host:port) to join; None runs standalone
     role: str = "decode"  # decode | colocated
     host: str = "127.0.0.1"
     port: int = 0

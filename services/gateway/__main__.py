@@ -1,5 +1,5 @@
-"""`python -m services.gateway`: run the gateway (gRPC and OpenAI-compatible HTTP APIs, and the
-worker registry)."""
+"""`python -m services.gateway`: run the gateway (gRPC and OpenAI-compatible HTTP APIs), routing
+to the workers it finds in the mesh's etcd."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.common import clock, mesh_tls, telemetry
+from services.common.discovery import EtcdDiscovery, etcd_target
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.generation_defaults import GenerationDefaults
 from services.common.hub import refuse_at_start, resolve_model
@@ -35,6 +36,7 @@ from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.conditional import LocalPrefill
 from services.gateway.http_api import HttpApi, HttpApiConfig
+from services.gateway.membership import Membership
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.planner_feed import PlannerFeed
 from services.gateway.registry import Registry
@@ -54,8 +56,9 @@ class GatewayConfig:
     revision: str | None = None  # with a Hub id: its branch, tag or commit
     host: str = "127.0.0.1"
     port: int = 50051
-    # A worker that does not heartbeat this long is dropped (a dead one sooner: a call that
-    # cannot reach it deregisters it); long enough for a slow heartbeat on a starved host.
+    etcd: str = "http://127.0.0.1:2379"  # the mesh's etcd: its members (discovery.py)
+    # A worker whose load feed is silent this long is not routed to (a dead one sooner: its
+    # feed breaks, and etcd drops it when its lease lapses); long enough for a starved host.
     worker_lease_s: float = 6.0
     max_tokens: int | None = None  # largest max_tokens accepted; default: the model's context
     max_n: int = MAX_N  # most choices (n, best_of) a request may ask for
@@ -112,7 +115,18 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    p.add_argument("--worker-lease-s", type=float, default=6.0)
+    p.add_argument(
+        "--etcd",
+        metavar="URL",
+        default="http://127.0.0.1:2379",
+        help="the mesh's etcd: workers are found there (default: etcd's own default address)",
+    )
+    p.add_argument(
+        "--worker-lease-s",
+        type=float,
+        default=6.0,
+        help="a worker whose load reports stop this long is not routed to",
+    )
     p.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask")
     p.add_argument(
         "--max-n",
@@ -195,6 +209,10 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     clock.add_args(p)
     a = p.parse_args(argv)
+    try:
+        etcd_target(a.etcd)
+    except ValueError as e:
+        p.error(str(e))
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
     if a.layerwise_min_tokens < 0:
@@ -209,6 +227,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         tool_call_parser=a.tool_call_parser,
         host=a.host,
         port=a.port,
+        etcd=a.etcd,
         worker_lease_s=a.worker_lease_s,
         max_tokens=a.max_tokens,
         max_n=a.max_n,
@@ -281,6 +300,7 @@ async def serve(config: GatewayConfig) -> None:
     metrics.watch_admission(admission)
     layerwise_min = config.layerwise_min_tokens if config.layerwise_handoff else None
     router = Router(routing, tokenizer, served, metrics, feed, layerwise_min, admission)
+    membership = Membership(registry, EtcdDiscovery(config.etcd), router.channel)
     limits = Limits.for_model(
         model,
         config.max_tokens,
@@ -333,12 +353,14 @@ async def serve(config: GatewayConfig) -> None:
         ready["http_address"] = f"{config.host}:{sock.getsockname()[1]}"
     if feed is not None:
         feed.start()
+    membership.start()
     announce_ready("gateway", **ready)
     await wait_for_signal()
     await health.enter_graceful_shutdown()
     if http is not None:
         await http.cleanup()
     await server.stop(grace=5)
+    await membership.stop()
     if feed is not None:
         await feed.stop()
     await router.close()

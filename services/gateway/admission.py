@@ -28,8 +28,8 @@ stream):
   waiting prompt's TTFT is predicted again at every poll, with the time it waited: the
   prompts let go together see each other in the queue.
 
-The queue on an instance is the larger of what its last heartbeat reported and what this
-gateway sent there and has not had answered (`Worker.queued_tokens`): a heartbeat is a snapshot
+The queue on an instance is the larger of what its last load report showed and what this
+gateway sent there and has not had answered (`Worker.queued_tokens`): a report is a snapshot
 the worker took between two engine steps, which under a burst missed seconds of work.
 
 Why one file (~340 lines): the three rules read one view of the pool (its queues, its seats, the
@@ -112,7 +112,7 @@ class Admission:
         self.limit_ms = self.config.ttft_factor * ttft_slo_s * 1000
         self.step_limit_ms = self.config.tpot_watermark * (tpot_slo_s or 0.0) * 1000
         self._line = CostLine()  # through the latest prefill batches
-        # Per decode instance: the heartbeat sampled last, and a line of its decode step time
+        # Per decode instance: the load report sampled last, and a line of its decode step time
         # over its batch size.
         self._steps: dict[str, tuple[float | None, CostLine]] = {}
         # The handoff bubble in decode steps: the median over the latest requests.
@@ -296,7 +296,7 @@ class Admission:
         """How many sequences decode instance `w` runs with steps within `step_ms` (default the
         step limit): from its latest reported step time and batch size, each sequence more or
         less costing the slope of a line through its reported step times over its batch sizes
-        (a sample a heartbeat); None until there is a line. At least one: a request is never
+        (a sample a load report); None until there is a line. At least one: a request is never
         held back by a decode instance that has nothing to do."""
         seen, line = self._steps.get(w.worker_id, (None, None))
         if line is None:

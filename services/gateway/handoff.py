@@ -183,7 +183,7 @@ class Handoff:
         the instance's queue: `Routing.pick_prefill`), on an instance not tried yet (any
         instance if all were): with `layerwise`, its handle as soon as the prompt is
         scheduled, then its result. An instance that cannot be reached is dropped from routing
-        until it heartbeats (registers) again: RemoteError UNAVAILABLE."""
+        until it reports again: RemoteError UNAVAILABLE."""
         prefill = self.routing.pick_prefill(prompt, exclude=tries.tried_prefill)
         tries.tried_prefill.add(prefill.worker_id)
         telemetry.annotate(trace, {"distserve.prefill.instance": prefill.worker_id})

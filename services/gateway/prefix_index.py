@@ -2,14 +2,12 @@
 
 A worker with a prefix cache names each full KV block it holds by a hash chained over the
 prompt's tokens (services/common/prefix_hash.py) and reports what it stored and evicted on its
-heartbeats (`PrefixCacheEvents`): on the heartbeat rather than a stream of its own, so the
-events arrive in order with the load they go with, over the connection that already proves the
-worker alive, and a worker the gateway forgot (a lapsed lease, a gateway restart) sends its whole
-set again when it registers. Events are at most a heartbeat old (0.5 s); the gateway does not
-wait for them: the moment it routes a prompt to a worker it counts the prompt's blocks as held
-there (`predict`), for a few seconds, until the worker's own report confirms or drops them. So
-the second turn of a conversation finds its first turn's prefix even when it comes back within
-the heartbeat.
+load feed (`PrefixCacheEvents` in each `LoadReport`), so the events arrive in order with the load
+they go with, and a gateway that subscribes (it started, or the feed broke) gets the whole set
+first. Events are at most a report old (0.5 s); the gateway does not wait for them: the moment
+it routes a prompt to a worker it counts the prompt's blocks as held there (`predict`), for a
+few seconds, until the worker's own report confirms or drops them. So the second turn of a
+conversation finds its first turn's prefix even when it comes back within the report interval.
 
 A prompt's hashes depend on the worker's salt (its model, dtype and weights) and block size:
 `PromptBlocks` computes them once per (salt, block size) for one request, so a mesh of one model

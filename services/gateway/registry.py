@@ -1,8 +1,10 @@
-"""The workers the gateway routes to: membership, kept alive by heartbeats, and load.
+"""The workers the gateway routes to: membership (followed from the discovery service by
+gateway/membership.py) and load (each worker's load feed).
 
-Each worker's load is what its heartbeats report plus the calls this gateway has sent it since
-(`Worker`): exact for this gateway's own work, a snapshot for other gateways'. Which worker a
-request goes to is decided in gateway/routing.py.
+Each worker's load is what its feed reports plus the calls this gateway has sent it since
+(`Worker`): exact for this gateway's own work, a snapshot for other gateways'. A member is routed
+to while its reports keep coming; one whose feed broke or whose call failed is suspended until
+its next report. Which worker a request goes to is decided in gateway/routing.py.
 """
 
 from __future__ import annotations
@@ -55,17 +57,18 @@ class Worker:
     role: str  # prefill | decode | colocated
     address: str
     load: Load = field(default_factory=Load)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # its last report (or joining)
+    suspended: bool = False  # its feed broke or a call to it failed: not routed until it reports
     cache: CachedBlocks = field(default_factory=CachedBlocks)  # its prefix cache, as reported
     # The calls this gateway has open on the worker, by ticket: exact and current for its own
-    # work. A heartbeat's load is a snapshot the worker took a moment ago (its engine only sees
+    # work. A report's load is a snapshot the worker took a moment ago (its engine only sees
     # a call between two steps), so it misses calls just sent and still shows calls that have
     # just ended; what it shows beyond what this gateway had open when it came is other
     # gateways' work. The worker's figures are this gateway's own plus those others'.
     _calls: dict[int, _Call] = field(default_factory=dict, repr=False)
     _tickets: itertools.count = field(default_factory=itertools.count, repr=False)
-    # (queued tokens, waiting, open) of this gateway's own calls when the last heartbeat came
-    _own_at_heartbeat: tuple[int, int, int] = (0, 0, 0)
+    # (queued tokens, waiting, open) of this gateway's own calls when the last report came
+    _own_at_report: tuple[int, int, int] = (0, 0, 0)
 
     def send(self, prompt_tokens: int = 0, kv_tokens: int = 0) -> int:
         """A call is going to this worker with a prompt of this many tokens to prefill (0: the
@@ -90,9 +93,9 @@ class Worker:
         return sum(c.tokens for c in calls), sum(c.waiting for c in calls), len(self._calls)
 
     def heard(self, load: Load) -> None:
-        """A heartbeat's load: remember what of it was this gateway's own work."""
+        """A report's load: remember what of it was this gateway's own work."""
         self.load = load
-        self._own_at_heartbeat = self._own()
+        self._own_at_report = self._own()
 
     def _reported(self) -> tuple[int, int, int]:
         load = self.load
@@ -104,9 +107,9 @@ class Worker:
 
     def _now(self, i: int) -> int:
         """Figure i (queued tokens, waiting, open) now: this gateway's own, plus what the last
-        heartbeat showed beyond this gateway's own at the time (other gateways' work)."""
+        report showed beyond this gateway's own at the time (other gateways' work)."""
         own = self._own()[i]
-        return own + max(0, self._reported()[i] - self._own_at_heartbeat[i])
+        return own + max(0, self._reported()[i] - self._own_at_report[i])
 
     @property
     def queued_tokens(self) -> int:
@@ -128,7 +131,7 @@ class Worker:
     def kv_headroom_tokens(self) -> int:
         """KV tokens there that this gateway's requests decoding there cannot grow into: the
         capacity the worker reports, less their prompts and max_tokens. Current at every
-        moment, where a heartbeat's free blocks are a snapshot of a moment ago: routing on
+        moment, where a report's free blocks are a snapshot of a moment ago: routing on
         the snapshot made two runs of one workload route differently wherever instances tie
         on open requests (other gateways' requests count in `open_requests`)."""
         held = sum(c.kv_tokens for c in self._calls.values() if not c.waiting)
@@ -136,7 +139,9 @@ class Worker:
 
 
 class Registry:
-    """Workers by id; a worker whose lease lapses (no heartbeat) is dropped from routing."""
+    """Workers by id, as the discovery service lists them; `live` are those routed to: not
+    suspended, and reported within `lease_s` (a worker alive in etcd whose feed went silent, e.g.
+    a stopped process, is not routed to)."""
 
     def __init__(self, lease_s: float = 3.0) -> None:
         self.lease_s = lease_s
@@ -159,34 +164,52 @@ class Registry:
         worker.cache.block_size = load.kv_block_size
         self._workers[worker_id] = worker
 
-    def heartbeat(
+    def report(
         self,
         worker_id: str,
         load: Load,
         events: tuple[bool, Iterable[int], Iterable[int]] | None = None,
+        address: str | None = None,
     ) -> bool:
-        """A worker's heartbeat: its load, and its prefix cache's (reset, stored, removed)."""
-        worker = self._workers.get(worker_id)
+        """A worker's report: its load, and its prefix cache's (reset, stored, removed); with
+        `address`, only if it is still registered there. Whether the worker is known."""
+        worker = self._get(worker_id, address)
         if worker is None:
             return False
         worker.heard(load)
         if events is not None:
             worker.cache.apply(*events)
         worker.last_seen = time.monotonic()
+        worker.suspended = False
         return True
 
     def deregister(self, worker_id: str, address: str | None = None) -> None:
         """Drop a worker; with `address`, only if it is still registered there (not a worker
         that restarted under the same id)."""
-        worker = self._workers.get(worker_id)
-        if worker is not None and (address is None or worker.address == address):
+        if self._get(worker_id, address) is not None:
             del self._workers[worker_id]
+
+    def suspend(self, worker_id: str, address: str | None = None) -> None:
+        """Route nothing more to the worker until it reports again (its feed broke)."""
+        worker = self._get(worker_id, address)
+        if worker is not None:
+            worker.suspended = True
 
     def lost(self, worker: Worker) -> None:
         """A worker failed mid-stream (it died, or it drains): route nothing more to it; a live
-        one is back at its next heartbeat. Only that incarnation: a worker restarted under the
+        one is back at its next report. Only that incarnation: a worker restarted under the
         same id (at another address) stays."""
-        self.deregister(worker.worker_id, worker.address)
+        self.suspend(worker.worker_id, worker.address)
+
+    def __contains__(self, worker_id: str) -> bool:
+        """Whether the worker is a member (routed to or not)."""
+        return worker_id in self._workers
+
+    def _get(self, worker_id: str, address: str | None) -> Worker | None:
+        worker = self._workers.get(worker_id)
+        if worker is None or (address is not None and worker.address != address):
+            return None
+        return worker
 
     def max_model_len(self) -> int | None:
         """The longest prompt + output every live worker serves (the smallest of their
@@ -195,9 +218,12 @@ class Registry:
         return min(lengths) if lengths else None
 
     def live(self, role: str | None = None) -> list[Worker]:
-        """Workers whose lease holds; lapsed ones are removed."""
+        """Workers routed to: reported within the lease, not suspended."""
         now = time.monotonic()
-        for worker_id, w in list(self._workers.items()):
-            if now - w.last_seen > self.lease_s:
-                del self._workers[worker_id]
-        return [w for w in self._workers.values() if role is None or w.role == role]
+        return [
+            w
+            for w in self._workers.values()
+            if not w.suspended
+            and now - w.last_seen <= self.lease_s
+            and (role is None or w.role == role)
+        ]

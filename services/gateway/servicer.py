@@ -1,4 +1,4 @@
-"""gRPC servicers of the gateway: the public Generate API and the worker registry.
+"""gRPC servicers of the gateway: the public Generate API and its view of the workers.
 
 A `chat` prompt is written here as the HTTP chat body names its fields and checked, rendered
 and read back by the same code as the HTTP API's (chat_request.py, tool_parsers.py): protobuf
@@ -12,6 +12,7 @@ import json
 
 from services.common import clock, telemetry
 from services.common.convert import finish_to_pb, logprobs_list_to_pb
+from services.common.discovery import ROLE_VALUES
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import (
     common_pb2,
@@ -24,19 +25,10 @@ from services.gateway.chat_request import ChatCall, chat_call
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.events import Done
 from services.gateway.openai_protocol import check_unicode
-from services.gateway.prefix_index import CachedBlocks
-from services.gateway.registry import Load, Registry
+from services.gateway.registry import Registry
 from services.gateway.request import Limits, validate
 from services.gateway.router import Router
 from services.gateway.tool_parsers import ToolParser, WholeCallStream
-
-ROLE_NAMES = {
-    common_pb2.WORKER_ROLE_PREFILL: "prefill",
-    common_pb2.WORKER_ROLE_DECODE: "decode",
-    common_pb2.WORKER_ROLE_COLOCATED: "colocated",
-}
-ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
-
 
 # Initial metadata of a Generate call on an emulated mesh: wall seconds per emulated second.
 TIME_SCALE_HEADER = "x-distserve-time-scale"
@@ -197,29 +189,10 @@ def _json_object(text: str, where: str, param: str) -> dict:
 
 
 class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
+    """What this gateway routes to (workers join in the discovery service, not here)."""
+
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-
-    async def Register(self, request, context):
-        role = ROLE_NAMES.get(request.role)
-        if role is None or not request.worker_id or not request.address:
-            raise InvalidRequest("register with a worker_id, a role and an address")
-        load = _load(request.load)
-        cache = CachedBlocks(request.prefix_cache_salt, load.kv_block_size)
-        cache.apply(True, request.prefix_cache.stored, ())
-        self.registry.register(request.worker_id, role, request.address, load, cache)
-        return gateway_pb2.RegisterResponse(lease_ms=int(self.registry.lease_s * 1000))
-
-    async def Heartbeat(self, request, context):
-        events = request.prefix_cache
-        known = self.registry.heartbeat(
-            request.worker_id, _load(request.load), (events.reset, events.stored, events.removed)
-        )
-        return gateway_pb2.HeartbeatResponse(known=known)
-
-    async def Deregister(self, request, context):
-        self.registry.deregister(request.worker_id)
-        return gateway_pb2.DeregisterResponse()
 
     async def ListWorkers(self, request, context):
         now, wall = clock.monotonic(), clock.time_s()
@@ -230,23 +203,8 @@ class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
                     role=ROLE_VALUES[w.role],
                     address=w.address,
                     load=common_pb2.WorkerLoad(**vars(w.load)),
-                    last_heartbeat_unix_ms=int((wall - (now - w.last_seen)) * 1000),
+                    last_report_unix_ms=int((wall - (now - w.last_seen)) * 1000),
                 )
                 for w in self.registry.live()
             ]
         )
-
-
-def _load(pb: common_pb2.WorkerLoad) -> Load:
-    return Load(
-        queued_prompt_tokens=pb.queued_prompt_tokens,
-        running_seqs=pb.running_seqs,
-        waiting_seqs=pb.waiting_seqs,
-        free_kv_blocks=pb.free_kv_blocks,
-        total_kv_blocks=pb.total_kv_blocks,
-        pending_pulls=pb.pending_pulls,
-        held_kv_handles=pb.held_kv_handles,
-        decode_step_ms=pb.decode_step_ms,
-        kv_block_size=pb.kv_block_size,
-        max_model_len=pb.max_model_len,
-    )

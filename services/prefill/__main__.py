@@ -35,7 +35,12 @@ from services.kvtransfer.ucx_setup import add_ucx_args, configure_ucx, shutdown_
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer, worker_load, worker_stats
 from services.prefill.worker import PrefillWorker
-from services.worker.announcer import add_drain_args, serve_as_worker
+from services.worker.announcer import (
+    LOAD_FEED_SERVICE,
+    LoadFeed,
+    add_drain_args,
+    serve_as_worker,
+)
 
 log = logging.getLogger("distserve.prefill")
 
@@ -47,7 +52,11 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
     )
     p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
-    p.add_argument("--gateway", help="gateway host:port to register with")
+    p.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="the mesh's etcd (http://host:port): join the mesh there (none: standalone)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ucx-port", type=int, default=0)
@@ -69,7 +78,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     config = PrefillConfig(
         model=Path(args.model),
-        gateway=args.gateway,
+        etcd=args.etcd,
         host=args.host,
         port=args.port,
         ucx_port=args.ucx_port,
@@ -94,9 +103,11 @@ async def serve(config: PrefillConfig) -> None:
     worker = PrefillWorker(config, registry)
     registry.register(StatsCollector(lambda: worker_stats(worker)))
     metrics_address = serve_metrics(registry, config.host, config.metrics_port)
+    feed = LoadFeed(lambda: worker_load(worker), worker.loop.prefix_log)
 
     def add(server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+        feed.add_to(server)
         kvtransfer_pb2_grpc.add_KvTransferServicer_to_server(
             KvTransferServicer(worker.leases, worker.free, worker.source), server
         )
@@ -104,6 +115,7 @@ async def serve(config: PrefillConfig) -> None:
     names = [
         prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
         kvtransfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name,
+        LOAD_FEED_SERVICE,
     ]
     server, health, port = await start_server(config.host, config.port, add, names, probe)
     address = f"{config.host}:{port}"
@@ -119,17 +131,17 @@ async def serve(config: PrefillConfig) -> None:
     await serve_as_worker(
         server=server,
         health=health,
-        gateway=config.gateway,
+        etcd=config.etcd,
+        feed=feed,
         worker_id=config.worker_id,
         role=common_pb2.WORKER_ROLE_PREFILL,
         service="prefill",
         address=address,
         model=config.model.name,
-        load=lambda: worker_load(worker),
+        tensor_parallel_size=config.tensor_parallel_size,
         drain=worker.drain,
         drain_timeout_s=config.drain_timeout_s,
         stop=stop,
-        prefix_cache=worker.loop.prefix_log,
         ucx_port=worker.chunks.port if worker.chunks is not None else 0,
         metrics_address=metrics_address,
         **({"health_address": probe.address} if probe is not None else {}),

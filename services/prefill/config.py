@@ -12,7 +12,7 @@ from services.engine.config import EngineConfig
 @dataclass(frozen=True)
 class PrefillConfig:
     model: Path
-    gateway: str | None  # host:port of the gateway's registry; None runs standalone
+    etcd: str | None  # the mesh's etcd (http://host:port) to join; None runs standalone
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     ucx_port: int = 0

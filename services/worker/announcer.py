@@ -1,100 +1,141 @@
-"""A worker's membership in the mesh: register with the gateway, heartbeat its load, leave."""
+"""A worker's membership in the mesh: its entry in the discovery service (etcd) under a lease it
+renews, and the load feed every gateway subscribes to (its load and prefix-cache events)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.common import mesh_tls
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.common.server import CHANNEL_OPTIONS
+from services.common.discovery import DEFAULT_TTL_S, ROLE_NAMES, EtcdDiscovery, Member
+from services.common.gen.distserve.v1 import common_pb2, gateway_pb2
 from services.worker.prefix_log import PrefixCacheLog
 
 log = logging.getLogger("distserve.announcer")
 
+# The service every worker serves beside its own (for health checking and reflection).
+LOAD_FEED_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["WorkerLoadFeed"].full_name
 
-class Announcer:
-    """Registers a worker and heartbeats `load()` until stopped; re-registers when the gateway
-    forgets it (e.g. after a gateway restart). With a `prefix_cache` log, each heartbeat also
-    carries what the worker's prefix cache stored and evicted (services/worker/prefix_log.py)."""
+
+class LoadFeed:
+    """The worker's load and prefix-cache events, every `interval_s`, to every subscribed gateway.
+
+    One ticker takes a report (the load now, the prefix cache's changes since the last tick) and
+    hands the same message to every subscriber; a new subscriber first gets the load now and the
+    whole prefix cache. A subscriber that falls `max_behind` reports behind (a stuck gateway) is
+    ended with RESOURCE_EXHAUSTED: it subscribes again and gets the whole set."""
 
     def __init__(
         self,
-        gateway: str,
-        *,
-        worker_id: str,
-        role: int,
-        address: str,
-        model: str,
         load: Callable[[], common_pb2.WorkerLoad],
-        interval_s: float = 0.5,
         prefix_cache: PrefixCacheLog | None = None,
+        interval_s: float = 0.5,
+        max_behind: int = 64,
     ) -> None:
-        self.gateway = gateway
-        self.request = gateway_pb2.RegisterRequest(
-            worker_id=worker_id,
-            role=role,
-            address=address,
-            model=model,
-            prefix_cache_salt=prefix_cache.salt if prefix_cache is not None else b"",
-        )
         self.load = load
         self.prefix_cache = prefix_cache
         self.interval_s = interval_s
-        self.timeout_s = 1.0  # of one heartbeat; half the lease once the gateway said it
-        self._channel = mesh_tls.aio_channel(gateway, CHANNEL_OPTIONS)
-        self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
+        self.max_behind = max_behind
+        self._subscribers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        await self._register()
-        self._task = asyncio.create_task(self._beat())
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve `Watch` on `server`. Its replies are serialized once per tick, not once per
+        subscriber: the handler sends the bytes as they are (no response serializer)."""
+        watch = grpc.unary_stream_rpc_method_handler(
+            self.Watch, request_deserializer=gateway_pb2.WatchLoadRequest.FromString
+        )
+        handler = grpc.method_handlers_generic_handler(LOAD_FEED_SERVICE, {"Watch": watch})
+        server.add_generic_rpc_handlers((handler,))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._tick())
+
+    async def stop(self) -> None:
+        """End every subscription (the worker leaves)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+
+    def _report(self, whole: bool) -> bytes:
+        """A LoadReport, serialized."""
+        report = gateway_pb2.LoadReport(load=self.load())
+        if self.prefix_cache is not None:
+            cache = self.prefix_cache.whole() if whole else self.prefix_cache.report()
+            report.prefix_cache.CopyFrom(cache)
+        return report.SerializeToString()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            report = self._report(whole=False)
+            for queue in list(self._subscribers):
+                if queue.qsize() < self.max_behind:
+                    queue.put_nowait(report)
+                else:  # ends it; it subscribes again for the whole set
+                    self._subscribers.discard(queue)
+                    queue.put_nowait(None)
+
+    async def Watch(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(self._report(whole=True))
+        self._subscribers.add(queue)
+        try:
+            while (report := await queue.get()) is not None:
+                yield report
+        finally:
+            self._subscribers.discard(queue)
+        if self._task is not None and not self._task.done():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fell behind the load feed")
+
+
+class Announcer:
+    """Keeps `member` registered in the discovery service at `etcd`: puts it under a lease of
+    `ttl_s` and renews it every third of that until stopped (registering again when the lease
+    lapsed: the process was stopped, or etcd lost its data); `stop` deregisters it."""
+
+    def __init__(self, etcd: str, member: Member, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.member = member
+        self.discovery = EtcdDiscovery(etcd, ttl_s)
+        self.interval_s = ttl_s / 3
+        self._task: asyncio.Task | None = None
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:  # etcd may still be starting
+            try:
+                await self.discovery.register(self.member)
+                break
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cannot register with etcd at {self.discovery.url}") from e
+                await asyncio.sleep(0.2)
+        self._task = asyncio.create_task(self._renew())
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
         try:
-            await self._stub.Deregister(
-                gateway_pb2.DeregisterRequest(worker_id=self.request.worker_id), timeout=2
-            )
-        except grpc.aio.AioRpcError as e:
+            await self.discovery.deregister()
+        except grpc.aio.AioRpcError as e:  # its lease lapses within the TTL anyway
             log.info("deregister failed: %s", e.details())
-        await self._channel.close()
+        await self.discovery.close()
 
-    async def _register(self) -> None:
-        self.request.load.CopyFrom(self.load())
-        if self.prefix_cache is not None:
-            self.request.prefix_cache.CopyFrom(self.prefix_cache.report(whole=True))
-        try:
-            reply = await self._stub.Register(self.request, timeout=10, wait_for_ready=True)
-        except grpc.aio.AioRpcError:
-            if self.prefix_cache is not None:
-                self.prefix_cache.lost()
-            raise
-        self.interval_s = min(self.interval_s, reply.lease_ms / 3000)
-        # A slow answer still counts: a heartbeat given up at 1 s on a starved host let a live
-        # worker's lease lapse. Half the lease leaves time for the next one.
-        self.timeout_s = max(1.0, reply.lease_ms / 2000)
-
-    async def _beat(self) -> None:
-        beat = gateway_pb2.HeartbeatRequest(worker_id=self.request.worker_id)
+    async def _renew(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                beat.load.CopyFrom(self.load())
-                if self.prefix_cache is not None:
-                    beat.prefix_cache.CopyFrom(self.prefix_cache.report())
-                reply = await self._stub.Heartbeat(beat, timeout=self.timeout_s)
-                if not reply.known:
-                    await self._register()
+                await self.discovery.renew()
             except grpc.aio.AioRpcError as e:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.lost()  # its changes may not have arrived
-                log.warning("heartbeat to %s failed: %s", self.gateway, e.code().name)
+                url, code = self.discovery.url, e.code().name
+                log.warning("renewing the lease at %s failed: %s", url, code)
 
 
 DRAIN_TIMEOUT_S = 30.0
@@ -125,40 +166,45 @@ async def serve_as_worker(
     *,
     server: grpc.aio.Server,
     health,
-    gateway: str | None,
+    etcd: str | None,
+    feed: LoadFeed,
     worker_id: str,
     role: int,
     service: str,
     address: str,
     model: str,
-    load: Callable[[], common_pb2.WorkerLoad],
+    tensor_parallel_size: int,
     drain: Callable[[float], Awaitable[None]],
     drain_timeout_s: float,
     stop: Callable[[], Awaitable[None]],
-    prefix_cache: PrefixCacheLog | None = None,
     **ready: object,
 ) -> None:
-    """A worker's life after its server started: join the mesh (when a gateway is given), say
-    ready (the ready line carries its KV capacity: blocks, tokens, max_model_len), serve until
-    SIGINT or SIGTERM, then drain and leave: not serving, deregistered (the gateway routes
-    nothing new here), `drain(timeout)` (in-flight work finishes or is handed off, held KV is
-    released, new work is refused), the server stopped, and `stop()` for the worker's own
-    resources."""
+    """A worker's life after its server started (with `feed` added to it): join the mesh (when an
+    etcd is given: its entry, under a lease), say ready (the ready line carries its KV capacity:
+    blocks, tokens, max_model_len), serve until SIGINT or SIGTERM, then drain and leave: not
+    serving, deregistered (every gateway routes nothing new here), `drain(timeout)` (in-flight
+    work finishes or is handed off, held KV is released, new work is refused), the feed ended,
+    the server stopped, and `stop()` for the worker's own resources."""
     from services.common.server import announce_ready, wait_for_signal
 
+    feed.start()
+    start = feed.load()
     announcer = None
-    if gateway:
-        announcer = Announcer(
-            gateway,
+    if etcd:
+        salt = feed.prefix_cache.salt if feed.prefix_cache is not None else b""
+        member = Member(
             worker_id=worker_id,
-            role=role,
+            role=ROLE_NAMES[role],
             address=address,
             model=model,
-            load=load,
-            prefix_cache=prefix_cache,
+            tensor_parallel_size=tensor_parallel_size,
+            total_kv_blocks=start.total_kv_blocks,
+            kv_block_size=start.kv_block_size,
+            max_model_len=start.max_model_len,
+            prefix_cache_salt=salt,
         )
+        announcer = Announcer(etcd, member)
         await announcer.start()
-    start = load()
     capacity = {
         "kv_blocks": start.total_kv_blocks,
         "kv_block_size": start.kv_block_size,
@@ -175,5 +221,6 @@ async def serve_as_worker(
     started = time.monotonic()
     await drain(drain_timeout_s)
     log.info("%s drained in %.2f s", worker_id, time.monotonic() - started)
+    await feed.stop()
     await server.stop(grace=1)
     await stop()

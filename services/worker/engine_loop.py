@@ -88,7 +88,7 @@ class EngineLoop:
         `group`: the other ranks of a tensor-parallel engine (None: tp == 1).
 
         `prefix_log`: what the engine's prefix cache stored and evicted, taken from it on this
-        thread after each step, for the worker's heartbeats (None: the cache is off)."""
+        thread after each step, for the worker's load feed (None: the cache is off)."""
         self.engine = engine
         self.prefix_log = PrefixCacheLog(engine.cache_salt) if engine.prefix.enabled else None
         self.group = group

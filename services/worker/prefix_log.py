@@ -1,11 +1,13 @@
-"""A worker's prefix cache as its heartbeats report it to the gateway (KV events).
+"""A worker's prefix cache as its load feed reports it to every gateway (KV events).
 
 The engine thread records what its prefix cache stored and evicted after each step (`record`);
-the announcer takes what changed since its last heartbeat (`report`). A report that may not
-have arrived (a failed heartbeat) or a log that overflowed makes the next report whole: every
-hash held, `reset` set, and the gateway replaces its view. So the gateway's view is at most one
-heartbeat behind and never drifts, and one report is bounded by `max_events` changes (or by the
-cache's size when whole).
+the load feed takes what changed since its last report (`report`) and sends it to every gateway
+subscribed. A gateway that subscribes gets everything held first (`whole`), then the changes:
+applying a change twice is harmless (stored adds, removed discards), so a change that a whole set
+already showed may come again. A log that overflowed makes the next report whole: every hash
+held, `reset` set, and gateways replace their view. So a gateway's view is at most one report
+behind and never drifts, and one report is bounded by `max_events` changes (or by the cache's
+size when whole).
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ class PrefixCacheLog:
             self._removed = set()
         return out
 
-    def lost(self) -> None:
-        """The last report may not have arrived: the next one is whole."""
+    def whole(self) -> common_pb2.PrefixCacheEvents:
+        """Everything held now (for a new subscriber); the changes are kept for the others."""
         with self._lock:
-            self._whole = True
+            return common_pb2.PrefixCacheEvents(reset=True, stored=self._held)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -162,17 +162,14 @@ def test_low_affinity_pins_each_pool_to_the_node_the_plan_gave_it(low):
         assert sum(d["spec"]["replicas"] for d in deployments(low, role)) == total
 
 
-def test_workers_register_with_the_gateway_service_and_advertise_their_pod_ip(high, low):
-    gateway = find(high, "Service", "distserve-gateway")
-    grpc_port = next(p["port"] for p in gateway["spec"]["ports"] if p["name"] == "grpc")
-    address = f"distserve-gateway.distserve.svc.cluster.local:{grpc_port}"
-    gateway_pods = deployments(high, "gateway")[0]["spec"]["template"]["metadata"]["labels"]
-    assert gateway["spec"]["selector"].items() <= gateway_pods.items()
+def test_workers_and_the_gateway_join_the_mesh_etcd_and_workers_advertise_their_pod_ip(high, low):
+    etcd = "http://distserve-etcd.distserve.svc.cluster.local:2379"
     for manifests in (high, low):
+        assert args(deployments(manifests, "gateway")[0], manifests)["--etcd"] == etcd
         for role in ("prefill", "decode"):
             for d in deployments(manifests, role):
                 flags = args(d, manifests)
-                assert flags["--gateway"] == address
+                assert flags["--etcd"] == etcd
                 assert flags["--host"] == "<status.podIP>"
                 assert flags["--worker-id"] == "<metadata.name>"
                 assert flags["--model"] == "/models/model"

@@ -172,7 +172,7 @@ def test_saturated_decode_holds_prompts_until_it_drains_or_the_budget_ends():
     async def drains_soon() -> float:
         async def relieve() -> None:
             await asyncio.sleep(0.05)
-            reg.heartbeat("d", Load(pending_pulls=1, free_kv_blocks=100, total_kv_blocks=100))
+            reg.report("d", Load(pending_pulls=1, free_kv_blocks=100, total_kv_blocks=100))
 
         relief = asyncio.create_task(relieve())
         loop = asyncio.get_running_loop()
@@ -182,7 +182,7 @@ def test_saturated_decode_holds_prompts_until_it_drains_or_the_budget_ends():
         return loop.time() - start
 
     assert asyncio.run(drains_soon()) >= 0.05  # it waited for the decode pool
-    reg.heartbeat("d", Load(pending_pulls=0, free_kv_blocks=3, total_kv_blocks=100))  # 97% used
+    reg.report("d", Load(pending_pulls=0, free_kv_blocks=3, total_kv_blocks=100))  # 97% used
     with pytest.raises(Overloaded, match="past its watermark"):
         asyncio.run(admit(admission))
 
@@ -205,7 +205,7 @@ def test_prompts_let_go_together_when_decode_drains_are_predicted_again():
         held = [asyncio.create_task(one()) for _ in range(6)]
         await asyncio.sleep(0.1)
         assert not any(t.done() for t in held)  # all wait for the decode pool
-        reg.heartbeat("d", Load(pending_pulls=0, free_kv_blocks=100, total_kv_blocks=100))
+        reg.report("d", Load(pending_pulls=0, free_kv_blocks=100, total_kv_blocks=100))
         return await asyncio.gather(*held, return_exceptions=True)
 
     results = asyncio.run(scenario())
@@ -224,14 +224,14 @@ def test_decode_steps_slower_than_the_tpot_slo_hold_new_prompts_back():
     past the TPOT SLO it takes no new prompt; idle, its last step time does not count."""
     reg = registry()
     slow = Load(running_seqs=8, decode_step_ms=150.0, free_kv_blocks=100, total_kv_blocks=100)
-    reg.heartbeat("d", slow)
+    reg.report("d", slow)
     admission = Admission(reg, ttft_slo_s=0.1, tpot_slo_s=0.1)
     with pytest.raises(Overloaded, match="decode steps >= 100 ms"):
         asyncio.run(admit(admission))
     idle = Load(running_seqs=0, decode_step_ms=150.0, free_kv_blocks=100, total_kv_blocks=100)
-    reg.heartbeat("d", idle)
+    reg.report("d", idle)
     asyncio.run(admit(admission))
-    reg.heartbeat("d", slow)
+    reg.report("d", slow)
     off = Admission(reg, 0.1, AdmissionConfig(tpot_watermark=0), tpot_slo_s=0.1)
     asyncio.run(admit(off))
 
@@ -246,7 +246,7 @@ def test_decode_takes_as_many_sequences_as_keep_its_steps_within_the_tpot_slo():
 
     def decode_reports(running: int) -> None:
         step = 20.0 + 10.0 * running  # 10 ms a sequence
-        reg.heartbeat("d", Load(running_seqs=running, decode_step_ms=step, **ROOM))
+        reg.report("d", Load(running_seqs=running, decode_step_ms=step, **ROOM))
         admission.seats(d)
 
     assert admission.seats(d) is None  # no line yet: no seat rule
@@ -277,7 +277,7 @@ def test_decode_takes_as_many_sequences_as_keep_its_steps_within_the_tpot_slo():
     asyncio.run(admit(admission, max_tokens=200))
     # The host gets busy: 3 sequences now step in 95 ms, not 50. The seats count from there,
     # at the line's ~10 ms a sequence: 3 + (99 - 95) / 10 = 3, and 6 are taken.
-    reg.heartbeat("d", Load(running_seqs=3, decode_step_ms=95.0, **ROOM))
+    reg.report("d", Load(running_seqs=3, decode_step_ms=95.0, **ROOM))
     assert admission.seats(d, admission.step_limit(200)) == 3
     with pytest.raises(Overloaded, match="seats"):
         asyncio.run(admit(admission, max_tokens=200))

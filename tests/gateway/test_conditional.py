@@ -79,7 +79,7 @@ def test_a_prompt_whose_uncached_part_is_short_is_prefilled_where_its_prefix_is_
     history = [5 + i % 900 for i in range(1008)]  # 63 full blocks
     turn = Request("turn", [*history, 1, 2, 3, 4], SamplingParams(max_tokens=8), None)
     assert routing.one_instance(turn, PromptBlocks(turn.prompt_ids)) is None
-    registry.heartbeat("d", load, (False, block_hashes(history, 16, salt), ()))
+    registry.report("d", load, (False, block_hashes(history, 16, salt), ()))
     assert routing.one_instance(turn, PromptBlocks(turn.prompt_ids)) is not None
 
 

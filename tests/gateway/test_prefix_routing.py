@@ -1,22 +1,15 @@
-"""KV-aware routing: the gateway knows which prompt prefixes each worker caches (from its KV
-events on the heartbeats, and from what it routed there itself) and routes by them and by load.
-A worker's report reaches the gateway over real gRPC, from the announcer that real workers
-use."""
+"""KV-aware routing: the gateway knows which prompt prefixes each worker caches (from the KV
+events on its load feed, and from what it routed there itself) and routes by them and by load.
+The feed over real gRPC and etcd, seen by two gateways: tests/gateway/test_membership.py."""
 
 from __future__ import annotations
 
-import asyncio
-
-import grpc
-
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2_grpc
+from services.common.gen.distserve.v1 import common_pb2
 from services.common.prefix_hash import block_hashes, cache_salt
 from services.gateway import prefix_index
 from services.gateway.prefix_index import CachedBlocks, PromptBlocks
 from services.gateway.registry import Load, Registry
 from services.gateway.routing import Routing
-from services.gateway.servicer import RegistryServicer
-from services.worker.announcer import Announcer
 from services.worker.prefix_log import PrefixCacheLog
 
 SALT = cache_salt("model-a", "float32")
@@ -34,7 +27,7 @@ def _registry(*workers: tuple[str, str]) -> Registry:
 
 
 def _holds(r: Registry, worker_id: str, tokens: list[int]) -> None:
-    r.heartbeat(worker_id, r._workers[worker_id].load, (False, block_hashes(tokens, BS, SALT), ()))
+    r.report(worker_id, r._workers[worker_id].load, (False, block_hashes(tokens, BS, SALT), ()))
 
 
 def test_a_prompt_goes_where_its_prefix_is_cached_when_queues_are_equal():
@@ -113,7 +106,7 @@ def test_a_routed_prompt_counts_as_cached_there_until_the_worker_says_otherwise(
     assert cache.prefix_blocks(hashes, now=1e9) == 0
 
 
-def test_the_worker_log_reports_changes_then_the_whole_set_after_a_loss_or_an_overflow():
+def test_the_worker_log_reports_changes_then_the_whole_set_after_an_overflow():
     log = PrefixCacheLog(SALT, max_events=4)
     log.record(False, [1, 2, 3], [])
     first = log.report()
@@ -123,61 +116,16 @@ def test_the_worker_log_reports_changes_then_the_whole_set_after_a_loss_or_an_ov
     assert (r.reset, set(r.stored), set(r.removed)) == (False, {4}, {1})
     assert log.report() == common_pb2.PrefixCacheEvents()  # nothing new
     log.record(False, [5], [])
-    log.lost()  # that heartbeat may not have arrived
+    whole = log.whole()  # a new subscriber: all held; the others still get the change
+    assert whole.reset and set(whole.stored) == {2, 3, 4, 5}
     r = log.report()
-    assert r.reset and set(r.stored) == {2, 3, 4, 5}
+    assert (r.reset, set(r.stored), set(r.removed)) == (False, {5}, set())
     log.record(False, [6, 7, 8], [2, 3])  # 5 changes > 4 kept: the next report is whole
     r = log.report()
     assert r.reset and set(r.stored) == {4, 5, 6, 7, 8}
     log.record(True, [9], [])  # the engine's own log overflowed: it sent all it holds
     r = log.report()
     assert r.reset and list(r.stored) == [9]
-
-
-def test_kv_events_reach_the_gateway_on_heartbeats_and_routing_follows_them():
-    asyncio.run(_events_reach_the_gateway())
-
-
-async def _events_reach_the_gateway() -> None:
-    registry = Registry(lease_s=60)
-    server = grpc.aio.server()
-    gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(RegistryServicer(registry), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    logs, announcers = {}, []
-    try:
-        for name in ("p0", "p1"):
-            logs[name] = PrefixCacheLog(SALT)
-            a = Announcer(
-                f"127.0.0.1:{port}",
-                worker_id=name,
-                role=common_pb2.WORKER_ROLE_PREFILL,
-                address=f"{name}:1",
-                model="m",
-                load=lambda: common_pb2.WorkerLoad(kv_block_size=BS, total_kv_blocks=64),
-                interval_s=0.05,
-                prefix_cache=logs[name],
-            )
-            await a.start()
-            announcers.append(a)
-        prompt = PromptBlocks(PROMPT)
-        assert Routing(registry).pick_prefill(prompt=prompt).worker_id == "p0"
-        logs["p1"].record(False, block_hashes(SYSTEM, BS, SALT), [])
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1":
-                break
-        assert Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p1"
-        logs["p1"].record(False, [], block_hashes(SYSTEM, BS, SALT)[:1])  # the first evicted
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0":
-                break
-        assert Routing(registry).pick_prefill(prompt=PromptBlocks(PROMPT)).worker_id == "p0"
-    finally:
-        for a in announcers:
-            await a.stop()
-        await server.stop(None)
 
 
 def test_load_and_round_robin_routing_ignore_the_cache_for_comparison():

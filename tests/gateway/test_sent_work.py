@@ -19,11 +19,11 @@ def test_a_call_counts_until_it_is_answered_and_ends_whatever_heartbeats_say():
     [w] = r.live("prefill")
     first, second = w.send(40), w.send(2)
     assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (42, 2, 2)
-    r.heartbeat("p", Load())  # taken before the calls reached the worker's engine
+    r.report("p", Load())  # taken before the calls reached the worker's engine
     assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (42, 2, 2)
-    r.heartbeat("p", Load(queued_prompt_tokens=500, pending_pulls=3, running_seqs=4))
+    r.report("p", Load(queued_prompt_tokens=500, pending_pulls=3, running_seqs=4))
     assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (500, 3, 7)
-    r.heartbeat("p", Load())
+    r.report("p", Load())
     w.answered(first)  # its first token came: prefilled, no longer waiting, still open
     assert (w.queued_tokens, w.waiting_requests, w.open_requests) == (2, 1, 2)
     w.settle(first)
@@ -43,8 +43,8 @@ def test_a_heartbeat_counts_other_gateways_work_but_not_calls_ended_since():
     r.register("b", "colocated", "b:1", Load())
     a, b = r.live("colocated")
     ours = [a.send(10) for _ in range(3)]
-    r.heartbeat("a", Load(running_seqs=3))  # our 3 calls
-    r.heartbeat("b", Load(running_seqs=2))  # 2 calls of another gateway
+    r.report("a", Load(running_seqs=3))  # our 3 calls
+    r.report("b", Load(running_seqs=2))  # 2 calls of another gateway
     assert (a.open_requests, b.open_requests) == (3, 2)
     for ticket in ours[:2]:
         a.settle(ticket)  # ended; a's next heartbeat has not come yet
@@ -93,10 +93,10 @@ def test_instances_tied_on_open_requests_are_told_apart_by_kv_their_requests_may
     a.answered(a.send(512, kv_tokens=512 + 64))
     b.answered(b.send(128, kv_tokens=128 + 64))
     assert (a.kv_headroom_tokens, b.kv_headroom_tokens) == (1600 - 576, 1600 - 192)
-    r.heartbeat("b", Load(total_kv_blocks=100, free_kv_blocks=10))  # stale: b looked fuller
+    r.report("b", Load(total_kv_blocks=100, free_kv_blocks=10))  # stale: b looked fuller
     assert Routing(r).pick_decode(role="colocated") is b
     waiting = a.send(16, kv_tokens=4096)  # not answered: its prompt is not in place yet
     assert a.kv_headroom_tokens == 1600 - 576 and a.open_requests == 2
     a.settle(waiting)
-    r.heartbeat("a", Load(total_kv_blocks=1000, free_kv_blocks=1000))  # a larger instance
+    r.report("a", Load(total_kv_blocks=1000, free_kv_blocks=1000))  # a larger instance
     assert Routing(r).pick_decode(role="colocated") is a

@@ -14,7 +14,7 @@ from services.prefill.worker import PrefillWorker
 def test_a_release_cancelled_while_sends_stop_still_frees_the_blocks(tiny_model):
     async def scenario() -> tuple[int, int]:
         config = PrefillConfig(
-            model=tiny_model, gateway=None, ucx=False, engine=EngineConfig(num_blocks=32)
+            model=tiny_model, etcd=None, ucx=False, engine=EngineConfig(num_blocks=32)
         )
         worker = PrefillWorker(config)
         await worker.start("127.0.0.1:0")

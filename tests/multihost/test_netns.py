@@ -102,6 +102,7 @@ def mesh(topology, tiny_model, trace_file):
             ),
         },
         command_prefix={
+            "etcd": topology.exec_prefix("gateway"),  # beside the gateway, on its address
             "gateway": topology.exec_prefix("gateway"),
             "prefill-0": topology.exec_prefix("prefill", **ucx),
             "decode-0": topology.exec_prefix("decode", **ucx),

