@@ -43,7 +43,7 @@ def admitted_prompt(engine: LLMEngine, prompt: list[int]) -> Sequence:
         tokenizer=None,
         default_seed=0,
     )
-    assert engine._admit(seq)
+    assert engine._admit(seq, hold=False)
     return seq
 
 

@@ -72,7 +72,7 @@ def teacher_forced_logits(engine: LLMEngine, ids: list[int], prefill_len: int) -
         tokenizer=None,
         default_seed=0,
     )
-    assert engine._admit(seq)
+    assert engine._admit(seq, hold=False)
     out = [engine.runner.prefill([seq])[0]]
     engine.running.join(seq)
     for t in ids[prefill_len:]:
