@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.discovery import etcd_target
 from services.common.errors import InvalidRequest
 from services.planner.autoscale import AutoscaleConfig
 from services.planner.drift import DriftConfig
@@ -74,6 +75,11 @@ class PlannerConfig:
             raise InvalidRequest("workers: 0 (a cluster) or at least 2 (one prefill, one decode)")
         if self.max_num_seqs < 1 or self.num_requests < 10:
             raise InvalidRequest("max_num_seqs >= 1 and num_requests >= 10")
+        if self.etcd is not None:
+            try:
+                etcd_target(self.etcd)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         if self.election_ttl_s < 2:
             raise InvalidRequest("--election-ttl-s: at least 2 (etcd's shortest lease)")
         if not self.election_key or "/" in self.election_key:

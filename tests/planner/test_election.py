@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from distserve.etcd import Etcd
 from services.common import clock
 from services.common.election import Election
+from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.gateway.planner_feed import PlannerFeed
 from services.planner.__main__ import control_loop, parse
@@ -246,3 +247,16 @@ def test_the_planners_workload_sums_two_gateways_and_counts_each_sample_once():
         assert measured == pytest.approx(sum(each), rel=1e-9)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--etcd", "https://etcd:2379"], "--etcd"),
+        (["--etcd", "http://etcd:2379", "--election-ttl-s", "1"], "--election-ttl-s"),
+        (["--etcd", "http://etcd:2379", "--election-key", "a/b"], "--election-key"),
+    ],
+)
+def test_bad_election_flags_are_refused_by_name(argv, named):
+    with pytest.raises(InvalidRequest, match=named):
+        parse(argv)
