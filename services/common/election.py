@@ -100,7 +100,8 @@ class Election:
                         keep.cancel()
                     if self._leading:
                         log.warning("lost the lease: no longer leading %s", self.name)
-                    await self._set(False)
+                    # our key, if etcd still holds it, must not queue ahead of the next campaign
+                    await self.resign()
                 await asyncio.sleep(self.retry_s)
         finally:
             await asyncio.shield(self.resign())
@@ -219,7 +220,7 @@ class Election:
         """Give up the lead (or the place in the queue) now: revoke the lease, which deletes
         our key."""
         lease, self._lease_id = self._lease_id, 0
-        self._leading = False
+        await self._set(False)
         if not lease:
             return
         try:
