@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
+from services.common.election import Election
 from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
@@ -54,6 +56,17 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--drift-rate", type=float, default=0.3, help="relative rate shift")
     p.add_argument("--drift-length", type=float, default=0.25, help="relative length shift")
     p.add_argument("--drift-confirm", type=int, default=2, help="drifting windows in a row")
+    e = p.add_argument_group(
+        "election", "several replicas: one decides and acts, the others stand by (etcd)"
+    )
+    e.add_argument("--etcd", help="etcd's client URL (http://HOST:PORT): elect a leader there")
+    e.add_argument("--election-key", default="planner", help="replicas of one planner share it")
+    e.add_argument(
+        "--election-ttl-s",
+        type=float,
+        default=5.0,
+        help="the leader's lease: a dead leader is replaced within this (at least 2)",
+    )
     g = p.add_argument_group(
         "autoscaling", "resize the running mesh within a budget (services/planner/control.py)"
     )
@@ -129,6 +142,9 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         metrics_port=a.metrics_port,
         health_port=a.health_port,
         autoscale=autoscale,
+        etcd=a.etcd,
+        election_key=a.election_key,
+        election_ttl_s=a.election_ttl_s,
     )
 
 
@@ -190,15 +206,48 @@ async def serve(config: PlannerConfig) -> None:
         metrics_address=serve_metrics(metrics.registry, config.host, config.metrics_port),
         **({"health_address": probe.address} if probe is not None else {}),
     )
-    loop = asyncio.create_task(control.run()) if control is not None else None
+    if config.etcd:
+        address = f"{config.host}:{port}"
+        election = Election(config.etcd, config.election_key, address, config.election_ttl_s)
+        servicer.election = election  # known once the server listens: its value is the address
+        tasks = [asyncio.create_task(election.run())]
+        tasks.append(asyncio.create_task(act_while_leading(election, control, metrics)))
+    else:
+        tasks = [asyncio.create_task(control.run())] if control is not None else []
     sig = await wait_for_signal()
     log.info("signal %d: stopping", sig)
-    if loop is not None:
-        loop.cancel()
+    for task in reversed(tasks):  # the loop first, then the election (it resigns)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
     if probe is not None:
         probe.stop()
+
+
+async def act_while_leading(
+    election: Election, control: ControlLoop | None, metrics: PlannerMetrics
+) -> None:
+    """Run the control loop (what acts on the mesh) only while `election` says this replica
+    leads; a standby keeps taking the workload (its window is warm when it takes over) but
+    decides nothing. Ends (cancelled) with the loop stopped."""
+    metrics.leader.set(0)
+    acting = None
+    try:
+        while True:
+            await election.wait(leading=True)
+            metrics.leader.set(1)
+            log.info("leading: this planner decides and acts")
+            acting = asyncio.create_task(control.run()) if control is not None else None
+            await election.wait(leading=False)
+            metrics.leader.set(0)
+            if acting is not None:
+                acting.cancel()
+            log.warning("standing by: the leader is %s", election.leader or "not known yet")
+    finally:
+        if acting is not None:
+            acting.cancel()
 
 
 def _degrees(text: str) -> tuple[int, ...]:

@@ -54,6 +54,12 @@ class PlannerMetrics:
             ["role"],
             registry=registry,
         )
+        self.leader = Gauge(
+            "distserve_planner_leader",
+            "1 on the planner replica that decides and acts, 0 on a standby (--etcd).",
+            registry=registry,
+        )
+        self.leader.set(1)  # alone (no --etcd), a planner leads
         self._roles: set[str] = set()  # reported so far: a role a new placement drops goes to 0
 
     def adopted(self, current: Current, seconds: float) -> None:

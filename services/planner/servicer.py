@@ -8,7 +8,8 @@ import logging
 import time
 
 from services.common import telemetry
-from services.common.errors import DistServeError, InvalidRequest, NotFound
+from services.common.election import Election
+from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest, NotFound
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.server import status_code
 from services.planner.config import PlannerConfig
@@ -33,6 +34,13 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.replanner = replanner
         self.metrics = metrics
         self.control = control  # resizes the mesh from the samples (None: recommend only)
+        # with several replicas (--etcd): while this one stands by it takes the workload but
+        # neither replans nor answers for decisions it does not take (None: always leading)
+        self.election: Election | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self.election is None or self.election.leading
 
     async def Plan(self, request, context):
         spec = plan_spec(request, self.config)
@@ -53,6 +61,11 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def GetDecision(self, request, context):
         if self.control is None:
             raise NotFound("this planner resizes no mesh: start it with --budget")
+        if not self.leading:
+            leader = self.election.leader or "not elected yet"
+            raise FailedPrecondition(
+                f"this planner replica stands by; the leader decides: ask it ({leader})"
+            )
         return self.control.latest_pb()
 
     async def ReportWorkload(self, request_iterator, context):
@@ -77,7 +90,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                 self.control.observe(sample)
             drift = self.replanner.observe(sample)
             self.metrics.samples.inc()
-            if drift is not None:
+            if drift is not None and not self.leading:
+                log.info("workload drift seen on a standby: the leader replans")
+            elif drift is not None:
                 log.info("workload drift: %s", "; ".join(drift.reasons))
                 reasons.append("; ".join(drift.reasons))
                 self.metrics.drifts.inc()
