@@ -71,7 +71,7 @@ class GatewayConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     slo: Slo = field(default_factory=Slo)  # the SLOs whose attainment the metrics report
-    planner: str | None = None  # host:port of the planner, which gets the live workload
+    planner: str | None = None  # host:port of each planner replica (commas): the live workload
     layerwise_handoff: bool = True  # decode pulls the KV while prefill computes it
     layerwise_min_tokens: int = 256  # ... for prompts of at least this many tokens
     profile: Path | None = None  # latency profile: derives the local-prefill threshold
@@ -147,7 +147,11 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO (metrics)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO (metrics)")
     p.add_argument("--slo-window-s", type=float, default=60.0, help="SLO attainment window")
-    p.add_argument("--planner", help="planner host:port: report the live workload to it")
+    p.add_argument(
+        "--planner",
+        help="planner host:port, or several replicas' comma-separated: report the live workload "
+        "to each",
+    )
     p.add_argument(
         "--kv-handoff",
         choices=("layerwise", "after-prefill"),

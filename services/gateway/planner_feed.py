@@ -8,6 +8,11 @@ bounded queue and are dropped (and counted) when the planner is slow or away. Sa
 client streams of at most `stream_samples` samples or `stream_s` seconds; the planner's reply at
 the end of each stream says whether the workload drifted and what it now recommends, which is
 logged. A broken stream is re-opened with backoff.
+
+Several planner replicas (`--planner A,B`: one leads, the others stand by, services/common/
+election.py) each get every sample, on a queue and stream of their own, so a standby's window is
+full when it takes over and a slow one delays no other. Several gateways each report their own
+requests: the planner sums them.
 """
 
 from __future__ import annotations
@@ -30,17 +35,20 @@ log = logging.getLogger("distserve.gateway")
 class PlannerFeed:
     def __init__(
         self,
-        address: str,
+        addresses: str,
         registry: CollectorRegistry,
         capacity: int = 10_000,
         stream_samples: int = 500,
         stream_s: float = 30.0,
     ) -> None:
-        self.address = address
+        # host:port of each planner replica, comma-separated.
+        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         self.stream_samples = stream_samples
         self.stream_s = stream_s
-        self._queue: asyncio.Queue[planner_pb2.WorkloadSample] = asyncio.Queue(capacity)
-        self._task: asyncio.Task | None = None
+        self._queues: dict[str, asyncio.Queue[planner_pb2.WorkloadSample]] = {
+            a: asyncio.Queue(capacity) for a in self.addresses
+        }
+        self._tasks: list[asyncio.Task] = []
         self.samples = Counter(
             "distserve_planner_samples",
             "Workload samples for the planner, by outcome (sent, dropped).",
@@ -54,13 +62,14 @@ class PlannerFeed:
         )
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks = [asyncio.create_task(self._run(a)) for a in self.addresses]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
     def arrived(self, arrival_unix_s: float, prompt_tokens: int) -> None:
         """A request accepted now (never blocks; dropped when the queue is full)."""
@@ -89,21 +98,23 @@ class PlannerFeed:
         self._put(sample)
 
     def _put(self, sample: planner_pb2.WorkloadSample) -> None:
-        try:
-            self._queue.put_nowait(sample)
-        except asyncio.QueueFull:
-            self.samples.labels("dropped").inc()
+        for queue in self._queues.values():
+            try:
+                queue.put_nowait(sample)
+            except asyncio.QueueFull:
+                self.samples.labels("dropped").inc()
 
-    async def _run(self) -> None:
+    async def _run(self, address: str) -> None:
         backoff = 0.5
-        async with mesh_tls.aio_channel(self.address, CHANNEL_OPTIONS) as channel:
+        queue = self._queues[address]
+        async with mesh_tls.aio_channel(address, CHANNEL_OPTIONS) as channel:
             stub = planner_pb2_grpc.PlannerStub(channel)
             while True:
-                first = await self._queue.get()  # no empty streams
+                first = await queue.get()  # no empty streams
                 try:
-                    reply = await stub.ReportWorkload(self._window(first))
+                    reply = await stub.ReportWorkload(self._window(first, queue))
                 except grpc.aio.AioRpcError as e:
-                    log.warning("planner at %s: %s; retrying", self.address, e.code().name)
+                    log.warning("planner at %s: %s; retrying", address, e.code().name)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
                     continue
@@ -118,7 +129,11 @@ class PlannerFeed:
                         _describe(reply.placement),
                     )
 
-    async def _window(self, first: planner_pb2.WorkloadSample):
+    async def _window(
+        self,
+        first: planner_pb2.WorkloadSample,
+        queue: asyncio.Queue[planner_pb2.WorkloadSample],
+    ):
         """One stream's samples: up to stream_samples, or until stream_s passed."""
         end = time.monotonic() + self.stream_s
         sample, sent = first, 0
@@ -130,7 +145,7 @@ class PlannerFeed:
             if sent >= self.stream_samples or left <= 0:
                 return
             try:
-                sample = await asyncio.wait_for(self._queue.get(), left)
+                sample = await asyncio.wait_for(queue.get(), left)
             except TimeoutError:
                 return
 

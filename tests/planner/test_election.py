@@ -260,3 +260,53 @@ def test_the_planners_workload_sums_two_gateways_and_counts_each_sample_once():
 def test_bad_election_flags_are_refused_by_name(argv, named):
     with pytest.raises(InvalidRequest, match=named):
         parse(argv)
+
+
+def test_one_gateway_reports_every_sample_to_each_planner_replica():
+    """`--planner A,B`: the leader and the standby both hold the whole workload, so a standby
+    that takes over decides on a full window."""
+    config = parse(
+        [
+            "--budget", "4", "--actuator", "127.0.0.1:9", "--model-spec", "opt-13b",
+            "--slo", "250,100", "--window-s", "600", "--drift-window", "1000",
+        ]
+    )  # fmt: skip
+
+    async def main() -> None:
+        controls, servers, ports = [], [], []
+        for _ in range(2):
+            metrics = PlannerMetrics(CollectorRegistry())
+            control = control_loop(config, metrics.registry)
+            servicer = PlannerServicer(config, Replanner(config.drift), metrics, control)
+            server = grpc.aio.server()
+            planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
+            ports.append(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            controls.append(control)
+            servers.append(server)
+        registry = CollectorRegistry()
+        addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+        feed = PlannerFeed(addresses, registry, stream_samples=8, stream_s=0.2)
+        sent = []
+        try:
+            feed.start()
+            for i in range(40):
+                sent.append(clock.time_s())
+                feed.arrived(sent[-1], 100)
+                if i % 4 == 0:
+                    feed.add(sent[-1], 100, 20, 0.05, 0.02)
+                await asyncio.sleep(0.005)
+            for c in controls:
+                await _until(lambda c=c: len(c.arrivals) >= len(sent), 20, "every arrival")
+            await asyncio.sleep(0.5)  # anything sent twice would have landed by now
+        finally:
+            await feed.stop()
+            for server in servers:
+                await server.stop(0)
+        for c in controls:
+            assert sorted(c.arrivals) == sorted(sent)
+            assert len(c.samples) == 10
+        value = registry.get_sample_value("distserve_planner_samples_total", {"outcome": "sent"})
+        assert value == 2 * (len(sent) + 10)  # each sample, once to each replica
+
+    asyncio.run(main())
