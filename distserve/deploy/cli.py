@@ -100,6 +100,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the planner scales and drains the worker Deployments itself (a ServiceAccount "
         "and a least-privilege Role; docs/kubernetes.md#the-planner-acting)",
     )
+    n = r.add_argument_group("the network (docs/kubernetes.md#security)")
+    n.add_argument(
+        "--no-network-policies",
+        action="store_true",
+        help="render no NetworkPolicies (by default only the mesh's own callers reach its ports)",
+    )
+    n.add_argument(
+        "--monitoring-namespace-label",
+        default=d.monitoring_namespace_label,
+        metavar="KEY=VALUE",
+        help="the label of the namespaces Prometheus scrapes the metrics ports from",
+    )
     r.add_argument("--edge-port", type=int, default=d.edge_port, help="Envoy's listener")
     r.add_argument("--edge-replicas", type=int, default=d.edge_replicas)
     r.add_argument(
@@ -182,6 +194,8 @@ def render_command(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         planner=not args.no_planner,
         planner_acts=args.planner_acts,
+        network_policies=not args.no_network_policies,
+        monitoring_namespace_label=args.monitoring_namespace_label,
         edge_port=args.edge_port,
         edge_replicas=args.edge_replicas,
         edge_service_type=args.edge_service_type,

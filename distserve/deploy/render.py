@@ -16,7 +16,7 @@ affinity (only "together") cannot express. High affinity leaves placement to the
 The pieces live beside this file: options.py (RenderOptions), objects.py (the object builders),
 pod.py (what every pod shares: probes, the model volume, mesh TLS), secrets.py, resources.py
 (requests and limits), model_volume.py (the model and its staging), edge.py (Envoy),
-monitoring.py.
+monitoring.py, network_policy.py (who may reach which port).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
 from distserve.deploy.monitoring import scrape_annotations, service_monitor
+from distserve.deploy.network_policy import ALLOWED, network_policies
 from distserve.deploy.objects import (
     GATEWAY_GRPC_PORT,
     GATEWAY_HTTP_PORT,
@@ -36,6 +37,7 @@ from distserve.deploy.objects import (
     NODE_GROUP,
     PLANNER_PORT,
     UCX_PORT,
+    UCX_TCP_PORTS,
     WORKER_PORT,
 )
 from distserve.deploy.options import RenderOptions, gpus_per_node
@@ -85,6 +87,9 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
                 k8s.service(f"distserve-{role}", role, o.namespace, _worker_ports(role), True),
                 k8s.disruption_budget(role, o.namespace),
             ]
+    if o.network_policies:
+        components = [f[:-5] for f in files if f[:-5] in ALLOWED]  # those with pods
+        files["network-policies.yaml"] = network_policies(o, components, pools)
     if o.service_monitor:
         files["monitoring.yaml"] = [service_monitor(o.namespace)]
     files["kustomization.yaml"] = [
@@ -260,6 +265,8 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         k8s.from_field("POD_NAME", "metadata.name"),
         k8s.from_config("MODEL_DIR"),
         k8s.from_config("GATEWAY_ADDRESS"),
+        # UCX's TCP listeners in the range the NetworkPolicies open (network_policy.py)
+        {"name": "UCX_TCP_PORT_RANGE", "value": "{}-{}".format(*UCX_TCP_PORTS)},
     ]
     worker = m.container(
         pool.role, ["python", "-m", module], args, env=env,

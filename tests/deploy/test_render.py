@@ -71,8 +71,10 @@ def args(deployment: dict, manifests: dict[str, list[dict]]) -> dict[str, str]:
     c = container(deployment)
     env = {}
     for e in c.get("env", []):
-        ref = e["valueFrom"]
-        if "configMapKeyRef" in ref:
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in ref:
             assert ref["configMapKeyRef"]["name"] == "distserve-mesh"
             env[e["name"]] = mesh[ref["configMapKeyRef"]["key"]]
         else:
@@ -357,6 +359,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
         "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 6, "PodDisruptionBudget": 2,
+        "NetworkPolicy": 6,
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
