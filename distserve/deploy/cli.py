@@ -78,6 +78,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     s_.add_argument(
         "--mesh-tls-secret", metavar="NAME", help="a Secret with tls.crt, tls.key, ca.crt"
     )
+    s_.add_argument(
+        "--no-mesh-tls",
+        action="store_true",
+        help="the mesh's processes talk plaintext (by default: a generated CA and a certificate "
+        "per component, or the --mesh-tls-* given)",
+    )
+    s_.add_argument(
+        "--cert-manager",
+        action="store_true",
+        help="mesh certificates from cert-manager (Issuers, Certificates) instead of generated",
+    )
     s_.add_argument("--hf-token-file", type=Path, help="HF_TOKEN for --model (gated models)")
     s_.add_argument("--hf-token-secret", metavar="NAME", help="a Secret with key `token`")
     r.add_argument(
@@ -194,6 +205,8 @@ def render_command(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         planner=not args.no_planner,
         planner_acts=args.planner_acts,
+        mesh_tls=not args.no_mesh_tls,
+        cert_manager=args.cert_manager,
         network_policies=not args.no_network_policies,
         monitoring_namespace_label=args.monitoring_namespace_label,
         edge_port=args.edge_port,

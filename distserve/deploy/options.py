@@ -48,6 +48,9 @@ class RenderOptions:
     # the planner scales and drains the worker Deployments itself (its ServiceAccount and Role:
     # planner_rbac.py); False: it recommends only
     planner_acts: bool = False
+    # mesh mTLS (mesh_certs.py): generated certificates unless the secrets name the mesh's own
+    mesh_tls: bool = True
+    cert_manager: bool = False  # cert-manager Certificates instead of generated ones
     # NetworkPolicies (network_policy.py): only the mesh's own callers reach its ports
     network_policies: bool = True
     # the namespaces Prometheus scrapes from: a label KEY=VALUE (network_policy.py)
@@ -77,6 +80,13 @@ class RenderOptions:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
+        s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert
+        if not self.mesh_tls and (given or self.cert_manager):
+            raise InvalidRequest(
+                "--no-mesh-tls turns mesh TLS off: drop it, or drop --mesh-tls-* and --cert-manager"
+            )
+        if self.cert_manager and (given or s.mesh_tls_key or s.mesh_tls_ca):
+            raise InvalidRequest("--cert-manager issues the mesh's certificates: drop --mesh-tls-*")
         key, eq, value = self.monitoring_namespace_label.partition("=")
         if not (eq and _LABEL_KEY.fullmatch(key) and _LABEL_VALUE.fullmatch(value)):
             raise InvalidRequest(

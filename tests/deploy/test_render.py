@@ -91,6 +91,12 @@ def high() -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
+def plain() -> dict[str, list[dict]]:
+    """Without mesh TLS (rendered by default: tests/deploy/test_mesh_certs.py)."""
+    return render(load("plan_high_affinity.json"), RenderOptions(mesh_tls=False))
+
+
+@pytest.fixture(scope="module")
 def low() -> dict[str, list[dict]]:
     return render(load("plan_low_affinity.json"))
 
@@ -180,9 +186,9 @@ def test_workers_register_with_the_gateway_service_and_advertise_their_pod_ip(hi
                 assert flags["--model"] == "/models/model"
 
 
-def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
+def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(plain):
     for component in ("gateway", "planner", "prefill", "decode"):
-        for d in deployments(high, component):
+        for d in deployments(plain, component):
             c = container(d)
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -190,7 +196,7 @@ def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
             # Without mesh TLS the gRPC port is probed as it is: no plaintext health port.
             assert "--health-port" not in c["args"]
             assert all(p["name"] != "health" for p in c["ports"])
-    envoy = container(deployments(high, "envoy")[0])
+    envoy = container(deployments(plain, "envoy")[0])
     health = {"path": "/health", "port": 8080, "scheme": "HTTP"}
     assert envoy["readinessProbe"]["httpGet"] == health  # the gateway's, through Envoy
     assert envoy["livenessProbe"]["tcpSocket"] == {"port": 8080}
@@ -261,8 +267,8 @@ def edge_bootstrap(manifests: dict[str, list[dict]], tmp_path: Path) -> dict:
     return json.loads(Path(config).read_text())
 
 
-def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_path):
-    bootstrap = edge_bootstrap(high, tmp_path)
+def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(plain, tmp_path):
+    bootstrap = edge_bootstrap(plain, tmp_path)
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener == {"address": "0.0.0.0", "port_value": 8080}
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
@@ -275,9 +281,11 @@ def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_pa
             "port_value": port,
         }
         assert "transport_socket" not in cluster  # no mesh TLS asked
-    service_ports = {p["port"] for p in find(high, "Service", "distserve-gateway")["spec"]["ports"]}
+    service_ports = {
+        p["port"] for p in find(plain, "Service", "distserve-gateway")["spec"]["ports"]
+    }
     assert {50051, 8000} <= service_ports
-    envoy = deployments(high, "envoy")[0]["spec"]["template"]["spec"]
+    envoy = deployments(plain, "envoy")[0]["spec"]["template"]["spec"]
     assert envoy["volumes"] == [
         {"name": "envoy", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}
     ]
@@ -359,7 +367,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
         "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 6, "PodDisruptionBudget": 2,
-        "NetworkPolicy": 6,
+        "NetworkPolicy": 6, "Secret": 5,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
