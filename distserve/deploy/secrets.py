@@ -15,6 +15,8 @@ The keys inside each Secret (what a Secret referenced by name must hold):
 | API keys | `api-keys` (one key a line) | the Envoy pod's config step (`--api-key-file`) |
 | edge TLS | `tls.crt`, `tls.key` (`kubectl create secret tls`) | Envoy's listener |
 | mesh TLS | `tls.crt`, `tls.key`, `ca.crt` | every process of the mesh (services.common.mesh_tls) |
+
+Mesh TLS given neither way is generated, a certificate per component (mesh_certs.py).
 | HF_TOKEN | `token` | the model staging step (huggingface_hub reads HF_TOKEN) |
 """
 
