@@ -78,6 +78,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     s_.add_argument(
         "--mesh-tls-secret", metavar="NAME", help="a Secret with tls.crt, tls.key, ca.crt"
     )
+    s_.add_argument(
+        "--no-mesh-tls",
+        action="store_true",
+        help="the mesh's processes talk plaintext (by default: a generated CA and a certificate "
+        "per component, or the --mesh-tls-* given)",
+    )
+    s_.add_argument(
+        "--cert-manager",
+        action="store_true",
+        help="mesh certificates from cert-manager (Issuers, Certificates) instead of generated",
+    )
     s_.add_argument("--hf-token-file", type=Path, help="HF_TOKEN for --model (gated models)")
     s_.add_argument("--hf-token-secret", metavar="NAME", help="a Secret with key `token`")
     r.add_argument(
@@ -99,6 +110,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="the planner scales and drains the worker Deployments itself (a ServiceAccount "
         "and a least-privilege Role; docs/kubernetes.md#the-planner-acting)",
+    )
+    n = r.add_argument_group("the network (docs/kubernetes.md#security)")
+    n.add_argument(
+        "--no-network-policies",
+        action="store_true",
+        help="render no NetworkPolicies (by default only the mesh's own callers reach its ports)",
+    )
+    n.add_argument(
+        "--monitoring-namespace-label",
+        default=d.monitoring_namespace_label,
+        metavar="KEY=VALUE",
+        help="the label of the namespaces Prometheus scrapes the metrics ports from",
     )
     r.add_argument("--edge-port", type=int, default=d.edge_port, help="Envoy's listener")
     r.add_argument("--edge-replicas", type=int, default=d.edge_replicas)
@@ -182,6 +205,10 @@ def render_command(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         planner=not args.no_planner,
         planner_acts=args.planner_acts,
+        mesh_tls=not args.no_mesh_tls,
+        cert_manager=args.cert_manager,
+        network_policies=not args.no_network_policies,
+        monitoring_namespace_label=args.monitoring_namespace_label,
         edge_port=args.edge_port,
         edge_replicas=args.edge_replicas,
         edge_service_type=args.edge_service_type,

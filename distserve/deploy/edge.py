@@ -40,7 +40,7 @@ def envoy(m: MeshPods) -> list[dict]:
         edge += ["--api-key-file", f"{SECRET_DIR}/api-keys/{API_KEYS_KEY}"]
     volumes = [{"name": "envoy", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}]
     mounts: list[dict] = []
-    for v, mt in (s.edge_tls_volumes(), s.mesh_tls_volumes()):
+    for v, mt in (s.edge_tls_volumes(), s.mesh_tls_volumes("envoy")):
         volumes += v
         mounts += mt
     keys_volume, keys_mount = s.api_keys_volumes()

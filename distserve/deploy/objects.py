@@ -19,6 +19,9 @@ GPU = "nvidia.com/gpu"
 MESH_CONFIG = "distserve-mesh"
 GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, PLANNER_PORT = 50051, 8000, 50052
 WORKER_PORT, UCX_PORT, METRICS_PORT = 50061, 50062, 9100
+# UCX's TCP transport listens on a port of this range (UCX_TCP_PORT_RANGE on worker pods), one
+# per rank, so that a NetworkPolicy can name it; its UCP listeners are UCX_PORT + rank.
+UCX_TCP_PORTS = (50100, 50163)
 HEALTH_PORT = 9101  # under mesh TLS: grpc.health.v1 alone, in plaintext, for the kubelet
 ENVOY_ADMIN_PORT = 9901  # Envoy's admin interface, on the pod's 127.0.0.1 only
 

@@ -17,6 +17,10 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_IMAGE = f"distserve-mesh:{__version__}"  # what `make image` builds and tags
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,13 @@ class RenderOptions:
     # the planner scales and drains the worker Deployments itself (its ServiceAccount and Role:
     # planner_rbac.py); False: it recommends only
     planner_acts: bool = False
+    # mesh mTLS (mesh_certs.py): generated certificates unless the secrets name the mesh's own
+    mesh_tls: bool = True
+    cert_manager: bool = False  # cert-manager Certificates instead of generated ones
+    # NetworkPolicies (network_policy.py): only the mesh's own callers reach its ports
+    network_policies: bool = True
+    # the namespaces Prometheus scrapes from: a label KEY=VALUE (network_policy.py)
+    monitoring_namespace_label: str = "kubernetes.io/metadata.name=monitoring"
     edge_port: int = 8080
     edge_replicas: int = 1
     edge_service_type: str = "ClusterIP"
@@ -69,8 +80,27 @@ class RenderOptions:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
+        s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert
+        if not self.mesh_tls and (given or self.cert_manager):
+            raise InvalidRequest(
+                "--no-mesh-tls turns mesh TLS off: drop it, or drop --mesh-tls-* and --cert-manager"
+            )
+        if self.cert_manager and (given or s.mesh_tls_key or s.mesh_tls_ca):
+            raise InvalidRequest("--cert-manager issues the mesh's certificates: drop --mesh-tls-*")
+        key, eq, value = self.monitoring_namespace_label.partition("=")
+        if not (eq and _LABEL_KEY.fullmatch(key) and _LABEL_VALUE.fullmatch(value)):
+            raise InvalidRequest(
+                f"--monitoring-namespace-label {self.monitoring_namespace_label!r} is not a "
+                "label KEY=VALUE (e.g. kubernetes.io/metadata.name=monitoring)"
+            )
         if self.gpu_memory_gib <= 0 or self.cpus_per_rank < 1:
             raise InvalidRequest("--gpu-memory-gib must be > 0 and --cpus-per-rank >= 1")
+
+    @property
+    def monitoring_namespace(self) -> dict[str, str]:
+        """monitoring_namespace_label as a matchLabels selector."""
+        key, _, value = self.monitoring_namespace_label.partition("=")
+        return {key: value}
 
     def service_address(self, name: str, port: int) -> str:
         return f"{name}.{self.namespace}.svc.{self.cluster_domain}:{port}"

@@ -47,7 +47,8 @@ class MeshPods:
         """A pod that reads the model: its volume, its staging step, the mesh's TLS.
         tokenizer_only: the pod reads no weights (the gateway), so only what it reads is
         staged, into a volume sized for that."""
-        tls_volumes, tls_mounts = self.secrets.mesh_tls_volumes()
+        # the component's own certificate (its containers[0] is named for it)
+        tls_volumes, tls_mounts = self.secrets.mesh_tls_volumes(containers[0]["name"])
         for c in containers:
             c.setdefault("volumeMounts", []).extend([self.o.model.mount(), *tls_mounts])
             c.setdefault("env", []).extend(self.secrets.mesh_tls_env())

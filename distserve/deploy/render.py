@@ -16,7 +16,7 @@ affinity (only "together") cannot express. High affinity leaves placement to the
 The pieces live beside this file: options.py (RenderOptions), objects.py (the object builders),
 pod.py (what every pod shares: probes, the model volume, mesh TLS), secrets.py, resources.py
 (requests and limits), model_volume.py (the model and its staging), edge.py (Envoy),
-monitoring.py.
+monitoring.py, network_policy.py (who may reach which port), mesh_certs.py (mesh mTLS).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from pathlib import Path
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
+from distserve.deploy.mesh_certs import with_mesh_certs
 from distserve.deploy.monitoring import scrape_annotations, service_monitor
+from distserve.deploy.network_policy import network_policies
 from distserve.deploy.objects import (
     GATEWAY_GRPC_PORT,
     GATEWAY_HTTP_PORT,
@@ -36,6 +38,7 @@ from distserve.deploy.objects import (
     NODE_GROUP,
     PLANNER_PORT,
     UCX_PORT,
+    UCX_TCP_PORTS,
     WORKER_PORT,
 )
 from distserve.deploy.options import RenderOptions, gpus_per_node
@@ -61,7 +64,10 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     o = options or RenderOptions()
     pools = worker_pools(select_placement(plan, o.baseline), gpus_per_node(plan))
     config = _mesh_config(plan, o)
+    components = ["gateway", "envoy", *(["planner"] if o.planner else [])]
+    components += list(dict.fromkeys(p.role for p in pools))  # those with pods
     secrets = mesh_secrets(o.secrets, o.namespace, k8s.labels("secrets"))
+    secrets, certificates = with_mesh_certs(secrets, o, components)
     mesh = MeshPods(o, secrets, _model_spec(plan, o), k8s.digest(config["data"]))
     files: dict[str, list[dict]] = {
         "namespace.yaml": [
@@ -70,6 +76,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     }
     if secrets.objects:
         files["secrets.yaml"] = secrets.objects
+    files |= {"mesh-certificates.yaml": certificates} if certificates else {}
     files["config.yaml"] = [config]
     files["gateway.yaml"] = _gateway(mesh, config["data"])
     if o.planner_acts:
@@ -85,6 +92,8 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
                 k8s.service(f"distserve-{role}", role, o.namespace, _worker_ports(role), True),
                 k8s.disruption_budget(role, o.namespace),
             ]
+    if o.network_policies:
+        files["network-policies.yaml"] = network_policies(o, components, pools)
     if o.service_monitor:
         files["monitoring.yaml"] = [service_monitor(o.namespace)]
     files["kustomization.yaml"] = [
@@ -219,7 +228,9 @@ def _planner(m: MeshPods, plan: dict, pools: list[WorkerPool], config: dict) -> 
     args += acting_args(plan, pools, config) if acts else []
     health_args, health_ports, probes = m.health(PLANNER_PORT)
     ports = [("grpc", PLANNER_PORT), ("metrics", METRICS_PORT)]
-    volumes, mounts = ([], []) if acts else m.secrets.mesh_tls_volumes()  # model_pod's if acts
+    volumes, mounts = (
+        ([], []) if acts else m.secrets.mesh_tls_volumes("planner")
+    )  # model_pod's if acts
     env = [k8s.from_config(key) for key in ACTING_ENV] if acts else m.secrets.mesh_tls_env()
     planner = m.container(
         "planner", ["python", "-m", "services.planner"], args + health_args,
@@ -264,6 +275,8 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         k8s.from_field("POD_NAME", "metadata.name"),
         k8s.from_config("MODEL_DIR"),
         k8s.from_config("ETCD_URL"),
+        # UCX's TCP listeners in the range the NetworkPolicies open (network_policy.py)
+        {"name": "UCX_TCP_PORT_RANGE", "value": "{}-{}".format(*UCX_TCP_PORTS)},
     ]
     worker = m.container(
         pool.role, ["python", "-m", module], args, env=env,

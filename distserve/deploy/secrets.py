@@ -15,6 +15,8 @@ The keys inside each Secret (what a Secret referenced by name must hold):
 | API keys | `api-keys` (one key a line) | the Envoy pod's config step (`--api-key-file`) |
 | edge TLS | `tls.crt`, `tls.key` (`kubectl create secret tls`) | Envoy's listener |
 | mesh TLS | `tls.crt`, `tls.key`, `ca.crt` | every process of the mesh (services.common.mesh_tls) |
+
+Mesh TLS given neither way is generated, a certificate per component (mesh_certs.py).
 | HF_TOKEN | `token` | the model staging step (huggingface_hub reads HF_TOKEN) |
 """
 
@@ -61,6 +63,9 @@ class MeshSecrets:
     mesh_tls: str | None = None
     hf_token: str | None = None
     objects: list[dict] = field(default_factory=list)
+    # mesh TLS: one Secret per component, `<mesh_tls>-<component>` (mesh_certs.py), instead of
+    # `mesh_tls` for every process
+    mesh_tls_by_component: bool = False
 
     def mesh_tls_env(self) -> list[dict]:
         """DISTSERVE_TLS_CERT/KEY/CA pointing into the mounted mesh TLS Secret."""
@@ -70,8 +75,10 @@ class MeshSecrets:
         paths = ((ENV_CERT, "tls.crt"), (ENV_KEY, "tls.key"), (ENV_CA, "ca.crt"))
         return [{"name": env, "value": f"{folder}/{key}"} for env, key in paths]
 
-    def mesh_tls_volumes(self) -> tuple[list[dict], list[dict]]:
-        """(volumes, mounts) of the mesh TLS Secret; empty without mesh TLS."""
+    def mesh_tls_volumes(self, component: str) -> tuple[list[dict], list[dict]]:
+        """(volumes, mounts) of a component's mesh TLS Secret; empty without mesh TLS."""
+        if self.mesh_tls is not None and self.mesh_tls_by_component:
+            return _mounted("mesh-tls", f"{self.mesh_tls}-{component}")
         return _mounted("mesh-tls", self.mesh_tls)
 
     def edge_tls_volumes(self) -> tuple[list[dict], list[dict]]:

@@ -59,7 +59,12 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--ucx-port", type=int, default=0)
+    p.add_argument(
+        "--ucx-port",
+        type=int,
+        default=0,
+        help="the KV data plane's UCX port (0: any); with tp > 1, rank r listens on this + r",
+    )
     p.add_argument("--worker-id")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long held KV waits for a pull")
     p.add_argument("--kv-faults", default="", help="inject data-plane faults (tests only)")

@@ -75,7 +75,7 @@ class PrefillWorker:
             detokenize=False,
             threads=config.threads,
             kv="serve",
-            kv_options={"host": config.host},
+            kv_options={"host": config.host, "ucx_port": config.ucx_port},
         )
         self.loop = EngineLoop(
             self.engine,

@@ -62,6 +62,7 @@ class RankKv:
         policy: PullPolicy | None = None,
         transport: str = "auto",
         host: str = "",
+        port: int = 0,
     ) -> None:
         self.engine = engine
         self.heads = engine.kv_geometry.heads_of(tp.rank, tp.world_size)
@@ -78,7 +79,7 @@ class RankKv:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rank-kv", daemon=True)
         self._thread.start()
-        self.port = self._call(self._start(serve, policy, transport, host), timeout=60)
+        self.port = self._call(self._start(serve, policy, transport, host, port), timeout=60)
 
     # -- from the engine thread ---------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class RankKv:
     # -- on the loop thread --------------------------------------------------------------------
 
     async def _start(
-        self, serve: bool, policy: PullPolicy | None, transport: str, host: str
+        self, serve: bool, policy: PullPolicy | None, transport: str, host: str, port: int
     ) -> int:
         os.set_blocking(self._control_fd, False)
         self.loop.add_reader(self._control_fd, self._read_control)
@@ -147,7 +148,7 @@ class RankKv:
                 planes=self.engine.kv_geometry.planes,
             )
             self.server = ChunkServer(source)
-            return self.server.start(host=host)
+            return self.server.start(port, host=host)
         self.puller = KvPuller(policy, transport)
         await self.puller.warm_up(host or "127.0.0.1")
         return 0

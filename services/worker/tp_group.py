@@ -171,7 +171,8 @@ def start_engine(
     tp == 1: a plain engine, nothing started). `kv`: what the followers' KV data planes do,
     "serve" (prefill) or "pull" (decode); `kv_options`: {"policy": PullPolicy fields,
     "transport": "auto" | "ucx" | "grpc"} for pulling followers, "host": the address their
-    UCX listeners listen on. torch (its distributed
+    UCX listeners listen on, "ucx_port": rank 0's fixed UCX port (0: any), rank r then listens
+    on ucx_port + r, so a NetworkPolicy can name every KV port of a pod. torch (its distributed
     group) is imported only for tp > 1: an emulated instance is one process (tp 1), and never
     imports it."""
     if tp == 1:
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             policy=PullPolicy(**options.get("policy", {})),
             transport=options.get("transport", "auto"),
             host=options.get("host", ""),
+            port=options["ucx_port"] + args.rank if options.get("ucx_port") else 0,
         )
         kv.report({"event": "ready", "ucx_port": kv.port})
         follow(tp, engine, kv)

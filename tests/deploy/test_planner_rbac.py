@@ -97,7 +97,7 @@ def test_the_planners_flags_turn_its_control_loop_on_with_the_kubernetes_actuato
     model_dir = find(high, "ConfigMap", "distserve-mesh")["data"]["MODEL_DIR"]
     assert flags["--model-spec"] == model_dir
     pod = find(high, "Deployment", "distserve-planner")["spec"]["template"]["spec"]
-    (mount,) = pod["containers"][0]["volumeMounts"]
+    (mount,) = [v for v in pod["containers"][0]["volumeMounts"] if v["name"] == "model"]
     assert model_dir.startswith(mount["mountPath"])
     from services.planner.__main__ import parse
 

@@ -71,8 +71,10 @@ def args(deployment: dict, manifests: dict[str, list[dict]]) -> dict[str, str]:
     c = container(deployment)
     env = {}
     for e in c.get("env", []):
-        ref = e["valueFrom"]
-        if "configMapKeyRef" in ref:
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in ref:
             assert ref["configMapKeyRef"]["name"] == "distserve-mesh"
             env[e["name"]] = mesh[ref["configMapKeyRef"]["key"]]
         else:
@@ -86,6 +88,12 @@ def args(deployment: dict, manifests: dict[str, list[dict]]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def high() -> dict[str, list[dict]]:
     return render(load("plan_high_affinity.json"))
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[dict]]:
+    """Without mesh TLS (rendered by default: tests/deploy/test_mesh_certs.py)."""
+    return render(load("plan_high_affinity.json"), RenderOptions(mesh_tls=False))
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +183,9 @@ def test_workers_and_the_gateway_join_the_mesh_etcd_and_workers_advertise_their_
                 assert flags["--model"] == "/models/model"
 
 
-def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
+def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(plain):
     for component in ("gateway", "planner", "prefill", "decode"):
-        for d in deployments(high, component):
+        for d in deployments(plain, component):
             c = container(d)
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -185,7 +193,7 @@ def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(high):
             # Without mesh TLS the gRPC port is probed as it is: no plaintext health port.
             assert "--health-port" not in c["args"]
             assert all(p["name"] != "health" for p in c["ports"])
-    envoy = container(deployments(high, "envoy")[0])
+    envoy = container(deployments(plain, "envoy")[0])
     health = {"path": "/health", "port": 8080, "scheme": "HTTP"}
     assert envoy["readinessProbe"]["httpGet"] == health  # the gateway's, through Envoy
     assert envoy["livenessProbe"]["tcpSocket"] == {"port": 8080}
@@ -256,8 +264,8 @@ def edge_bootstrap(manifests: dict[str, list[dict]], tmp_path: Path) -> dict:
     return json.loads(Path(config).read_text())
 
 
-def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_path):
-    bootstrap = edge_bootstrap(high, tmp_path)
+def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(plain, tmp_path):
+    bootstrap = edge_bootstrap(plain, tmp_path)
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener == {"address": "0.0.0.0", "port_value": 8080}
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
@@ -270,9 +278,11 @@ def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(high, tmp_pa
             "port_value": port,
         }
         assert "transport_socket" not in cluster  # no mesh TLS asked
-    service_ports = {p["port"] for p in find(high, "Service", "distserve-gateway")["spec"]["ports"]}
+    service_ports = {
+        p["port"] for p in find(plain, "Service", "distserve-gateway")["spec"]["ports"]
+    }
     assert {50051, 8000} <= service_ports
-    envoy = deployments(high, "envoy")[0]["spec"]["template"]["spec"]
+    envoy = deployments(plain, "envoy")[0]["spec"]["template"]["spec"]
     assert envoy["volumes"] == [
         {"name": "envoy", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}
     ]
@@ -354,6 +364,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
         "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 6, "PodDisruptionBudget": 2,
+        "NetworkPolicy": 6, "Secret": 5,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]

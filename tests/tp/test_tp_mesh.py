@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 
 import grpc
@@ -28,8 +29,30 @@ from tests.conftest import start_mesh
 from tests.test_mesh import kv_all_free, stats, wait_until
 
 TP2 = ("--tensor-parallel-size", "2", "--threads", "1")
+
+
+def _free_pair() -> int:
+    """A port p with p and p + 1 free now (prefill-1's two ranks' UCX listeners)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+UCX_BASE = _free_pair()
 # prefill-0 and decode-0 are tp=1, the others tp=2; the colocated ones are killed at the end.
-WORKERS = {"prefill-1": TP2, "decode-1": TP2, "colocated-0": TP2, "colocated-1": TP2}
+# prefill-1 is given its UCX port: rank r listens on it + r (what a NetworkPolicy names).
+WORKERS = {
+    "prefill-1": (*TP2, "--ucx-port", str(UCX_BASE)),
+    "decode-1": TP2,
+    "colocated-0": TP2,
+    "colocated-1": TP2,
+}
 MAX_TOKENS = 12
 PROMPTS = [list(range(5, 45)), [7 + (i * 13) % 200 for i in range(70)]]  # 3 and 5 blocks of 16
 
@@ -146,6 +169,8 @@ def test_each_decode_rank_pulls_its_heads_from_the_prefill_ranks_holding_them(
         assert tokens == want
         assert handle.layerwise is layerwise
         assert len(handle.rank_sources) == (p if p > 1 else 0)
+        if prefill == "prefill-1":
+            assert [r.ucx_port for r in handle.rank_sources] == [UCX_BASE, UCX_BASE + 1]
         total += handle.total_bytes
     reused = stats(_address(mesh, decode), "decode").prompt_tokens_cached - reused_before
     total -= reused // handle.block_size * 2 * handle.block_bytes * handle.num_layers
