@@ -16,9 +16,9 @@ rules, each against a fault users of other planners report:
   decision.py: more instances of a role and none fewer, no re-shard), judged on the predicted
   attainment and what was observed since the change only, so a phase that needs more than one
   step is not made to wait one cool-down per step.
-* **A new phase is judged from its own requests.** When the window's lengths changed
-  (`latest_shift`, drift.py: a split of the window whose mean log prompt or output length
-  differ past chance), the decision waits for MIN_SAMPLES of the new phase's requests and then
+* **A new phase is judged from its own requests.** When the window's prompt lengths changed
+  (`latest_shift`, drift.py: a split of the window whose mean log prompt lengths differ past
+  chance), the decision waits for MIN_SAMPLES of the new phase's requests and then
   takes them alone, at their own arrival rate since the change: the first step aims at the
   placement the new phase needs, not at one fitted to a mix of the two.
 * **Up when the SLO is at risk.** The measured window (its requests' arrival gaps and lengths,
@@ -431,7 +431,7 @@ def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
 
 
 def _name(placement: tuple) -> str:
-    """A placement ((counts, tp) per role) as a person reads it: "5 prefill, 1 decode (tp 1)"."""
+    """A placement ((counts, tp) per role) as a person reads it."""
     counts, tp = placement
     return ", ".join(f"{n} {r}" for r, n in counts.items()) + f" (tp {dict(tp)})"
 
