@@ -261,6 +261,11 @@ def worst_phases(each: list[dict]) -> dict:
         "autoplan_lost_requests": max(e["autoplan_lost_requests"] for e in each),
         "static_lost_requests": each[0]["static_lost_requests"],
         "autoplan_changes": [e["autoplan_changes"] for e in each],
+        "autoplan_attainment_by_run": [
+            {name: v["autoplan"] for name, v in e["autoplan_attainment_by_phase"].items()}
+            for e in each
+        ],
+        "autoplan_settle_s_by_run": [e["autoplan_settle_s"] for e in each],
         "autoplan_decisions_while_applying": max(
             e["autoplan_decisions_while_applying"] for e in each
         ),
