@@ -7,10 +7,20 @@ The planner's one decider that moves the mesh (services/planner/__init__.py).
 measured and hands a `scale` decision to an actuator (services/planner/actuator.py). The
 rules, each against a fault users of other planners report:
 
-* **One change at a time.** While a change is in flight (the actuator is applying one, or the
-  registry does not yet show the last target) the answer is `wait`, and for `cooldown_s` after
-  a change lands it is `hold`: a decision is taken on what the new placement measures, never
-  on what the old one left behind (NVIDIA Dynamo #9774).
+* **One change at a time, no reversal in the cool-down.** While a change is in flight (the
+  actuator is applying one, or the registry does not yet show the last target) the answer is
+  `wait`. For `cooldown_s` after a change lands, a change the other way is held (a scale-down
+  or a reshape after a scale-up; anything after a scale-down or a reshape): what the old
+  placement left behind is not taken for what the new one measures (NVIDIA Dynamo #9774). A
+  scale-up the evidence still asks for after a scale-up goes ahead (`direction`, in
+  decision.py: more instances of a role and none fewer, no re-shard), judged on the predicted
+  attainment and what was observed since the change only, so a phase that needs more than one
+  step is not made to wait one cool-down per step.
+* **A new phase is judged from its own requests.** When the window's prompt lengths changed
+  (`latest_shift`, drift.py: a split of the window whose mean log prompt lengths differ past
+  chance), the decision waits for MIN_SAMPLES of the new phase's requests and then
+  takes them alone, at their own arrival rate since the change: the first step aims at the
+  placement the new phase needs, not at one fitted to a mix of the two.
 * **Up when the SLO is at risk.** The measured window (its requests' arrival gaps and lengths,
   replayed by the simulator at the measured rate) is predicted to miss the attainment target on
   the current placement, or missed it as observed. The new placement is the smallest within
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -57,8 +68,8 @@ import numpy as np
 from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.latency import Coefficients, LatencyModel, TpLatency
 from services.planner.cluster import kv_capacity
-from services.planner.decision import Decision, View
-from services.planner.drift import Sample
+from services.planner.decision import Decision, View, direction
+from services.planner.drift import Sample, latest_shift
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import simulate
 from services.planner.surge import SurgeConfig, arrival_rate
@@ -261,7 +272,10 @@ class Autoscaler:
 
         if view.in_flight:
             return decision("wait", "a change is being applied")
-        if view.now_s - view.last_change_s < self.config.cooldown_s:
+        # A cool-down stops reversals, not a second step the same way: after a scale-up, a
+        # further one the evidence asks for goes ahead; every other change waits it out.
+        cooling = view.now_s - view.last_change_s < self.config.cooldown_s
+        if cooling and view.last_change != "up":
             return decision("hold", "cooling down after the last change")
         window = [s for s in view.samples if s.arrival_s >= view.now_s - self.config.window_s]
         if len(window) < MIN_SAMPLES:
@@ -271,14 +285,27 @@ class Autoscaler:
                 why = f"{len(window)} requests in {self.config.window_s:g} s: idle"
                 return decision("scale", why, smallest)
             return decision("hold", f"{len(window)} requests measured: too few to decide")
+        # A new phase of the workload is judged from its own requests, once there are enough.
+        shift = latest_shift(window)
+        phase = ""
+        if shift is not None:
+            window = [s for s in window if s.arrival_s >= shift.since_s]
+            phase = f"the workload changed {view.now_s - shift.since_s:.3g} s ago ({shift.reason})"
+            if len(window) < MIN_SAMPLES:
+                why = f"{phase}: {len(window)} of its requests measured, too few to decide"
+                return decision("hold", why)
+            phase += ": judged from its requests; "
         rate, requests = _replay(window, self.config.replay)
-        rate, surge = self._arrival_rate(view, rate)
+        rate, surge = self._arrival_rate(view, rate, shift.since_s if shift else -math.inf)
         settled = [s for s in window if s.arrival_s >= view.last_change_s]  # on `current`
         if len(settled) >= MIN_SAMPLES:
             settled_rate, settled_requests = _replay(settled, self.config.replay)
             self.correct(counts, settled, settled_requests.at_rate(settled_rate), degrees)
         slo = self.spec.slo
-        observed = float(np.mean([slo.met(s.ttft_ms / 1000, s.tpot_ms / 1000) for s in window]))
+        # cooling down, what the last placement served is no evidence about this one
+        seen = settled if cooling else window
+        met = [slo.met(s.ttft_ms / 1000, s.tpot_ms / 1000) for s in seen]
+        observed = float(np.mean(met)) if len(seen) >= MIN_SAMPLES else math.nan
 
         def predict(placement, factor: float) -> float:
             return self.predict(placement[0], requests.at_rate(rate * factor), placement[1])
@@ -298,14 +325,22 @@ class Autoscaler:
             then = predict(target, 1.0)
             predicted = {**base, "target": then}
             why = (
-                f"{surge}SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
+                f"{phase}{surge}SLO at risk at {rate:.3g} req/s (predicted {now:.1%}, observed "
                 f"{observed:.1%}, target {alpha:.0%})"
             )
             if target == current or then < now + self.config.margin:
-                self._stabilised(view, current, current)  # nothing smaller is safe now
+                if not cooling:
+                    self._stabilised(view, current, current)  # nothing smaller is safe now
                 why += ": no placement in the budget does better"
                 return decision("hold", why, current, rate, observed, predicted)
+            if cooling and direction(current[0], target[0], current[1], target[1]) != "up":
+                why += f"; {_name(target)} would reverse the last scale-up: cooling down"
+                return decision("hold", why, current, rate, observed, predicted)
+            if cooling:
+                why += ", during the cool-down: it continues the last scale-up"
             return decision("scale", why, target, rate, observed, predicted)
+        if cooling:
+            return decision("hold", "cooling down after the last change", current, rate, observed)
         smallest = next(
             (
                 c
@@ -354,12 +389,18 @@ class Autoscaler:
         largest = max(reversed(period), key=lambda c: self.devices(*c))
         return largest if self.devices(*largest) < self.devices(*current) else None
 
-    def _arrival_rate(self, view: View, finished_rate: float) -> tuple[float, str]:
-        """The arrival rate to decide on (the gateway's reported arrivals', else
-        `finished_rate`; in a surge, the surge's own), and "" or what makes it a surge."""
+    def _arrival_rate(
+        self, view: View, finished_rate: float, since_s: float = -math.inf
+    ) -> tuple[float, str]:
+        """The arrival rate to decide on (the gateway's reported arrivals' since `since_s`,
+        else `finished_rate`; in a surge, the surge's own), and "" or what makes it a surge."""
         config = self.config
         measured = arrival_rate(
-            view.arrivals, view.now_s, view.arrivals_since_s, config.window_s, config.surge
+            view.arrivals,
+            view.now_s,
+            max(view.arrivals_since_s, since_s),
+            config.window_s,
+            config.surge,
         )
         if measured is None:
             return finished_rate, ""
@@ -387,6 +428,12 @@ def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:
     prompt = np.tile([s.prompt_tokens for s in window], reps)[:n]
     output = np.tile([s.output_tokens for s in window], reps)[:n]
     return rate, Requests(arrivals, prompt, output)
+
+
+def _name(placement: tuple) -> str:
+    """A placement ((counts, tp) per role) as a person reads it."""
+    counts, tp = placement
+    return ", ".join(f"{n} {r}" for r, n in counts.items()) + f" (tp {dict(tp)})"
 
 
 def _scaled(lat: LatencyModel, prefill: float, decode: float) -> LatencyModel:

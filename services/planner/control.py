@@ -4,9 +4,11 @@ not wait for the next tick: the arrivals are tested as they are reported (at mos
 `SURGE_CHECK_S`), and the first with evidence of one ticks at once.
 
 Each tick asks the actuator's status first: while it applies a change, the decision is `wait`;
-the moment a change lands starts the cool-down. Every decision is a log line (changes at INFO,
-holds at DEBUG), a span `planner.decide` with its inputs, predictions and the latency model's
-correction (`planner.correction.prefill` / `.decode`), and a count in
+the moment a change lands starts the cool-down, and which way it went (`direction`: from the
+placement the mesh had before it) says what the cool-down holds (a scale-up may continue).
+Every decision is a log line (changes at INFO, holds at DEBUG), a span `planner.decide` with its
+inputs, predictions and the latency model's correction (`planner.correction.prefill` /
+`.decode`), and a count in
 `distserve_planner_decisions_total{action}`; the latest is `latest` (what `distserve plan
 --watch` prints). Advisory mode decides and reports but never applies.
 """
@@ -26,7 +28,7 @@ from services.common import clock, telemetry
 from services.common.errors import FailedPrecondition
 from services.planner.actuator import Actuator
 from services.planner.autoscale import Autoscaler
-from services.planner.decision import Decision, View
+from services.planner.decision import Decision, View, direction
 from services.planner.drift import Sample
 from services.planner.surge import arrival_rate
 
@@ -62,6 +64,8 @@ class ControlLoop:
         self._was_changing = False
         self._last_change_s = clock.time_s()  # the start counts as a change: none is judged
         # on a window the loop did not see
+        self._last_change = ""  # its direction ("": the start)
+        self._placed: tuple[dict, dict] | None = None  # the placement as of the last tick at rest
         self._wake = asyncio.Event()  # set by a surge between ticks: tick now
         self._surge_checked_s = -math.inf
         self._unwoken_until_s = -math.inf  # after a surge's tick: the cadence's next is soon
@@ -101,7 +105,7 @@ class ControlLoop:
             self.arrivals.popleft()
         if (
             self._was_changing
-            or now - self._last_change_s < config.cooldown_s
+            or (now - self._last_change_s < config.cooldown_s and self._last_change != "up")
             or now - self._surge_checked_s < SURGE_CHECK_S
             or now < self._unwoken_until_s
         ):
@@ -138,11 +142,15 @@ class ControlLoop:
         status = await asyncio.to_thread(self.actuator.status)
         now = clock.time_s()
         moved = self._changes_seen is not None and status.changes != self._changes_seen
-        if not status.changing and (self._was_changing or moved):
-            self._last_change_s = now  # a change landed since the last tick: cool down
-        self._was_changing, self._changes_seen = status.changing, status.changes
         counts = {r: status.count(r) for r in self.autoscaler.roles}
         degrees = {r: t for r in self.autoscaler.roles if (t := status.tp(r))}
+        if not status.changing and (self._was_changing or moved):
+            self._last_change_s = now  # a change landed since the last tick: cool down
+            before = self._placed or (counts, degrees)
+            self._last_change = direction(before[0], counts, before[1], degrees)
+        if not status.changing:
+            self._placed = (counts, degrees)
+        self._was_changing, self._changes_seen = status.changing, status.changes
         view = View(
             now_s=now,
             samples=tuple(self.samples),
@@ -150,6 +158,7 @@ class ControlLoop:
             tp=degrees,
             in_flight=status.changing,
             last_change_s=self._last_change_s,
+            last_change=self._last_change,
             arrivals=tuple(self.arrivals),
             arrivals_since_s=self._since_s,
         )

@@ -28,10 +28,34 @@ class View:
     tp: Mapping[str, int] = field(default_factory=dict)  # each role's degree (not named: as built)
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
+    last_change: str = ""  # its `direction` ("up", "down", "reshape"; "": none, or the start)
     # when requests arrived (the gateway reports each as it is accepted), counted since
     # `arrivals_since_s`; none reported: the rate is measured from the finished requests
     arrivals: tuple[float, ...] = ()
     arrivals_since_s: float = -math.inf
+
+
+def direction(
+    before: Mapping[str, int],
+    after: Mapping[str, int],
+    before_tp: Mapping[str, int] | None = None,
+    after_tp: Mapping[str, int] | None = None,
+) -> str:
+    """Which way a change of placement goes, from `before` to `after` instances per role
+    (of tensor degree `before_tp` / `after_tp`, a role not named: unchanged): "up" when no
+    role has fewer instances and some role has more; "down" the mirror; "reshape" when some
+    role gains and another loses, or a role is re-sharded (its instances replaced); "" when
+    nothing changes. The cool-down (services/planner/autoscale.py) lets an "up" follow an
+    "up" and holds every other change: it stops reversals, not a second step the same way."""
+    roles = set(before) | set(after)
+    before_tp, after_tp = before_tp or {}, after_tp or {}
+    if any(before_tp.get(r, after_tp.get(r)) != after_tp.get(r, before_tp.get(r)) for r in roles):
+        return "reshape"
+    more = any(after.get(r, 0) > before.get(r, 0) for r in roles)
+    fewer = any(after.get(r, 0) < before.get(r, 0) for r in roles)
+    return {(True, False): "up", (False, True): "down", (True, True): "reshape"}.get(
+        (more, fewer), ""
+    )
 
 
 @dataclass(frozen=True)

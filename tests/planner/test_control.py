@@ -1,7 +1,7 @@
 """The planner's control loop (services/planner/control.py) on a fake clock and a fake actuator:
 a burst is decided on at the first tick after it starts (a surge of arrivals, before most of its
 requests finished), and while a change is being applied every tick waits and nothing is asked
-of the actuator."""
+of the actuator; a change that lands is told to the decider with the way it went."""
 
 from __future__ import annotations
 
@@ -171,3 +171,27 @@ def test_a_surge_is_decided_on_between_ticks_as_its_arrivals_come(autoscaler, mo
     assert BURST_AT <= loop.latest_at_s <= BURST_AT + 5.0, loop.latest_at_s
     assert decision.action == "scale" and "surge" in decision.reason, decision
     assert [counts for _, counts, _ in actuator.asked] == [decision.counts]
+
+
+def test_a_change_that_lands_is_told_to_the_decider_with_the_way_it_went(autoscaler, monkeypatch):
+    """The loop tells the autoscaler when the last change landed and which way it went (from
+    the placement before it), which is what its cool-down holds or lets through: up, then
+    down, then a reshape, each as its own actuator change."""
+    now = [0.0]
+    monkeypatch.setattr(clock, "time_s", lambda: now[0])
+    actuator = FakeActuator(lambda: now[0], {"prefill": 1, "decode": 1}, APPLY_S)
+    loop = ControlLoop(autoscaler, actuator, CollectorRegistry(), interval_s=TICK_S)
+    asyncio.run(loop.tick())
+    assert loop._latest_view.last_change == ""  # the start
+    for counts, way in (
+        ({"prefill": 3, "decode": 1}, "up"),
+        ({"prefill": 2, "decode": 1}, "down"),
+        ({"prefill": 1, "decode": 2}, "reshape"),
+    ):
+        actuator.apply("default", counts)
+        now[0] += TICK_S
+        assert asyncio.run(loop.tick()).action == "wait"
+        now[0] += APPLY_S
+        asyncio.run(loop.tick())
+        view = loop._latest_view
+        assert (view.last_change, view.last_change_s, dict(view.counts)) == (way, now[0], counts)

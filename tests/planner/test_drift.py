@@ -1,4 +1,6 @@
-"""Drift detection: a real shift proposes once; noise within thresholds does not; no flapping."""
+"""Drift detection: a real shift proposes once; noise within thresholds does not; no flapping.
+`latest_shift`: where in the planner's window a new phase's prompt lengths began, and no split
+in a window of one workload."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidRequest
-from services.planner.drift import DriftConfig, DriftDetector, Sample
+from services.planner.drift import DriftConfig, DriftDetector, Sample, latest_shift
+from services.planner.workload import PRESETS
 
 WINDOW = 100
 
@@ -91,3 +94,49 @@ def test_bad_samples_and_configs_are_clear_errors():
         Sample(0.0, 0, 5)
     with pytest.raises(InvalidRequest, match="window >= 2"):
         DriftConfig(window=1)
+
+
+def preset_window(name: str, n: int, seed: int, start: float = 0.0) -> list[Sample]:
+    """`n` requests of a workload preset at 1 request/s from `start`."""
+    r = PRESETS[name].sample(n, seed)
+    return [
+        Sample(start + float(t), int(p), int(o))
+        for t, p, o in zip(r.arrival_s, r.prompt, r.output, strict=True)
+    ]
+
+
+def test_a_window_of_one_workload_shows_no_shift():
+    """300 windows of each preset, ~4 minutes of requests at 1/s each: no split is taken for
+    a change (what the new phase's requests are judged from would be a random part)."""
+    for name in ("chat", "code", "summarization"):
+        for seed in range(300):
+            assert latest_shift(preset_window(name, 230, seed)) is None, (name, seed)
+
+
+def test_a_change_of_prompt_lengths_is_found_where_it_began():
+    """Chat, then summarisation's longer prompts: found within 12 of the new requests, at
+    the first of them (give or take a long chat prompt just before). Back from summarisation
+    to chat: within 5."""
+    for seed in range(20):
+        chat = preset_window("chat", 200, seed)
+        summ = preset_window("summarization", 12, 100 + seed, start=chat[-1].arrival_s + 1)
+        shift = latest_shift(chat + summ)
+        assert shift is not None, seed
+        first = summ[0].arrival_s
+        assert shift.since_s in [s.arrival_s for s in (chat[-5:] + summ[:1])], (seed, shift)
+        assert shift.since_s <= first and "prompts" in shift.reason
+        later = preset_window("summarization", 200, seed)
+        back = preset_window("chat", 5, 200 + seed, start=later[-1].arrival_s + 1)
+        assert latest_shift(later + back) is not None, seed
+
+
+def test_the_newest_requests_finishing_short_is_no_shift():
+    """A request is reported when it finishes: the window's newest requests are the short
+    ones (the long ones that came with them still run). Their output lengths must not read
+    as a new workload."""
+    for seed in range(20):
+        window = preset_window("chat", 260, seed)
+        newest = window[-60:]
+        finished = window[:-60] + [s for s in newest if s.output_tokens < 60]
+        assert len(finished) < len(window)
+        assert latest_shift(finished) is None, seed
