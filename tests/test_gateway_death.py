@@ -10,9 +10,11 @@ run through Envoy on both gateways, one gateway is killed. Then:
   code but REFUSED_STREAM, meaning "never processed", maps to UNAVAILABLE). docs/deployment.md
   says how a client tells this reset apart and retries;
 * the streams on the surviving gateway finish with the engine's exact tokens;
-* requests sent right after the kill, which Envoy still balances onto the dead gateway until its
-  health check notices, are retried by Envoy on the survivor (nothing of their answer was sent),
-  and the client sees a normal, exact answer;
+* requests the dead gateway had accepted but not begun answering (held before their first token
+  by a prefill instance stopped with SIGSTOP until the kill), and requests sent right after the
+  kill, which Envoy still balances onto the dead gateway until its health check notices, are
+  retried by Envoy on the survivor (nothing of their answer was sent), and the client sees a
+  normal, exact answer;
 * within a KV lease every block is free again on prefill and decode, and decode runs nothing.
 """
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 
@@ -44,6 +48,13 @@ def _envoy_counter(envoy, name: str) -> int:
     with urllib.request.urlopen(url, timeout=5) as r:
         found = json.load(r)["stats"]
     return int(found[0]["value"]) if found else 0
+
+
+def _pulled(mesh) -> bool:
+    """No KV held on prefill and no pull in flight on decode."""
+    held = [stats(a, "prefill").load.held_kv_handles for a in addresses(mesh, "prefill")]
+    pulling = [stats(a, "decode").load.pending_pulls for a in addresses(mesh, "decode")]
+    return not any(held) and not any(pulling)
 
 
 async def _stream(stub, prompt: str, max_tokens: int, started: asyncio.Event | None = None):
@@ -84,13 +95,32 @@ def test_a_gateways_death_drops_nothing_that_can_be_saved(mesh_factory, tiny_mod
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             loads = await asyncio.to_thread(lambda: [_in_flight(g) for g in mesh.gateways])
             assert all(n > 0 for n in loads), f"both gateways must carry streams: {loads}"
-            retries_before = _envoy_counter(mesh.envoy, "cluster.gateway_grpc.upstream_rq_retry")
-            victim.popen.kill()
-            killed = time.monotonic()
+            # Requests the victim has accepted but not begun answering: prefill is stopped (once
+            # every stream's KV is pulled), so their first token, and with it the response
+            # headers, cannot come. Sent one by one until the victim holds one (Envoy balances).
+            await asyncio.to_thread(wait_until, lambda: _pulled(mesh), 30, "every KV pulled")
+            prefill = next(p for p in mesh.workers if p.name.startswith("prefill"))
+            os.kill(prefill.popen.pid, signal.SIGSTOP)
+            try:
+                waiting = []
+                for p in PROMPTS * 4:
+                    waiting.append(asyncio.create_task(_stream(stub, p, FRESH_TOKENS)))
+                    await asyncio.sleep(0.2)
+                    if await asyncio.to_thread(_in_flight, victim) > loads[1]:
+                        break
+                else:
+                    raise AssertionError("no request waits on the victim")
+                retries_before = _envoy_counter(
+                    mesh.envoy, "cluster.gateway_grpc.upstream_rq_retry"
+                )
+                victim.popen.kill()
+                killed = time.monotonic()
+            finally:
+                os.kill(prefill.popen.pid, signal.SIGCONT)
             # New requests at once: Envoy has not yet seen the victim's death.
             fresh = [asyncio.create_task(_stream(stub, p, FRESH_TOKENS)) for p in prompts]
             old = await asyncio.wait_for(asyncio.gather(*running), 120)
-            new = await asyncio.wait_for(asyncio.gather(*fresh), 120)
+            new = await asyncio.wait_for(asyncio.gather(*waiting, *fresh), 120)
             return loads, retries_before, killed, old, new
 
     loads, retries_before, killed, old, new = asyncio.run(scenario())
@@ -108,10 +138,11 @@ def test_a_gateways_death_drops_nothing_that_can_be_saved(mesh_factory, tiny_mod
     assert len(finished) == loads[0]
     for i, (ids, *_) in finished:
         assert ids == want[i]
-    # (a) requests sent after the kill all succeed, exact; Envoy retried those it had sent to
-    # the dead gateway.
-    assert [r[1] for r in new] == [grpc.StatusCode.OK] * len(prompts), [r[1:] for r in new]
-    assert [r[0] for r in new] == [ids for ids, _ in expected(tiny_model, prompts, FRESH_TOKENS)]
+    # (a) the requests waiting on the victim for their first token, and those sent after the
+    # kill, all succeed, exact: Envoy retried on the survivor those the victim had.
+    assert [r[1] for r in new] == [grpc.StatusCode.OK] * len(new), [r[1:] for r in new]
+    short = [ids for ids, _ in expected(tiny_model, PROMPTS, FRESH_TOKENS)]
+    assert [r[0] for r in new] == (short * 4)[: len(new) - len(prompts)] + short * 2
     retried = _envoy_counter(mesh.envoy, "cluster.gateway_grpc.upstream_rq_retry")
     assert retried > retries_before
 
