@@ -111,6 +111,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the planner scales and drains the worker Deployments itself (a ServiceAccount "
         "and a least-privilege Role; docs/kubernetes.md#the-planner-acting)",
     )
+    r.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=d.gateway_replicas,
+        help="gateways behind Envoy, each seeing the whole mesh through etcd",
+    )
+    r.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="an existing etcd's client URL (http://HOST:PORT) for the mesh's membership; "
+        "default: render a 3-member etcd StatefulSet",
+    )
+    r.add_argument("--etcd-image", default=d.etcd_image, help="the rendered etcd's image")
     n = r.add_argument_group("the network (docs/kubernetes.md#security)")
     n.add_argument(
         "--no-network-policies",
@@ -210,6 +223,9 @@ def render_command(args: argparse.Namespace) -> int:
         network_policies=not args.no_network_policies,
         monitoring_namespace_label=args.monitoring_namespace_label,
         edge_port=args.edge_port,
+        gateway_replicas=args.gateway_replicas,
+        etcd_url=args.etcd,
+        etcd_image=args.etcd_image,
         edge_replicas=args.edge_replicas,
         edge_service_type=args.edge_service_type,
         rate_limit_rps=args.rate_limit,

@@ -8,13 +8,15 @@ off), ingress only:
   below names is closed.
 - one policy per component, allowing exactly its callers (`ALLOWED`, the table the test reads
   the manifests against): Envoy's edge port from anywhere; the gateway's gRPC and HTTP ports
-  from Envoy, its gRPC port from the workers (they register) and the planner (it drains through
-  the gateway's registry); the planner's from the gateway (the workload it is fed); a worker's
-  gRPC port (its service and the kvtransfer control contract) from the gateway, and a prefill
+  from Envoy, its gRPC port from the planner too (the workers' loads it reads); the planner's
+  from the gateway (the workload it is fed); a worker's gRPC port (its service, its load feed
+  and the kvtransfer control contract) from the gateway, and a prefill
   worker's from decode workers too (describe, renew, release, the gRPC KV fallback); the
   prefill pods' KV ports (each rank's UCX listener, UCX_PORT + rank, and UCX's TCP transport,
   UCX_TCP_PORTS) from decode pods only; the decode pods' UCX TCP ports from prefill pods (UCX's
-  TCP transport may connect back to the endpoint that called it).
+  TCP transport may connect back to the endpoint that called it); the rendered etcd's client
+  port from the gateway and the workers (membership: they join and watch it), its peer port from
+  its own members (etcd_cluster.py; an etcd given by `--etcd URL` is the cluster's own affair).
 - every `metrics` port from the namespaces matching `monitoring` (a label selector: Prometheus'
   namespace).
 
@@ -26,6 +28,7 @@ API, the model staging step the Hub).
 
 from __future__ import annotations
 
+from distserve.deploy import etcd_cluster as etcd
 from distserve.deploy import objects as k8s
 from distserve.deploy.objects import (
     GATEWAY_GRPC_PORT,
@@ -47,7 +50,7 @@ ANYONE, MONITORING = "anyone", "monitoring"  # callers that are not a component 
 ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     "envoy": {"http": frozenset({ANYONE})},
     "gateway": {
-        "grpc": frozenset({"envoy", "planner", *WORKER_ROLES}),
+        "grpc": frozenset({"envoy", "planner"}),
         "http": frozenset({"envoy"}),
     },
     "planner": {"grpc": frozenset({"gateway"})},
@@ -58,6 +61,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     },
     "decode": {"grpc": frozenset({"gateway"}), "ucx-tcp": frozenset({"prefill"})},
     "colocated": {"grpc": frozenset({"gateway"})},
+    "etcd": {"client": frozenset({"gateway", *WORKER_ROLES}), "peer": frozenset({"etcd"})},
 }
 for _ports in ALLOWED.values():
     _ports["metrics"] = frozenset({MONITORING})
@@ -113,6 +117,9 @@ def _port(component: str, name: str, edge_port: int, tp: int) -> tuple[int, int 
         return UCX_PORT, UCX_PORT + tp - 1 if tp > 1 else None
     if name == "ucx-tcp":
         return UCX_TCP_PORTS
+    if component == "etcd":
+        ports = {"client": etcd.CLIENT_PORT, "peer": etcd.PEER_PORT}
+        return ports.get(name, etcd.METRICS_PORT), None
     return METRICS_PORT, None
 
 

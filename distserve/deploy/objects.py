@@ -95,13 +95,15 @@ def service(
     }
 
 
-def disruption_budget(role: str, namespace: str) -> dict:
-    """At most one pod of the pool evicted at a time (node drains, upgrades)."""
+def disruption_budget(role: str, namespace: str, min_available: int | None = None) -> dict:
+    """At most one pod of the pool evicted at a time (node drains, upgrades); or, given
+    `min_available`, at least that many pods kept."""
+    keep = {"maxUnavailable": 1} if min_available is None else {"minAvailable": min_available}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": meta(f"distserve-{role}", role, namespace),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(role)}},
+        "spec": keep | {"selector": {"matchLabels": selector(role)}},
     }
 
 

@@ -11,11 +11,14 @@ from distserve.deploy.model_volume import ModelSource
 from distserve.deploy.resources import DEVICES
 from distserve.deploy.secrets import SecretFiles
 from distserve.role_args import RoleArgs
+from services.common.discovery import etcd_target
 from services.common.errors import InvalidRequest
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 DEFAULT_IMAGE = f"distserve-mesh:{__version__}"  # what `make image` builds and tags
+# etcd's own release image (its primary registry), the 3.5 minor `distserve up` runs
+DEFAULT_ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.21"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _LABEL_KEY = re.compile(
     r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -55,6 +58,11 @@ class RenderOptions:
     network_policies: bool = True
     # the namespaces Prometheus scrapes from: a label KEY=VALUE (network_policy.py)
     monitoring_namespace_label: str = "kubernetes.io/metadata.name=monitoring"
+    gateway_replicas: int = 1  # gateways behind Envoy; each sees the whole mesh through etcd
+    # an existing etcd's client URL (http://HOST:PORT) the mesh joins; None: render a 3-member
+    # etcd StatefulSet (etcd_cluster.py) from etcd_image
+    etcd_url: str | None = None
+    etcd_image: str = DEFAULT_ETCD_IMAGE
     edge_port: int = 8080
     edge_replicas: int = 1
     edge_service_type: str = "ClusterIP"
@@ -78,6 +86,13 @@ class RenderOptions:
             raise InvalidRequest("--planner-acts needs the planner: drop --no-planner")
         if self.edge_replicas < 1 or self.termination_grace_s < 1 or self.rate_limit_rps < 0:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
+        if self.gateway_replicas < 1:
+            raise InvalidRequest("--gateway-replicas must be >= 1", "gateway_replicas")
+        if self.etcd_url is not None:
+            try:
+                etcd_target(self.etcd_url)
+            except ValueError as e:
+                raise InvalidRequest(str(e), "etcd") from e
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
         s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert

@@ -16,7 +16,8 @@ affinity (only "together") cannot express. High affinity leaves placement to the
 The pieces live beside this file: options.py (RenderOptions), objects.py (the object builders),
 pod.py (what every pod shares: probes, the model volume, mesh TLS), secrets.py, resources.py
 (requests and limits), model_volume.py (the model and its staging), edge.py (Envoy),
-monitoring.py, network_policy.py (who may reach which port), mesh_certs.py (mesh mTLS).
+etcd_cluster.py (the mesh's etcd), monitoring.py, network_policy.py (who may reach which port),
+mesh_certs.py (mesh mTLS).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
+from distserve.deploy.etcd_cluster import etcd_cluster, etcd_url
 from distserve.deploy.mesh_certs import with_mesh_certs
 from distserve.deploy.monitoring import scrape_annotations, service_monitor
 from distserve.deploy.network_policy import network_policies
@@ -78,6 +80,8 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
         files["secrets.yaml"] = secrets.objects
     files |= {"mesh-certificates.yaml": certificates} if certificates else {}
     files["config.yaml"] = [config]
+    if o.etcd_url is None:
+        files["etcd.yaml"] = etcd_cluster(o)
     files["gateway.yaml"] = _gateway(mesh, config["data"])
     if o.planner_acts:
         files["planner-rbac.yaml"] = planner_rbac(o.namespace)
@@ -93,7 +97,8 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
                 k8s.disruption_budget(role, o.namespace),
             ]
     if o.network_policies:
-        files["network-policies.yaml"] = network_policies(o, components, pools)
+        guarded = components + (["etcd"] if o.etcd_url is None else [])  # etcd: no mesh TLS
+        files["network-policies.yaml"] = network_policies(o, guarded, pools)
     if o.service_monitor:
         files["monitoring.yaml"] = [service_monitor(o.namespace)]
     files["kustomization.yaml"] = [
@@ -165,9 +170,9 @@ def _mesh_config(plan: dict, o: RenderOptions) -> dict:
     data = {
         "MODEL_DIR": o.model.folder,
         "GATEWAY_ADDRESS": o.service_address("distserve-gateway", GATEWAY_GRPC_PORT),
-        # The mesh's membership (services/common/discovery.py): an etcd this render does not
-        # create (yet); every worker and gateway joins it.
-        "ETCD_URL": "http://" + o.service_address("distserve-etcd", 2379),
+        # The mesh's membership (services/common/discovery.py): every worker and gateway joins
+        # it (etcd_cluster.py).
+        "ETCD_URL": etcd_url(o),
     }
     if o.planner:
         data["PLANNER_ADDRESS"] = o.service_address("distserve-planner", PLANNER_PORT)
@@ -184,8 +189,12 @@ def _mesh_config(plan: dict, o: RenderOptions) -> dict:
 
 
 def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
-    """One gateway: workers register with the Service's address, which reaches one pod, so a
-    second replica would hold an empty registry. Recreate: never two registries at once."""
+    """`gateway_replicas` gateways, each seeing the whole mesh through etcd. The Service is
+    headless, so Envoy (STRICT_DNS) sees every gateway pod, balances over them and retries a
+    request not yet answered on another. Roll-outs add a new gateway before removing an old one
+    (maxSurge 1, maxUnavailable 0), and with several, voluntary evictions leave all but one
+    serving: an evicted or deleted gateway drops only the streams it had begun
+    (docs/deployment.md, "A gateway dies")."""
     args = ["--model", "$(MODEL_DIR)", "--host", "0.0.0.0", "--port", str(GATEWAY_GRPC_PORT)]
     args += ["--http-port", str(GATEWAY_HTTP_PORT), "--metrics-port", str(METRICS_PORT)]
     env = [k8s.from_config("MODEL_DIR")]
@@ -207,12 +216,17 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
         ports=ports + health_ports, probes=probes, resources=fixed(GATEWAY),
     )  # fmt: skip
     pod = m.model_pod([gateway], [], tokenizer_only=True)  # the gateway loads no weights
-    name, ns = "distserve-gateway", m.o.namespace
-    recreate = {"type": "Recreate"}
-    return [
-        k8s.deployment(name, "gateway", ns, pod, annotations=m.annotations(), strategy=recreate),
-        k8s.service(name, "gateway", ns, ports),
+    name, ns, n = "distserve-gateway", m.o.namespace, m.o.gateway_replicas
+    surge = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    objects = [
+        k8s.deployment(
+            name, "gateway", ns, pod, annotations=m.annotations(), strategy=surge, replicas=n
+        ),
+        k8s.service(name, "gateway", ns, ports, headless=True),
     ]
+    if n > 1:
+        objects.append(k8s.disruption_budget("gateway", ns, min_available=n - 1))
+    return objects
 
 
 def _planner(m: MeshPods, plan: dict, pools: list[WorkerPool], config: dict) -> list[dict]:

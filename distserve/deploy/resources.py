@@ -48,6 +48,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The pods that run no model: fixed sizes (their work does not grow with the model).
 GATEWAY = (2, 2 * GIB)  # cores, bytes: one asyncio process and its tokenizer's threads
 PLANNER = (1, 1 * GIB)  # the goodput search and simulator, off the request path
+ETCD = (1, 1 * GIB)  # one etcd member: the mesh's few keys, its watches and leases
 ENVOY = (1, 512 * MIB)  # one Envoy worker thread (EdgeConfig.concurrency)
 STEP = (1, 1 * GIB)  # an init container: a download, or writing Envoy's configuration
 

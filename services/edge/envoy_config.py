@@ -203,7 +203,10 @@ def _percent(value: int, key: str) -> dict:
 def _retry_policy(config: EdgeConfig, grpc: bool) -> dict:
     # Only failures before the upstream's response headers are retried: Envoy cannot retry once
     # it has forwarded a byte of the answer, and the gateway sends its headers with the first
-    # token. So no request is ever answered twice.
+    # token. So no request is ever answered twice. `reset`, not `reset-before-request`: a
+    # gateway that died after it accepted a request but before its first token (waiting for
+    # admission or prefill) has sent nothing, and that request must go to another gateway
+    # (tests/test_gateway_death.py).
     retry_on = ["connect-failure", "refused-stream", "reset"]
     retry_on += ["unavailable"] if grpc else ["retriable-status-codes"]
     policy = {

@@ -24,7 +24,7 @@ WORKERS = {"prefill", "decode", "colocated"}
 EXPECTED = {
     ("envoy", "http"): {"anyone"},
     ("envoy", "metrics"): {"monitoring"},
-    ("gateway", "grpc"): {"envoy", "planner", "prefill", "decode", "colocated"},
+    ("gateway", "grpc"): {"envoy", "planner"},
     ("gateway", "http"): {"envoy"},
     ("gateway", "metrics"): {"monitoring"},
     ("planner", "grpc"): {"gateway"},
@@ -36,6 +36,9 @@ EXPECTED = {
     ("decode", "metrics"): {"monitoring"},
     ("colocated", "grpc"): {"gateway"},
     ("colocated", "metrics"): {"monitoring"},
+    ("etcd", "client"): {"gateway", "prefill", "decode", "colocated"},
+    ("etcd", "peer"): {"etcd"},
+    ("etcd", "metrics"): {"monitoring"},
 }
 # health (mesh TLS): the kubelet's probes come from the node, not from a pod; no rule.
 for _c in ("gateway", "planner", *WORKERS):
@@ -68,7 +71,7 @@ def reachable(manifests, pod_labels: dict[str, str], port: int) -> tuple[set[str
             "template"
         ]["metadata"]["labels"]
         for d in objects(manifests)
-        if d["kind"] == "Deployment"
+        if d["kind"] in ("Deployment", "StatefulSet")
     }
     callers: set[str] = set()
     granting = 0
@@ -104,7 +107,7 @@ def table(manifests) -> dict[tuple[str, str], set[str]]:
     """(component, declared port name) -> its callers, for every port of every pod; each
     declared port granted by exactly one policy, or by none where no one may call it."""
     out: dict[tuple[str, str], set[str]] = {}
-    for d in (o for o in objects(manifests) if o["kind"] == "Deployment"):
+    for d in (o for o in objects(manifests) if o["kind"] in ("Deployment", "StatefulSet")):
         labels = d["spec"]["template"]["metadata"]["labels"]
         component = labels["app.kubernetes.io/component"]
         for c in d["spec"]["template"]["spec"]["containers"]:

@@ -210,7 +210,8 @@ def test_workers_drain_on_sigterm_within_the_grace_period_without_surge(high):
 
 
 def test_each_worker_pool_has_a_disruption_budget_of_one_pod(low):
-    budgets = [o for o in objects(low) if o["kind"] == "PodDisruptionBudget"]
+    pools = low["prefill.yaml"] + low["decode.yaml"]
+    budgets = [o for o in pools if o["kind"] == "PodDisruptionBudget"]
     assert sorted(b["metadata"]["name"] for b in budgets) == [
         "distserve-decode",
         "distserve-prefill",
@@ -363,8 +364,8 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
             if obj["kind"] == "Deployment":
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
-        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 6, "PodDisruptionBudget": 2,
-        "NetworkPolicy": 6, "Secret": 5,  # the generated mesh certificates
+        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 8, "PodDisruptionBudget": 3,
+        "StatefulSet": 1, "NetworkPolicy": 6, "Secret": 5,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
