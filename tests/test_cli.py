@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 from services.common.sampling import SamplingParams
@@ -174,9 +175,10 @@ def test_up_passes_etcd_and_gateways_and_refuses_what_cannot_work(monkeypatch, t
         assert "gateway" not in run.stdout  # nothing started
 
 
-def test_version_is_the_one_pyproject_declares():
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+def test_version_is_the_one_the_package_declares_and_its_metadata_carries():
+    init = Path(__file__).resolve().parent.parent / "distserve" / "__init__.py"
+    declared = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M).group(1)
+    assert importlib.metadata.version("distserve-mesh") == declared  # pyproject reads it
     shown = distserve("--version")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == f"distserve {declared}"
