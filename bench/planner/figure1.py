@@ -28,7 +28,6 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from distserve.loadgen.report import cpu_model
-from services.common.latency import Coefficients, LatencyModel, TpLatency, for_model
+from services.common.latency import LatencyModel, for_model
 from services.common.model_spec import PRESETS
 from services.common.slo import Slo
 from services.planner.cluster import ClusterSpec
@@ -54,21 +53,8 @@ CALIBRATION_REQUESTS = 4000  # per goodput probe while fitting a factor
 
 def scale(latency: LatencyModel, prefill: float, decode: float) -> LatencyModel:
     """The profile with prefill coefficients times `prefill`, decode ones times `decode`."""
-
-    def times(c: Coefficients, f: float) -> Coefficients:
-        return Coefficients(c.a * f, c.b * f, c.c * f)
-
-    by_tp = {
-        tp: TpLatency(
-            times(t.prefill, prefill),
-            times(t.decode_small, decode),
-            times(t.decode_large, decode),
-            t.threshold,
-        )
-        for tp, t in latency.by_tp.items()
-    }
     why = f"x{prefill:.3f} prefill, x{decode:.3f} decode, fitted to DistServe's Figure 1"
-    return replace(latency, by_tp=by_tp, source=f"{latency.source} {why}")
+    return latency.phases_scaled(prefill, decode, why)
 
 
 def spec_with(latency: LatencyModel, gpus: int, seed: int) -> PlanSpec:

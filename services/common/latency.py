@@ -138,6 +138,24 @@ class LatencyModel:
         emulated runner's steps are the fit; its loop around them is real)."""
         return replace(self, iteration_overhead_ms=0.0, iteration_overhead_ms_per_token=0.0)
 
+    def phases_scaled(self, prefill: float, decode: float, why: str) -> LatencyModel:
+        """Prefill step times times `prefill`, decode step times times `decode` (every
+        coefficient, so L_m, a ratio of them, is unchanged); `why` joins the source."""
+
+        def times(c: Coefficients, k: float) -> Coefficients:
+            return Coefficients(c.a * k, c.b * k, c.c * k)
+
+        by_tp = {
+            tp: TpLatency(
+                times(t.prefill, prefill),
+                times(t.decode_small, decode),
+                times(t.decode_large, decode),
+                t.threshold,
+            )
+            for tp, t in self.by_tp.items()
+        }
+        return replace(self, by_tp=by_tp, source=f"{self.source}, {why}")
+
     def saturation_tokens(self, tp: int) -> int:
         """L_m: the measured one if there is one, else the smallest power of two T past which
         doubling a batch of T prompt tokens gains under 10% throughput (4.5 a / b, from

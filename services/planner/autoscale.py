@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.errors import FailedPrecondition, InvalidRequest
-from services.common.latency import Coefficients, LatencyModel, TpLatency
+from services.common.latency import LatencyModel
 from services.planner.cluster import kv_capacity
 from services.planner.decision import Decision, View, direction
 from services.planner.drift import Sample, latest_shift
@@ -437,20 +437,7 @@ def _name(placement: tuple) -> str:
 
 
 def _scaled(lat: LatencyModel, prefill: float, decode: float) -> LatencyModel:
-    """`lat` with its prefill step times times `prefill` and its decode step times times
-    `decode` (L_m, a ratio of coefficients, unchanged)."""
-
-    def times(c: Coefficients, k: float) -> Coefficients:
-        return Coefficients(c.a * k, c.b * k, c.c * k)
-
-    by_tp = {
-        tp: TpLatency(
-            times(t.prefill, prefill),
-            times(t.decode_small, decode),
-            times(t.decode_large, decode),
-            t.threshold,
-        )
-        for tp, t in lat.by_tp.items()
-    }
-    source = f"{lat.source}, corrected x{prefill:.3g} prefill, x{decode:.3g} decode"
-    return dataclasses.replace(lat, by_tp=by_tp, source=source)
+    """`lat` corrected by the factors the live mesh measured."""
+    return lat.phases_scaled(
+        prefill, decode, f"corrected x{prefill:.3g} prefill, x{decode:.3g} decode"
+    )
