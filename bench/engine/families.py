@@ -8,7 +8,7 @@ in [64, 512] and 32 new tokens each, from the median step: ours (paged KV, conti
 and transformers `generate` on the same left-padded batch, in the same run. Prints a table and
 one JSON line (`decode_tok_s_b32` per family: ours, transformers, ratio).
 
-Run: `.venv/bin/python bench/engine/families.py` (about 10 minutes on 2 cores).
+Run: `.venv/bin/python bench/engine/families.py` (about 15 minutes on 2 cores).
 """
 
 from __future__ import annotations
