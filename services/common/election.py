@@ -68,7 +68,13 @@ class Election:
 
     @property
     def leading(self) -> bool:
-        return self._leading and time.monotonic() < self._deadline
+        return self._leading and time.monotonic() < self.lease_deadline
+
+    @property
+    def lease_deadline(self) -> float:
+        """time.monotonic() past which this replica does not lead, renewed or not: its last
+        renewal's send time + the TTL etcd granted (etcd's own expiry is no earlier)."""
+        return self._deadline
 
     async def wait(self, leading: bool) -> None:
         """Return once this replica leads (`leading`) or stands by (not `leading`)."""
