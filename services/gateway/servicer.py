@@ -76,9 +76,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for out in events:
                 completion += len(out.token_ids)
                 reason = out.reason if isinstance(out, Done) else None
-                tools = None
-                if parser is not None:
-                    tools = calls_of.setdefault(out.index, WholeCallStream(parser))
+                tools = calls_of.get(out.index)
+                if tools is None and parser is not None:  # this choice's first response
+                    tools = calls_of[out.index] = WholeCallStream(parser)
                 text, calls = _answer(tools, out.text, reason is not None)
                 reply = gateway_pb2.GenerateResponse(
                     request_id=req.request_id,
