@@ -30,6 +30,7 @@ import torch
 import transformers
 import yaml
 
+from distserve.deploy.options import DEFAULT_IMAGE
 from services.engine.presets import default_model
 
 PROMPT = "Hello mesh, tell me"
@@ -38,7 +39,8 @@ START_TIMEOUT_S = 300
 
 
 def check_rendered_commands(plan: Path) -> None:
-    """Each container of the rendered manifests runs from this image."""
+    """Each container the rendered manifests start from this image (DEFAULT_IMAGE; the etcd
+    StatefulSet runs etcd's own release image) has its command here."""
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             ["distserve", "deploy", "render", "--placement", str(plan), "--out", out],
@@ -50,7 +52,8 @@ def check_rendered_commands(plan: Path) -> None:
             for doc in yaml.safe_load_all(path.read_text()):
                 spec = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
                 for c in spec.get("initContainers", []) + spec.get("containers", []):
-                    commands.add(tuple(c["command"]))
+                    if c["image"] == DEFAULT_IMAGE:
+                        commands.add(tuple(c["command"]))
     if not commands:
         sys.exit(f"the render of {plan} holds no containers")
     for command in sorted(commands):
@@ -58,6 +61,17 @@ def check_rendered_commands(plan: Path) -> None:
         if done.returncode != 0:
             sys.exit(f"rendered command {' '.join(command)} fails here:\n{done.stderr[-2000:]}")
         print("rendered command runs:", " ".join(command), flush=True)
+
+
+def check_planner_actuator_imports() -> None:
+    """What `--planner-acts` runs in the planner's pod: the Kubernetes client's APIs it calls
+    (the image leaves some of the client out: containers/Containerfile)."""
+    from kubernetes import client, config  # noqa: F401
+
+    from services.planner.k8s_actuator import KubernetesActuator
+
+    KubernetesActuator(client.ApiClient(), namespace="distserve", gateway="gateway:50051")
+    print("the planner's Kubernetes actuator imports and builds", flush=True)
 
 
 def _free_port() -> int:
@@ -147,6 +161,7 @@ def main() -> None:
     parser.add_argument("--plan", type=Path, required=True, help="a placement to render")
     args = parser.parse_args()
     check_rendered_commands(args.plan)
+    check_planner_actuator_imports()
     reply = serve_one_completion()
     (choice,) = reply["choices"]
     prompt, ids, text = reference(default_model("tiny"))

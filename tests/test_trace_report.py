@@ -308,6 +308,23 @@ def test_png_waterfall_of_the_slowest_requests_is_written(trace_file, tmp_path, 
     assert [r.request_id for _, r in trace_report.slowest(pairs, 2)] == ["req-3", "req-2"]
 
 
+def test_png_without_matplotlib_is_refused_before_any_work_naming_the_extra(
+    trace_file, tmp_path, capsys, monkeypatch
+):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a),
+    )
+    code, out, err = report(trace_file, capsys, "--png", str(tmp_path / "w.png"))
+    assert code == 2 and out == ""
+    assert "matplotlib" in err and "distserve-mesh[plots]" in err
+    assert not (tmp_path / "w.png").exists()
+
+
 def test_no_png_unless_asked(trace_file, tmp_path, capsys):
     assert report(trace_file, capsys)[0] == 0
     assert not list(tmp_path.glob("*.png"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from distserve.command import run
 from distserve.loadgen.comparison import MODES, BenchSpec, describe, run_bench
 from distserve.local_mesh import add_emulation_options, emulated_mesh
+from distserve.plots import require_matplotlib
 from services.common.errors import DistServeError
 
 
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def goodput_command(args: argparse.Namespace) -> int:
     try:
+        require_matplotlib("distserve bench (attainment.png, latency_cdf.png)")
         emulation = emulated_mesh(args)
     except DistServeError as e:
         print(f"distserve: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ import math
 import sys
 from pathlib import Path
 
+from distserve.plots import require_matplotlib
 from distserve.trace_report.breakdown import (
     BubbleRule,
     breakdown,
@@ -108,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The `trace-report` subcommand; raises TraceReportError for an unusable file."""
+    if args.png is not None:
+        require_matplotlib("trace-report --png")
     span_file = load_spans(args.file, progress=sys.stderr.isatty())
     if span_file.lines == 0:
         raise TraceReportError(f"{args.file}: the file is empty")
