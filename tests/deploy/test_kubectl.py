@@ -20,13 +20,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from tests.certs import self_signed
 from tests.deploy.api_server import ApiServer
-from tests.deploy.test_render import HERE, K8S_VERSIONS, ROOT
+from tests.deploy.test_render import HERE, ROOT
 
 KUBECTL = shutil.which("kubectl")
 PLANS = ("plan_1x8.json", "plan_2x4.json")
@@ -150,18 +149,3 @@ def test_a_kind_the_cluster_does_not_serve_fails_the_dry_run(api, tmp_path):
     done = kubectl(api, tmp_path, "apply", "--dry-run=client", "-k", str(out))
     assert done.returncode != 0
     assert 'no matches for kind "Deploymnet" in version "apps/v1"' in done.stderr
-
-
-def test_a_misspelt_field_is_the_servers_to_refuse_and_the_schema_checks(api, rendered, tmp_path):
-    """A client dry-run leaves fields to a server that validates them (every apiserver since
-    1.27 says so in its OpenAPI), so it passes a misspelt field; the strict schema check of
-    tests/deploy refuses it."""
-    out = tmp_path / "k8s"
-    shutil.copytree(rendered[PLANS[0]], out)
-    decode = out / "decode.yaml"
-    decode.write_text(decode.read_text().replace("readinessProbe:", "readinesProbe:", 1))
-    done = kubectl(api, tmp_path, "apply", "--dry-run=client", "-k", str(out))
-    assert done.returncode == 0, done.stderr
-    (deployment,) = [o for o in yaml.safe_load_all(decode.read_text()) if o["kind"] == "Deployment"]
-    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
-        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
