@@ -16,7 +16,7 @@ first gets its own copy of the last partial block, which its next token writes i
 (copy-on-write). Each block is freed when its last reference goes. Every first token is
 sampled from the same prompt logits, each choice with its own random stream.
 
-Why one file (~830 lines): `LLMEngine` is the one object every worker drives (its pool's sizing,
+Why one file (~680 lines): `LLMEngine` is the one object every worker drives (its pool,
 requests, the step, the fork of n choices, a prefill instance's held KV, a decode instance's
 pulled KV, the prefix cache's reports), and each of those sections is a few short methods over
 the same queues and pool.
@@ -33,21 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.errors import InvalidRequest, ModelLoadError, UnsupportedModel
+from services.common.errors import InvalidRequest, ModelLoadError
 from services.common.logprobs import TokenLogprobs
 from services.common.model_config import ModelConfig
 from services.common.prefix_hash import cache_salt
 from services.common.sampling import FinishReason, SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.engine import emulated, kv_sizing
+from services.engine import kv_sizing
 from services.engine.block_pool import BlockPool, BlockTable
 from services.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from services.engine.decode_batch import DecodeBatch
-from services.engine.emulated import PAYLOAD, EmulatedRunner
-from services.engine.kv_cache import KvCache, KvGeometry
+from services.engine.emulated import EmulatedRunner
 from services.engine.kv_events import KvEvents
 from services.engine.prefill_batcher import PrefillBatcher
 from services.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from services.engine.runner_build import build_runner, more_kv_option
 from services.engine.sequence import Sequence, SequenceStatus, StepOutput
 from services.engine.shards import check_tp
 from services.engine.structured import GrammarCompiler
@@ -55,7 +55,6 @@ from services.engine.structured import GrammarCompiler
 if TYPE_CHECKING:
     import torch
 
-    from services.engine.model_runner import ModelRunner
     from services.engine.parallel import TensorParallel
 
 
@@ -108,14 +107,17 @@ class LLMEngine:
                 f"is {mc.vocab_size}: they do not belong to the same model"
             )
         check_tp(mc, tp.world_size if tp else 1)
-        build = self._loaded if config.emulation is None else self._emulated
-        self.runner, num_blocks, weights = build(mc, config)
+        built = build_runner(self.model_dir, mc, config, self.tokenizer.vocab_size, tp)
+        self.runner, num_blocks, self.tp = built.runner, built.num_blocks, built.tp
+        self.device, self.dtype, self.gemm_forms = built.device, built.dtype, built.gemm_forms
+        # The KV heads this rank computes and caches (all of them with tp == 1, or a latent).
+        self.kv_geometry, self.kv_heads = built.kv_geometry, built.kv_heads
         self.capacity = kv_sizing.capacity(
             num_blocks,
             config.block_size,
             mc.max_position_embeddings,
             config.max_model_len,
-            raise_with=self._more_kv_option(config),
+            raise_with=more_kv_option(config, self.device),
         )
         self.max_model_len = self.capacity.max_model_len
         if tp is None or tp.rank == 0:
@@ -124,7 +126,7 @@ class LLMEngine:
         self.block_size = config.block_size
         # What a cached block's KV depends on besides its tokens (the same on every rank).
         self.cache_salt: bytes = cache_salt(
-            weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
+            built.weights, str(self.dtype).removeprefix("torch."), f"block_size={self.block_size}"
         )
         self.prefix = PrefixCache(self.pool, self.block_size, self.cache_salt, config.prefix_cache)
         self.max_batch_tokens = config.max_batch_tokens or (
@@ -147,137 +149,6 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.model_dir / "tokenizer.json", mc.vocab_size, mc.eos_token_ids
         )
-
-    def _loaded(self, mc: ModelConfig, config: EngineConfig) -> tuple[ModelRunner, int, str]:
-        """The real runner: the model's weights (this rank's share), its KV cache, attention;
-        the number of blocks of its pool, and what its KV depends on (the weights' name)."""
-        if mc.emulated:
-            raise UnsupportedModel(
-                f"{self.model_dir} is an emulated model ({mc.emulated}: a shape, no weights); "
-                "serve it with --engine emulated"
-            )
-        from services.engine import gemm
-        from services.engine.attention import make_backend
-        from services.engine.model_runner import ModelRunner
-        from services.engine.parallel import TensorParallel
-        from services.engine.weights import fingerprint, load_model
-
-        self.tp = self.tp or TensorParallel()
-        # The KV heads this rank computes and caches (all of them with tp == 1, or a latent).
-        self.kv_geometry = KvGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.kv_latent)
-        self.kv_heads = self.kv_geometry.heads_of(self.tp.rank, self.tp.world_size)
-        num_heads, num_kv_heads = mc.num_heads // self.tp.world_size, len(self.kv_heads)
-        self.device = _device(config.device)
-        self.dtype = _dtype(config.dtype, mc.dtype, self.device)
-        model = load_model(self.model_dir, mc, self.dtype, self.device, self.tp)
-        self.gemm_forms: dict[tuple[int, int], dict[int, int]] = {}  # gemm.tune's plans
-        if config.tune_gemm and self.device.type == "cpu":
-            self.gemm_forms = gemm.tune(model, min(gemm.MAX_ROWS, config.max_num_seqs))
-        backend = make_backend(
-            config.attention,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            block_size=config.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            latent=mc.kv_latent,
-        )
-
-        def cache(num_blocks: int) -> KvCache:
-            return KvCache(
-                num_layers=mc.num_layers,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=mc.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-                planes=self.kv_geometry.planes,
-            )
-
-        longest = config.max_model_len or mc.max_position_embeddings
-
-        def profile() -> None:  # the largest batches, on a pool of one block
-            tokens = max(config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS, longest)
-            ModelRunner(model, cache(1), backend, config.max_num_seqs).profile(tokens)
-
-        block_bytes = KvCache.bytes_per_block(
-            mc.num_layers,
-            config.block_size,
-            num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.kv_geometry.planes,
-        )
-        # What the largest decode batch holds: max_num_seqs sequences of the longest context.
-        full_batch = config.max_num_seqs * -(-longest // config.block_size) * block_bytes
-        num_blocks = config.num_blocks or self._agreed(
-            self._kv_bytes(config, profile, full_batch) // block_bytes
-        )
-        runner = ModelRunner(model, cache(max(num_blocks, 1)), backend, config.max_num_seqs)
-        return runner, num_blocks, fingerprint(self.model_dir)
-
-    def _kv_bytes(self, config: EngineConfig, profile: Callable[[], None], full_batch: int) -> int:
-        """This rank's KV budget (services/engine/kv_sizing.py): `--kv-cache-gib`, else what
-        `--gpu-memory-utilization` of a CUDA device leaves after `profile()`, else the CPU
-        default, at most `full_batch` bytes (the largest decode batch at the longest context)."""
-        utilization = config.gpu_memory_utilization
-        if config.kv_cache_bytes is not None:
-            if utilization is not None:
-                raise InvalidRequest(
-                    "give --kv-cache-gib or --gpu-memory-utilization, not both: the first sizes "
-                    "the KV pool exactly, the second from what the device has left"
-                )
-            return config.kv_cache_bytes
-        if self.device.type == "cuda":
-            utilization = utilization or kv_sizing.DEFAULT_GPU_MEMORY_UTILIZATION
-            return kv_sizing.measure_cuda(profile, self.device, utilization)
-        if utilization is not None:
-            raise InvalidRequest(
-                "--gpu-memory-utilization sizes the KV pool of a CUDA device, and this engine "
-                "runs on CPU: size it with --kv-cache-gib"
-            )
-        return kv_sizing.cpu_kv_bytes(kv_sizing.mem_available(), self.tp.world_size, full_batch)
-
-    def _agreed(self, num_blocks: int) -> int:
-        """The smallest of the group's ranks' pool sizes: every rank must hold the same blocks
-        (each rank measured its own device or host)."""
-        if self.tp.world_size == 1:
-            return num_blocks
-        import torch
-        import torch.distributed as dist
-
-        device = self.device if dist.get_backend(self.tp.group) == "nccl" else "cpu"
-        n = torch.tensor([num_blocks], dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp.group)
-        return int(n.item())
-
-    def _emulated(self, mc: ModelConfig, config: EngineConfig) -> tuple[EmulatedRunner, int, str]:
-        """The emulated runner (no weights, modelled steps; services/engine/emulated.py), its
-        pool's blocks and what its KV depends on."""
-        if not mc.emulated:
-            raise UnsupportedModel(
-                f"--engine emulated serves an emulated model's folder, and {self.model_dir} holds "
-                "a real model: `distserve model create --emulated SPEC --out DIR` makes one "
-                "(SPEC: opt-13b, opt-66b, opt-175b or a model folder), and `distserve up "
-                "--engine emulated --model-spec SPEC` makes it for you"
-            )
-        self.kv_heads = range(PAYLOAD.num_kv_heads)
-        self.kv_geometry = PAYLOAD
-        self.device, self.dtype = "cpu", emulated.PAYLOAD_DTYPE
-        self.gemm_forms = {}
-        runner, num_blocks = emulated.build(self.model_dir, mc, config, self.tokenizer.vocab_size)
-        return runner, num_blocks, emulated.fingerprint(self.model_dir, mc)
-
-    def _more_kv_option(self, config: EngineConfig) -> str:
-        """The option that gives this engine's KV pool more room."""
-        if config.num_blocks:
-            return "num_blocks"
-        if config.emulation is not None:
-            return "--gpu-memory-gib or --gpu-memory-utilization"
-        if config.kv_cache_bytes is None and self.device.type == "cuda":
-            return "--gpu-memory-utilization (or give --kv-cache-gib)"
-        return "--kv-cache-gib"
 
     @property
     def emulated(self) -> bool:
@@ -801,26 +672,6 @@ class LLMEngine:
                 done.finish_reason = out.finish_reason
                 done.index = out.index
         return [answers[key] for key in sorted(answers, key=lambda k: (ids.index(k[0]), k[1]))]
-
-
-def _device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _dtype(choice: str, stored: str, device: torch.device) -> torch.dtype:
-    """The torch dtype named `choice` (one of model_config.DTYPES), or for "auto" float32 on
-    CPU and the checkpoint's `stored` dtype on a device."""
-    import torch
-
-    if choice != "auto":
-        return getattr(torch, choice)
-    if device.type == "cpu":
-        return torch.float32
-    return getattr(torch, stored)
 
 
 def _stable_seed(seed: int, request_id: str) -> int:
