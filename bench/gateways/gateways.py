@@ -31,7 +31,8 @@ Four parts (`--parts`, default all):
   (reused / prompt tokens), which no gateway's view enters.
 
 Prints a line per part and one JSON line with the hardware, the load average before and after
-each part (the host is shared), the engine and model per figure. About 20 minutes on 2 cores.
+each part (the host is shared), the engine and model per figure. About 20 minutes on a loaded
+2-core host.
 
     .venv/bin/python bench/gateways/gateways.py [--parts scaling,kill,etcd,routing]
 """
