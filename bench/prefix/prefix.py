@@ -38,92 +38,43 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from distserve.loadgen.comparison import ADMISSION_OFF, WORKER_ARGS
+from distserve.loadgen.conversations import (
+    ANSWER_AT_SCALE,
+    CONVERSATIONS_AT_SCALE,
+    RATE,
+    SEED,
+    SYSTEM,
+    TURNS,
+    USER,
+    Conversations,
+    Turn,
+    ask,
+    converse,
+    prefix_tokens,
+)
 from distserve.loadgen.emulated import EmulatedCluster, Shape
 from distserve.loadgen.report import host, log
-from distserve.loadgen.requests import FIRST_ORDINARY_ID, poisson_arrivals
-from distserve.loadgen.scrape import gateway, role_total, total
+from distserve.loadgen.scrape import role_total
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common import mesh_tls
-from services.common.gen.distserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.gen.distserve.v1 import gateway_pb2_grpc
 from services.common.model_config import ModelConfig
 from services.common.slo import Slo
 from services.common.stats import percentile
 from services.engine.presets import default_model, emulated_model
 
-SYSTEM, USER, ANSWER, TURNS = 1000, 100, 16, 6
+ANSWER = 16
 CONVERSATIONS = 4  # chat part: at once, turn by turn
-CONVERSATIONS_AT_SCALE = 64
 ROUTING_SHAPE = Shape(prefill=(8, 1), decode=(2, 1))
 ROUTING_SLO = Slo(0.4, 0.1)  # OPT-13B chat-like SLO (emulated s)
-ROUTING_ANSWER = 64
-THINK_S = 1.0  # emulated s between an answer and the next turn
 MODES = ("prefix", "load", "round-robin")
-
-
-@dataclass
-class Turn:
-    conversation: int
-    turn: int
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    ttft_s: float = float("nan")
-    tpot_s: float = float("nan")
-    error: str = ""
-
-
-class Conversations:
-    """Token-level conversations: a shared system prompt, then per conversation its user
-    messages (seeded) and the answers the mesh gave."""
-
-    def __init__(self, n: int, vocab: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.system = rng.integers(FIRST_ORDINARY_ID, vocab, SYSTEM).tolist()
-        self.users = [
-            [rng.integers(FIRST_ORDINARY_ID, vocab, USER).tolist() for _ in range(TURNS)]
-            for _ in range(n)
-        ]
-        self.history: list[list[int]] = [list(self.system) for _ in range(n)]
-
-    def prompt(self, c: int, turn: int) -> list[int]:
-        self.history[c] += self.users[c][turn]
-        return list(self.history[c])
-
-    def answered(self, c: int, tokens: list[int]) -> None:
-        self.history[c] += tokens
-
-
-async def ask(
-    stub: gateway_pb2_grpc.GatewayStub, turn: Turn, prompt: list[int], answer: int, scale: float
-) -> Turn:
-    """One turn through the gateway: its tokens, TTFT and TPOT (emulated s when scale > 1)."""
-    request = gateway_pb2.GenerateRequest(
-        token_ids=gateway_pb2.TokenIds(ids=prompt),
-        sampling=common_pb2.SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True),
-    )
-    start = time.monotonic()
-    first = None
-    try:
-        async for r in stub.Generate(request, timeout=600):
-            if r.token_ids and first is None:
-                first = time.monotonic()
-            turn.tokens += r.token_ids
-    except grpc.aio.AioRpcError as e:
-        turn.error = f"{e.code().name}: {e.details()}"
-        return turn
-    end = time.monotonic()
-    turn.ttft_s = (first - start) / scale
-    if len(turn.tokens) > 1:
-        turn.tpot_s = (end - first) / (len(turn.tokens) - 1) / scale
-    return turn
 
 
 # -- chat: the real engine, cache on and off ------------------------------------------------------
@@ -230,28 +181,6 @@ def chat_part() -> dict:
 # -- routing: the emulated engine at scale ---------------------------------------------------------
 
 
-async def routing_run(mesh: Mesh, vocab: int, scale: float, rate: float, seed: int) -> list[Turn]:
-    talks = Conversations(CONVERSATIONS_AT_SCALE, vocab, seed)
-    starts = poisson_arrivals(np.random.default_rng(seed + 1), rate, len(talks.users))
-    turns: list[Turn] = []
-
-    async def converse(stub, c: int) -> None:
-        await asyncio.sleep(starts[c] * scale)
-        for k in range(TURNS):
-            prompt = talks.prompt(c, k)
-            t = await ask(stub, Turn(c, k, len(prompt)), prompt, ROUTING_ANSWER, scale)
-            turns.append(t)
-            if t.error:
-                return
-            talks.answered(c, t.tokens)
-            await asyncio.sleep(THINK_S * scale)
-
-    async with mesh_tls.aio_channel(mesh.gateway_address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        await asyncio.gather(*(converse(stub, c) for c in range(len(talks.users))))
-    return turns
-
-
 def routing_part(scale: float, rate: float) -> dict:
     cluster = EmulatedCluster.of("opt-13b")
     model = emulated_model(cluster.model)
@@ -263,21 +192,13 @@ def routing_part(scale: float, rate: float) -> dict:
         log(f"routing {mode}: {ROUTING_SHAPE} emulated OPT-13B, time scale {scale}")
         with Mesh(spec) as mesh:
             started = time.monotonic()
-            turns = asyncio.run(routing_run(mesh, vocab, scale, rate, seed=7))
+            talks = Conversations(CONVERSATIONS_AT_SCALE, vocab, SEED)
+            turns = asyncio.run(
+                converse(mesh.gateway_address, talks, rate, scale, ANSWER_AT_SCALE, SEED)
+            )
             elapsed = (time.monotonic() - started) / scale
-            cached = role_total(mesh, "prefill", "distserve_prompt_tokens_cached_total")
-            best = total(
-                gateway(mesh).metrics(),
-                "distserve_gateway_prefix_tokens_total",
-                role="prefill",
-                kind="best",
-            )
-            chosen = total(
-                gateway(mesh).metrics(),
-                "distserve_gateway_prefix_tokens_total",
-                role="prefill",
-                kind="cached",
-            )
+            counted = prefix_tokens(mesh)
+            cached, best, chosen = counted["cached"], counted["best"], counted["chosen"]
         ok = [t for t in turns if not t.error]
         met = [t for t in ok if ROUTING_SLO.met(t.ttft_s, t.tpot_s)]
         results[mode] = {
@@ -317,7 +238,7 @@ def main() -> int:
     ap.add_argument("--parts", default="chat,routing")
     ap.add_argument("--time-scale", type=float, default=6.0, help="routing part's time scale")
     ap.add_argument(
-        "--rate", type=float, default=16.0, help="routing part: conversations started per s"
+        "--rate", type=float, default=RATE, help="routing part: conversations started per s"
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
