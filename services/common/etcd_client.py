@@ -123,6 +123,9 @@ class EtcdConfig:
         """The endpoints as `--etcd` takes them."""
         return ",".join(self.endpoints)
 
+    def __str__(self) -> str:
+        return self.url
+
     def args(self) -> list[str]:
         """This configuration as the command-line options of `add_etcd_args`."""
         out = ["--etcd", self.url]
