@@ -366,7 +366,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
         "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 8, "PodDisruptionBudget": 3,
-        "StatefulSet": 1, "NetworkPolicy": 7, "Secret": 5,  # the generated mesh certificates
+        "StatefulSet": 1, "NetworkPolicy": 7, "Secret": 6,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
