@@ -2,7 +2,11 @@
 private temporary folder removed when it stops.
 
 `distserve up` and every mesh the tests start run one (unless given an existing etcd's URL): the
-mesh's membership lives there (services/common/discovery.py). A local member keeps nothing across
+mesh's membership lives there (services/common/discovery.py). Under mesh TLS (`tls`: the mesh's
+certificate, key and CA, services/common/mesh_tls.py) it serves TLS on its client and peer ports
+and requires a client certificate of the mesh's CA (`--client-cert-auth`), like every server of
+the mesh; its clients check the name every mesh certificate carries (SERVER_NAME), as the mesh's
+own channels do, whatever address they dial. A local member keeps nothing across
 runs, so it skips fsync (`--unsafe-no-fsync`): its data dies with it either way. It listens on a
 free port (port 0), read back from its log once it serves clients, so several meshes share a host.
 
@@ -25,6 +29,8 @@ import time
 from pathlib import Path
 
 from services.common import orphan_guard
+from services.common.etcd_client import EtcdConfig
+from services.common.mesh_tls import SERVER_NAME, MeshTls
 
 
 def etcd_binary() -> Path:
@@ -35,7 +41,7 @@ def etcd_binary() -> Path:
 
 
 class Etcd:
-    """Start, wait for, and stop one single-member etcd on `host`."""
+    """Start, wait for, and stop one single-member etcd on `host` (TLS with `tls`)."""
 
     def __init__(
         self,
@@ -43,8 +49,10 @@ class Etcd:
         binary: Path | None = None,
         die_with_parent: bool = False,
         command_prefix: tuple[str, ...] = (),
+        tls: MeshTls | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.binary = binary or etcd_binary()
         self.die_with_parent = die_with_parent  # etcd gets SIGTERM when this process dies
         # A command to run it under, e.g. ("ip", "netns", "exec", "NS"); it must exec the rest.
@@ -56,11 +64,19 @@ class Etcd:
     @property
     def url(self) -> str:
         """The client URL, as `--etcd` takes it."""
-        return f"http://{self.address}"
+        return f"{'https' if self.tls else 'http'}://{self.address}"
+
+    @property
+    def config(self) -> EtcdConfig:
+        """How the mesh's processes reach it (with TLS: the mesh's certificate)."""
+        if self.tls is None:
+            return EtcdConfig((self.url,))
+        cert, key, ca = (Path(p) for p in self.tls.paths)
+        return EtcdConfig((self.url,), ca, cert, key, SERVER_NAME)
 
     def start(self, timeout_s: float = 30.0) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="distserve-etcd-"))  # mode 0700
-        url = f"http://{self.host}:0"
+        url = f"{'https' if self.tls else 'http'}://{self.host}:0"
         argv = [
             str(self.binary),
             "--name",
@@ -82,6 +98,11 @@ class Etcd:
             "--log-outputs",
             "stderr",
         ]
+        if self.tls is not None:
+            cert, key, ca = self.tls.paths
+            for side in ("", "peer-"):
+                argv += [f"--{side}cert-file", cert, f"--{side}key-file", key]
+                argv += [f"--{side}trusted-ca-file", ca, f"--{side}client-cert-auth"]
         argv = [*self.command_prefix, sys.executable, "-m", "distserve.etcd", str(self._dir), *argv]
         log = open(self._dir / "etcd.log", "wb")  # noqa: SIM115 (the child writes it)
         kwargs = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": log}

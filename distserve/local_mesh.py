@@ -4,7 +4,11 @@ Each service runs as its own process and prints one JSON "ready" line when it se
 launcher starts etcd first (the mesh's membership: services/common/discovery.py; or uses the
 spec's existing one), then the gateway and the workers, which join through etcd; it waits for all
 of them and for every worker to appear in the gateway's view, then starts Envoy in front of the
-gateway (when the spec has an edge) and waits until it is ready. Stopping sends SIGTERM (Envoy
+gateway (when the spec has an edge) and waits until it is ready. Under mesh TLS (DISTSERVE_TLS_*
+in the launcher's environment) the mesh's own etcd serves TLS with the mesh's certificate too
+(distserve/etcd.py). With several planners (`planners`), each campaigns in an election on the
+mesh's etcd and one leads (services/common/election.py); every gateway feeds them all. Stopping
+sends SIGTERM (Envoy
 first, then the workers, then the gateway, then etcd), and SIGKILL to any that outlive the grace
 period. Children die with the launcher even if it is killed
 (PR_SET_PDEATHSIG).
@@ -33,6 +37,7 @@ from pathlib import Path
 from distserve.etcd import Etcd
 from services.common import mesh_tls, orphan_guard
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import EtcdConfig
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.edge.config import EdgeConfig, Upstream
 from services.edge.envoy import Envoy
@@ -66,6 +71,9 @@ class MeshSpec:
     env: dict[str, str] = field(default_factory=dict)
     edge: EdgeConfig | None = None  # Envoy in front of the gateway; None: no edge
     planner: bool = False  # a planner, fed the live workload by the gateway
+    # Planner processes ("planner", "planner-1", ...): with more than one they elect a leader on
+    # the mesh's etcd, under one election key, and the others stand by.
+    planners: int = 1
     planner_args: tuple[str, ...] = ()
     # > 0: the planner resizes the running mesh within this many devices, through the
     # launcher's actuator (distserve/local_actuator.py); planner_args must name the model
@@ -79,7 +87,7 @@ class MeshSpec:
     engine: str = "torch"  # or "emulated": `model` is an emulated folder (docs/engine.md)
     emulation_args: tuple[str, ...] = ()  # the emulated workers' device options
     time_scale: float = 1.0  # an emulated mesh's wall seconds per emulated second
-    etcd: str | None = None  # an existing etcd's client URL; None: the mesh starts its own
+    etcd: EtcdConfig | None = None  # an existing etcd (its members, TLS); None: the mesh's own
     # Gateway processes, each seeing every worker through etcd; Envoy balances over all of
     # them. The first is "gateway" on gateway_port, the others "gateway-1", ... on free ports.
     gateways: int = 1
@@ -122,7 +130,7 @@ class Mesh:
         self._actuator_server = None
         self._registry = None  # a channel to the gateway's registry, kept (the planner polls)
         self.etcd: Etcd | None = None  # the mesh's own etcd (none when the spec names one)
-        self.etcd_url = ""
+        self.etcd_config: EtcdConfig | None = None  # how every process reaches the mesh's etcd
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -133,7 +141,7 @@ class Mesh:
 
     @property
     def workers(self) -> list[Process]:
-        return [p for p in self.processes if p.name != "planner" and not _is_gateway(p.name)]
+        return [p for p in self.processes if not _is_planner(p.name) and not _is_gateway(p.name)]
 
     @property
     def gateways(self) -> list[Process]:
@@ -151,15 +159,16 @@ class Mesh:
                 repr(time.time()),
             )
         try:
-            self.etcd_url = spec.etcd or ""
-            if not self.etcd_url:
+            self.etcd_config = spec.etcd
+            if self.etcd_config is None:
                 prefix = spec.command_prefix.get("etcd", ())
-                self.etcd = Etcd(spec.host, die_with_parent=True, command_prefix=prefix)
+                tls = mesh_tls.mesh_tls()
+                self.etcd = Etcd(spec.host, die_with_parent=True, command_prefix=prefix, tls=tls)
                 self.etcd.start(timeout_s=spec.ready_timeout_s)
-                self.etcd_url = self.etcd.url
-            gateway_args = [*spec.gateway_args, *self._clock_args, "--etcd", self.etcd_url]
+                self.etcd_config = self.etcd.config
+            gateway_args = [*spec.gateway_args, *self._clock_args, *self.etcd_config.args()]
             if spec.planner:
-                gateway_args += ["--planner", self._start_planner()]
+                gateway_args += ["--planner", ",".join(self._start_planners())]
             gateways = [
                 self._spawn(
                     "gateway" if i == 0 else f"gateway-{i}",
@@ -217,8 +226,7 @@ class Mesh:
             "services.prefill" if role == "prefill" else "services.decode",
             "--model",
             str(spec.model),
-            "--etcd",
-            self.etcd_url,
+            *self.etcd_config.args(),
             "--host",
             spec.host,
             "--worker-id",
@@ -295,18 +303,30 @@ class Mesh:
         workers = stub.ListWorkers(gateway_pb2.ListWorkersRequest(), timeout=5).workers
         return {w.worker_id: w.load for w in workers}
 
-    def _start_planner(self) -> str:
-        """The planner process; on this single host it splits the disaggregated workers, or,
-        with a budget, resizes the mesh through the launcher's actuator."""
+    def _start_planners(self) -> list[str]:
+        """The planner processes' addresses; on this single host a planner splits the
+        disaggregated workers, or, with a budget, resizes the mesh through the launcher's
+        actuator (only the elected one acts when there are several)."""
         spec = self.spec
+        if spec.planners < 1:
+            raise InvalidRequest("planners: at least 1")
         args = ["services.planner", "--host", spec.host, *self._clock_args]
         if spec.budget:
             args += self._serve_actuator()
         elif spec.prefill + spec.decode >= 2:
             args += ["--workers", str(spec.prefill + spec.decode)]
-        planner = self._spawn("planner", [*args, *spec.planner_args])
-        self._wait_ready([planner])
-        return planner.ready["address"]
+        if spec.planners > 1:
+            args += self.etcd_config.args()
+        planners = [
+            self._spawn("planner" if i == 0 else f"planner-{i}", [*args, *spec.planner_args])
+            for i in range(spec.planners)
+        ]
+        self._wait_ready(planners)
+        return [p.ready["address"] for p in planners]
+
+    @property
+    def planners(self) -> list[Process]:
+        return [p for p in self.processes if _is_planner(p.name)]
 
     def _serve_actuator(self) -> list[str]:
         """Serve a LocalActuator for the planner; its command-line options for it."""
@@ -329,7 +349,7 @@ class Mesh:
         period (default: the workers' drain timeout and 10 s)."""
         grace_s = self.spec.drain_timeout_s + 10.0 if grace_s is None else grace_s
         if self._actuator_server is not None:
-            _terminate([p for p in self.processes if p.name == "planner"], grace_s)
+            _terminate(self.planners, grace_s)
             self._actuator_server.stop(0)
             self._actuator_server = None
             self.actuator.close(timeout_s=grace_s + self.spec.ready_timeout_s)
@@ -338,7 +358,7 @@ class Mesh:
             self.envoy = None
         _terminate(self.workers, grace_s)
         _terminate(
-            [p for p in self.processes if p.name == "planner" or _is_gateway(p.name)], grace_s
+            [p for p in self.processes if _is_planner(p.name) or _is_gateway(p.name)], grace_s
         )
         self.processes = []
         if self._registry is not None:
@@ -353,7 +373,7 @@ class Mesh:
         same command line; return once it is ready and registered with the gateway (its new
         address in the registry)."""
         i, old = next(((i, p) for i, p in enumerate(self.processes) if p.name == name), (-1, None))
-        if old is None or old.name == "planner" or _is_gateway(old.name):
+        if old is None or _is_planner(old.name) or _is_gateway(old.name):
             raise ValueError(f"no worker named {name!r}")
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.popen.pid})")
@@ -420,6 +440,10 @@ def _is_gateway(name: str) -> bool:
     return name == "gateway" or name.startswith("gateway-")
 
 
+def _is_planner(name: str) -> bool:
+    return name == "planner" or name.startswith("planner-")
+
+
 def _terminate(group: list[Process], grace_s: float) -> None:
     """SIGTERM every process of `group` still running; SIGKILL those alive after `grace_s`."""
     for p in group:
@@ -457,11 +481,11 @@ def run_until_signal(spec: MeshSpec) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Mesh(spec) as mesh:
         own = " (its own; data removed at exit)" if mesh.etcd is not None else ""
-        print(f"distserve: etcd on {mesh.etcd_url}{own}", flush=True)
+        print(f"distserve: etcd on {mesh.etcd_config.url}{own}", flush=True)
         for g in mesh.gateways:
             print(f"distserve: {g.name} (gRPC) on {g.ready['address']}", flush=True)
             print(f"distserve: {g.name} (HTTP) on {g.ready.get('http_address', '')}", flush=True)
-        for p in [*mesh.workers, *(p for p in mesh.processes if p.name == "planner")]:
+        for p in [*mesh.workers, *mesh.planners]:
             print(f"distserve: {p.name} on {p.ready['address']}", flush=True)
         for p in mesh.processes:
             if p.ready.get("metrics_address"):

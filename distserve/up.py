@@ -9,6 +9,7 @@ from pathlib import Path
 from distserve.local_mesh import add_emulation_options, emulated_mesh
 from distserve.role_args import add_role_args, role_args
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import add_etcd_args, etcd_config
 from services.edge.options import add_edge_options
 from services.gateway.tool_parsers import PARSERS
 
@@ -57,11 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="on Ctrl-C or SIGTERM: how long workers may finish or hand off in-flight work",
     )
-    up.add_argument(
-        "--etcd",
-        metavar="URL",
-        help="an existing etcd (http://host:port) for the mesh's membership (default: start "
-        "one, its data in a temporary folder removed at exit)",
+    add_etcd_args(
+        up.add_argument_group("etcd"),
+        "an existing one for the mesh's membership, given to every process (default: start "
+        "one, its data in a temporary folder removed at exit; with TLS under mesh TLS)",
     )
     up.add_argument(
         "--gateways",
@@ -72,6 +72,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--no-edge", action="store_true", help="no Envoy: the gateway only")
     up.add_argument("--planner", action="store_true", help="start a planner fed the live workload")
+    up.add_argument(
+        "--planners",
+        type=int,
+        default=1,
+        help="planner processes (implies --planner): above 1 they elect one leader on the "
+        "mesh's etcd, which decides and acts; the others stand by, and one takes over within "
+        "the leader's lease (5 s) when it dies",
+    )
     up.add_argument(
         "--budget",
         type=int,
@@ -136,13 +144,9 @@ def _up(args: argparse.Namespace) -> int:
         raise InvalidRequest("--gateways must be at least 1")
     if args.gateways > 1 and args.no_edge:
         raise InvalidRequest("--gateways N > 1 needs the edge (Envoy balances over them)")
-    if args.etcd:
-        from services.common.discovery import etcd_target
-
-        try:
-            etcd_target(args.etcd)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from e
+    etcd = etcd_config(args)
+    if args.planners < 1:
+        raise InvalidRequest("--planners must be at least 1")
     planner_args: list[str] = []
     if args.budget:
         planner_args = _autoscale_args(args)
@@ -162,10 +166,11 @@ def _up(args: argparse.Namespace) -> int:
         colocated_args=passed.colocated,
         gateway_args=(*gateway_args, *passed.gateway),
         pin=args.pin,
-        etcd=args.etcd,
+        etcd=etcd,
         gateways=args.gateways,
         edge=None if args.no_edge else edge_config(args, args.host),
-        planner=args.planner or bool(args.budget),
+        planner=args.planner or args.planners > 1 or bool(args.budget),
+        planners=args.planners,
         planner_args=tuple(planner_args),
         budget=args.budget,
         drain_timeout_s=args.drain_timeout_s,

@@ -159,15 +159,20 @@ def test_up_refuses_options_a_process_does_not_take_before_starting_anything(tin
         assert "gateway" not in run.stdout  # nothing started
 
 
-def test_up_passes_etcd_and_gateways_and_refuses_what_cannot_work(monkeypatch, tiny_model):
+def test_up_passes_etcd_gateways_and_planners_and_refuses_what_cannot_work(monkeypatch, tiny_model):
     spec = _up_spec(monkeypatch, "--model", str(tiny_model), "--gateways", "3")
     assert (spec.gateways, spec.etcd) == (3, None)  # None: the mesh starts its own etcd
-    spec = _up_spec(monkeypatch, "--model", str(tiny_model), "--etcd", "http://10.0.0.5:2379")
-    assert spec.etcd == "http://10.0.0.5:2379"
+    members = "http://10.0.0.5:2379,http://10.0.0.6:2379,http://10.0.0.7:2379"
+    spec = _up_spec(monkeypatch, "--model", str(tiny_model), "--etcd", members, "--planners", "3")
+    assert spec.etcd.endpoints == tuple(members.split(","))
+    assert (spec.planner, spec.planners) == (True, 3)
     for argv, message in [
         (("--gateways", "0"), "--gateways must be at least 1"),
+        (("--planners", "0"), "--planners must be at least 1"),
         (("--gateways", "2", "--no-edge"), "needs the edge"),
-        (("--etcd", "https://etcd:2379"), "--etcd takes http://HOST:PORT"),
+        (("--etcd", "https://etcd:2379"), "give --etcd-ca"),
+        (("--etcd", "ftp://etcd:2379"), "--etcd takes http(s)://HOST:PORT"),
+        (("--etcd-cert", "/c.pem"), "options of --etcd, which is not given"),
         (("--worker-args", "--etcd http://elsewhere:1"), "--etcd is set by the launcher"),
     ]:
         run = distserve("up", "--model", str(tiny_model), "--port", "0", *argv)

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from distserve.etcd import etcd_binary
+from services.common.etcd_client import EtcdConfig
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.test_mesh import PROMPTS, expected, generate, kv_all_free, wait_until
 
@@ -109,7 +110,7 @@ def _listed(address: str) -> set[str]:
 def test_routing_survives_the_etcd_leaders_death_and_then_the_quorums(
     cluster, mesh_factory, tiny_model
 ):
-    mesh = mesh_factory(prefill=1, decode=1, etcd=cluster.clients[0])
+    mesh = mesh_factory(prefill=1, decode=1, etcd=EtcdConfig((cluster.clients[0],)))
     want = [ids for ids, _ in expected(tiny_model, PROMPTS, 64)]
 
     async def load_and(action):

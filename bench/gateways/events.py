@@ -54,7 +54,8 @@ async def workers(mode: str, etcd: str, n: int, interval_s: float, events: int) 
     import grpc
     from aetcd import rpc
 
-    from services.common.discovery import Member, etcd_target
+    from services.common.discovery import Member
+    from services.common.etcd_client import EtcdConfig, etcd_target
     from services.worker.announcer import Announcer, LoadFeed
     from services.worker.prefix_log import PrefixCacheLog
 
@@ -79,7 +80,7 @@ async def workers(mode: str, etcd: str, n: int, interval_s: float, events: int) 
             await server.start()
             feed.start()
             member = Member(f"w{i}", "decode", f"127.0.0.1:{port}", total_kv_blocks=4096)
-            announcer = Announcer(etcd, member)
+            announcer = Announcer(EtcdConfig.parse(etcd), member)
             await announcer.start()
             kept.append((server, feed, announcer))  # a server nothing refers to is collected
     else:
@@ -113,7 +114,8 @@ async def gateway(mode: str, etcd: str, workers: int) -> None:
     import grpc
     from aetcd import rpc
 
-    from services.common.discovery import EtcdDiscovery, etcd_target
+    from services.common.discovery import EtcdDiscovery
+    from services.common.etcd_client import EtcdConfig, etcd_target
     from services.common.gen.distserve.v1 import gateway_pb2
     from services.gateway.membership import Membership, load_of
     from services.gateway.registry import Registry
@@ -150,7 +152,7 @@ async def gateway(mode: str, etcd: str, workers: int) -> None:
         def channel(address: str) -> grpc.aio.Channel:
             return channels.setdefault(address, grpc.aio.insecure_channel(address))
 
-        Membership(registry, EtcdDiscovery(etcd), channel).start()
+        Membership(registry, EtcdDiscovery(EtcdConfig.parse(etcd)), channel).start()
         while len(registry.live()) < workers:
             await asyncio.sleep(0.05)
         print("ready", flush=True)

@@ -119,9 +119,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument(
         "--etcd",
-        metavar="URL",
-        help="an existing etcd's client URL (http://HOST:PORT) for the mesh's membership; "
-        "default: render a 3-member etcd StatefulSet",
+        metavar="URL[,URL...]",
+        help="an existing etcd's client URLs (http://HOST:PORT, comma-separated: every pod is "
+        "given them all) for the mesh's membership; default: render a 3-member etcd "
+        "StatefulSet (TLS under mesh TLS)",
     )
     r.add_argument("--etcd-image", default=d.etcd_image, help="the rendered etcd's image")
     n = r.add_argument_group("the network (docs/kubernetes.md#security)")

@@ -11,8 +11,8 @@ from distserve.deploy.model_volume import ModelSource
 from distserve.deploy.resources import DEVICES
 from distserve.deploy.secrets import SecretFiles
 from distserve.role_args import RoleArgs
-from services.common.discovery import etcd_target
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import EtcdConfig
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -59,8 +59,8 @@ class RenderOptions:
     # the namespaces Prometheus scrapes from: a label KEY=VALUE (network_policy.py)
     monitoring_namespace_label: str = "kubernetes.io/metadata.name=monitoring"
     gateway_replicas: int = 1  # gateways behind Envoy; each sees the whole mesh through etcd
-    # an existing etcd's client URL (http://HOST:PORT) the mesh joins; None: render a 3-member
-    # etcd StatefulSet (etcd_cluster.py) from etcd_image
+    # an existing etcd's client URLs (http://HOST:PORT, comma-separated) the mesh joins; None:
+    # render a 3-member etcd StatefulSet (etcd_cluster.py) from etcd_image
     etcd_url: str | None = None
     etcd_image: str = DEFAULT_ETCD_IMAGE
     edge_port: int = 8080
@@ -88,11 +88,15 @@ class RenderOptions:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
         if self.gateway_replicas < 1:
             raise InvalidRequest("--gateway-replicas must be >= 1", "gateway_replicas")
+        if self.etcd_url is not None and "https://" in self.etcd_url:
+            raise InvalidRequest(
+                "--etcd https://...: an existing etcd over TLS is not rendered (its CA and a "
+                "client certificate would have to reach every pod); give its http:// URLs, or "
+                "drop --etcd: the rendered etcd speaks TLS with the mesh's certificates",
+                "etcd",
+            )
         if self.etcd_url is not None:
-            try:
-                etcd_target(self.etcd_url)
-            except ValueError as e:
-                raise InvalidRequest(str(e), "etcd") from e
+            EtcdConfig.parse(self.etcd_url)  # InvalidRequest naming --etcd
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
         s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
-from distserve.deploy.etcd_cluster import etcd_cluster, etcd_url
+from distserve.deploy.etcd_cluster import etcd_client_args, etcd_cluster, etcd_url
 from distserve.deploy.mesh_certs import with_mesh_certs
 from distserve.deploy.monitoring import scrape_annotations, service_monitor
 from distserve.deploy.network_policy import network_policies
@@ -68,6 +68,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     config = _mesh_config(plan, o)
     components = ["gateway", "envoy", *(["planner"] if o.planner else [])]
     components += list(dict.fromkeys(p.role for p in pools))  # those with pods
+    components += ["etcd"] if o.etcd_url is None else []  # the rendered etcd's certificate
     secrets = mesh_secrets(o.secrets, o.namespace, k8s.labels("secrets"))
     secrets, certificates = with_mesh_certs(secrets, o, components)
     mesh = MeshPods(o, secrets, _model_spec(plan, o), k8s.digest(config["data"]))
@@ -81,7 +82,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     files |= {"mesh-certificates.yaml": certificates} if certificates else {}
     files["config.yaml"] = [config]
     if o.etcd_url is None:
-        files["etcd.yaml"] = etcd_cluster(o)
+        files["etcd.yaml"] = etcd_cluster(o, secrets)
     files["gateway.yaml"] = _gateway(mesh, config["data"])
     if o.planner_acts:
         files["planner-rbac.yaml"] = planner_rbac(o.namespace)
@@ -97,8 +98,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
                 k8s.disruption_budget(role, o.namespace),
             ]
     if o.network_policies:
-        guarded = components + (["etcd"] if o.etcd_url is None else [])  # etcd: no mesh TLS
-        files["network-policies.yaml"] = network_policies(o, guarded, pools)
+        files["network-policies.yaml"] = network_policies(o, components, pools)
     if o.service_monitor:
         files["monitoring.yaml"] = [service_monitor(o.namespace)]
     files["kustomization.yaml"] = [
@@ -208,6 +208,7 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
         if key in config:
             args += [flag, f"$({key})"]
             env.append(k8s.from_config(key))
+    args += etcd_client_args(m.o, m.secrets)
     health_args, health_ports, probes = m.health(GATEWAY_GRPC_PORT)
     args += health_args + list(m.o.passed.gateway)
     ports = [("grpc", GATEWAY_GRPC_PORT), ("http", GATEWAY_HTTP_PORT), ("metrics", METRICS_PORT)]
@@ -276,7 +277,8 @@ def _worker(pool: WorkerPool, m: MeshPods) -> dict:
         gpu_memory_gib=o.gpu_memory_gib, cpus_per_rank=o.cpus_per_rank,
     )  # fmt: skip
     module = "services.prefill" if pool.role == "prefill" else "services.decode"
-    args = ["--model", "$(MODEL_DIR)", "--etcd", "$(ETCD_URL)", "--host", "$(POD_IP)"]
+    args = ["--model", "$(MODEL_DIR)", "--etcd", "$(ETCD_URL)", *etcd_client_args(o, m.secrets)]
+    args += ["--host", "$(POD_IP)"]
     args += ["--port", str(WORKER_PORT), "--worker-id", "$(POD_NAME)"]
     args += ["--metrics-port", str(METRICS_PORT), "--tensor-parallel-size", str(pool.tp)]
     args += ["--ucx-port", str(UCX_PORT)] if pool.role == "prefill" else ["--role", pool.role]

@@ -3,7 +3,8 @@
 
 One small interface (`Discovery`) and its etcd implementation (`EtcdDiscovery`), on etcd's own v3
 gRPC API (the stubs of etcd's rpc.proto that the maintained `aetcd` package ships; its client
-is not used, only its stubs, so the keep-alive and the watch's resumption are ours to see).
+is not used, only its stubs, so the keep-alive and the watch's resumption are ours to see),
+reached through services/common/etcd_client.py: several members, TLS, failing over.
 A worker puts one key, `<prefix>workers/<worker_id>`, whose value is its `WorkerEntry` (address,
 role, tp, model, KV capacity), attached to a lease it renews; when it drains it deletes the key,
 when it dies its lease lapses and etcd deletes the key, so every watcher sees it leave within
@@ -24,10 +25,10 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import grpc
 
+from services.common.etcd_client import REQUIRE_LEADER, EtcdClient, EtcdConfig
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger("distserve.discovery")
@@ -127,35 +128,22 @@ class Discovery(ABC):
     async def close(self) -> None: ...
 
 
-def etcd_target(url: str) -> str:
-    """The gRPC target of an etcd client URL (`http://host:port`, or `host:port`)."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        raise ValueError(f"--etcd takes http://HOST:PORT (plaintext gRPC), not {url!r}")
-    return f"{parts.hostname}:{parts.port or 2379}"
-
-
 class EtcdDiscovery(Discovery):
-    """`Discovery` on etcd (v3 gRPC API). `url`: its client URL; `ttl_s`: the member's lease."""
+    """`Discovery` on etcd (v3 gRPC API). `etcd`: its members and TLS; `ttl_s`: the member's
+    lease."""
 
     def __init__(
         self,
-        url: str,
+        etcd: EtcdConfig,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = DEFAULT_PREFIX,
         retry_s: float = 0.5,
     ) -> None:
-        from aetcd import rpc  # etcd's v3 API stubs
-
-        self._rpc = rpc
-        self.url = url
+        self.etcd = EtcdClient(etcd)
+        self._rpc = self.etcd.rpc
         self.ttl_s = ttl_s
         self.retry_s = retry_s  # between tries to reach etcd again
         self._key_prefix = f"{prefix}workers/".encode()
-        self._channel = grpc.aio.insecure_channel(etcd_target(url))
-        self._kv = rpc.KVStub(self._channel)
-        self._lease = rpc.LeaseStub(self._channel)
-        self._watch = rpc.WatchStub(self._channel)
         self._member: Member | None = None
         self._lease_id = 0
 
@@ -166,15 +154,19 @@ class EtcdDiscovery(Discovery):
         return self._key_prefix[:-1] + bytes([self._key_prefix[-1] + 1])  # the prefix's end
 
     async def register(self, member: Member) -> None:
-        rpc = self._rpc
+        rpc, etcd = self._rpc, self.etcd
         # etcd counts TTLs in whole seconds (and raises one below its minimum to it)
-        grant = await self._lease.LeaseGrant(
-            rpc.LeaseGrantRequest(TTL=math.ceil(self.ttl_s)), timeout=5
+        grant = await etcd.call(
+            lambda: etcd.lease.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=math.ceil(self.ttl_s)), timeout=5
+            )
         )
-        value = member.to_pb().SerializeToString()
-        await self._kv.Put(
-            rpc.PutRequest(key=self._key(member.worker_id), value=value, lease=grant.ID), timeout=5
+        put = rpc.PutRequest(
+            key=self._key(member.worker_id),
+            value=member.to_pb().SerializeToString(),
+            lease=grant.ID,
         )
+        await etcd.call(lambda: etcd.kv.Put(put, timeout=5))
         old, self._lease_id, self._member = self._lease_id, grant.ID, member
         if old:
             await self._revoke(old)
@@ -182,11 +174,21 @@ class EtcdDiscovery(Discovery):
     async def renew(self) -> None:
         if self._member is None:
             raise RuntimeError("renew before register")
-        call = self._lease.LeaseKeepAlive(
-            iter([self._rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=5
-        )
-        reply = await call.read()  # one answer: the lease's TTL now (0: it lapsed)
-        call.cancel()
+        etcd = self.etcd
+        # A member that does not answer within a third of the TTL is left for the next, while
+        # the lease still holds.
+        timeout = min(5.0, self.ttl_s / 3)
+
+        async def keep_alive():
+            call = etcd.lease.LeaseKeepAlive(
+                iter([self._rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=timeout
+            )
+            try:
+                return await call.read()  # one answer: the lease's TTL now (0: it lapsed)
+            finally:
+                call.cancel()
+
+        reply = await etcd.call(keep_alive)
         if reply is grpc.aio.EOF or reply.TTL <= 0:  # lapsed: etcd deleted the key with it
             log.warning("lease of %s lapsed: registering again", self._member.worker_id)
             self._lease_id = 0
@@ -195,29 +197,31 @@ class EtcdDiscovery(Discovery):
     async def deregister(self) -> None:
         if self._member is None:
             return
-        await self._kv.DeleteRange(
-            self._rpc.DeleteRangeRequest(key=self._key(self._member.worker_id)), timeout=5
-        )
+        delete = self._rpc.DeleteRangeRequest(key=self._key(self._member.worker_id))
+        await self.etcd.call(lambda: self.etcd.kv.DeleteRange(delete, timeout=5))
         lease, self._lease_id, self._member = self._lease_id, 0, None
         await self._revoke(lease)
 
     async def _revoke(self, lease_id: int) -> None:
         try:
-            await self._lease.LeaseRevoke(self._rpc.LeaseRevokeRequest(ID=lease_id), timeout=5)
+            revoke = self._rpc.LeaseRevokeRequest(ID=lease_id)
+            await self.etcd.call(lambda: self.etcd.lease.LeaseRevoke(revoke, timeout=5))
         except grpc.aio.AioRpcError as e:  # lapsed already: nothing held
             log.info("revoking lease %x: %s", lease_id, e.code().name)
 
     async def watch(self) -> AsyncIterator[Change]:
         rpc = self._rpc
+        etcd = self.etcd
         failing = False  # log a lost etcd once, not every retry
+        hops = 0  # members moved on to since the last listing: at once, each once
+        every = rpc.RangeRequest(key=self._key_prefix, range_end=self._range_end())
         while True:
+            member = etcd.member
             try:
-                listed = await self._kv.Range(
-                    rpc.RangeRequest(key=self._key_prefix, range_end=self._range_end()),
-                    timeout=5,
-                )
+                listed = await etcd.call(lambda: etcd.kv.Range(every, timeout=5))
+                member, hops = etcd.member, 0
                 if failing:
-                    log.warning("etcd at %s is back: listing the members again", self.url)
+                    log.warning("etcd at %s is back: listing the members again", member)
                 failing = False
                 members = [m for m in map(self._member_of, listed.kvs) if m is not None]
                 yield Snapshot({m.worker_id: m for m in members})
@@ -226,7 +230,7 @@ class EtcdDiscovery(Discovery):
                     range_end=self._range_end(),
                     start_revision=listed.header.revision + 1,
                 )
-                call = self._watch.Watch()
+                call = etcd.watch.Watch(metadata=REQUIRE_LEADER)
                 await call.write(rpc.WatchRequest(create_request=create))
                 async for reply in call:
                     if reply.canceled or reply.compact_revision:
@@ -235,14 +239,17 @@ class EtcdDiscovery(Discovery):
                         break
                     for event in reply.events:
                         if event.type == rpc.Event.PUT:
-                            member = self._member_of(event.kv)
-                            if member is not None:
-                                yield Joined(member)
+                            joined = self._member_of(event.kv)
+                            if joined is not None:
+                                yield Joined(joined)
                         else:
                             yield Left(event.kv.key[len(self._key_prefix) :].decode())
             except grpc.aio.AioRpcError as e:
+                if etcd.failed(e, member) and hops < len(etcd.config.endpoints):
+                    hops += 1
+                    continue  # the next member, at once: the view is listed again there
                 if not failing:
-                    log.warning("etcd at %s: %s; keeping the last view", self.url, e.code().name)
+                    log.warning("%s; keeping the last view", etcd.explain(e))
                 failing = True
             await asyncio.sleep(self.retry_s)
 
@@ -254,4 +261,4 @@ class EtcdDiscovery(Discovery):
             return None
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self.etcd.close()

@@ -26,7 +26,8 @@ import time
 
 import grpc
 
-from services.common.discovery import DEFAULT_PREFIX, etcd_target
+from services.common.discovery import DEFAULT_PREFIX
+from services.common.etcd_client import REQUIRE_LEADER, EtcdClient, EtcdConfig
 
 log = logging.getLogger("distserve.election")
 
@@ -34,32 +35,27 @@ DEFAULT_TTL_S = 5.0  # a dead leader is replaced within this; etcd's minimum is 
 
 
 class Election:
-    """Campaign for `name` on the etcd at `url` as `value` (what the others see of the leader,
+    """Campaign for `name` on the etcd `etcd` as `value` (what the others see of the leader,
     e.g. its address). `run()` campaigns until cancelled; `leading` says whether this replica
     leads now, `leader` the value of the one that does ("" while unknown)."""
 
     def __init__(
         self,
-        url: str,
+        etcd: EtcdConfig,
         name: str,
         value: str,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = DEFAULT_PREFIX,
         retry_s: float = 0.5,
     ) -> None:
-        from aetcd import rpc  # etcd's v3 API stubs
-
         if ttl_s < 2:
             raise ValueError(f"an election's lease TTL is at least 2 s (etcd's minimum): {ttl_s}")
-        self._rpc = rpc
-        self.url, self.name, self.value = url, name, value
+        self.etcd = EtcdClient(etcd)
+        self._rpc = self.etcd.rpc
+        self.name, self.value = name, value
         self.ttl_s = math.ceil(ttl_s)  # etcd counts TTLs in whole seconds
         self.retry_s = retry_s
         self._prefix = f"{prefix}election/{name}/".encode()
-        self._channel = grpc.aio.insecure_channel(etcd_target(url))
-        self._kv = rpc.KVStub(self._channel)
-        self._lease = rpc.LeaseStub(self._channel)
-        self._watch = rpc.WatchStub(self._channel)
         self._lease_id = 0
         self._deadline = 0.0  # time.monotonic() when our lease may have lapsed on etcd
         self._leading = False
@@ -100,7 +96,8 @@ class Election:
                         await keep
                     turn.cancel()
                 except grpc.aio.AioRpcError as e:
-                    log.warning("election %s on etcd at %s: %s", self.name, self.url, e.code().name)
+                    self.etcd.failed(e)
+                    log.warning("election %s: %s", self.name, self.etcd.explain(e))
                 finally:
                     if keep is not None:
                         keep.cancel()
@@ -119,8 +116,9 @@ class Election:
 
     async def _campaign(self) -> None:
         """Join the queue: a new lease, and our key created under it (if absent)."""
-        rpc = self._rpc
-        grant = await self._lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=self.ttl_s), timeout=5)
+        rpc, etcd = self._rpc, self.etcd
+        request = rpc.LeaseGrantRequest(TTL=self.ttl_s)
+        grant = await etcd.call(lambda: etcd.lease.LeaseGrant(request, timeout=5))
         self._lease_id = grant.ID
         self._deadline = time.monotonic() + grant.TTL
         key = self._prefix + f"{grant.ID:x}".encode()
@@ -133,7 +131,7 @@ class Election:
             success=[rpc.RequestOp(request_put=put)],
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
         )
-        reply = await self._kv.Txn(txn, timeout=5)
+        reply = await etcd.call(lambda: etcd.kv.Txn(txn, timeout=5))
         if reply.succeeded:
             self._revision = reply.header.revision
         else:
@@ -141,35 +139,31 @@ class Election:
 
     async def _wait_turn(self) -> None:
         """Return once no candidate joined before us: wait for each predecessor's key to go."""
-        rpc = self._rpc
+        rpc, etcd = self._rpc, self.etcd
         end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
         while True:
-            first = await self._kv.Range(
-                rpc.RangeRequest(
-                    key=self._prefix,
-                    range_end=end,
-                    limit=1,
-                    sort_order=rpc.RangeRequest.ASCEND,
-                    sort_target=rpc.RangeRequest.CREATE,
-                ),
-                timeout=5,
+            oldest = rpc.RangeRequest(
+                key=self._prefix,
+                range_end=end,
+                limit=1,
+                sort_order=rpc.RangeRequest.ASCEND,
+                sort_target=rpc.RangeRequest.CREATE,
             )
+            first = await etcd.call(lambda: etcd.kv.Range(oldest, timeout=5))  # noqa: B023
             if first.kvs:
                 leader = first.kvs[0].value.decode(errors="replace")
                 if leader != self.leader:
                     log.info("standing by for %s: %s leads", self.name, leader)
                 self.leader = leader
-            before = await self._kv.Range(
-                rpc.RangeRequest(
-                    key=self._prefix,
-                    range_end=end,
-                    limit=1,
-                    max_create_revision=self._revision - 1,
-                    sort_order=rpc.RangeRequest.DESCEND,
-                    sort_target=rpc.RangeRequest.CREATE,
-                ),
-                timeout=5,
+            previous = rpc.RangeRequest(
+                key=self._prefix,
+                range_end=end,
+                limit=1,
+                max_create_revision=self._revision - 1,
+                sort_order=rpc.RangeRequest.DESCEND,
+                sort_target=rpc.RangeRequest.CREATE,
             )
+            before = await etcd.call(lambda: etcd.kv.Range(previous, timeout=5))  # noqa: B023
             if not before.kvs:
                 return
             # the leader seen may change without our predecessor going (3+ replicas): look again
@@ -182,7 +176,7 @@ class Election:
     async def _deleted(self, key: bytes, since: int) -> None:
         """Return when `key` is deleted at or after revision `since` (or the watch ends)."""
         rpc = self._rpc
-        call = self._watch.Watch()
+        call = self.etcd.watch.Watch(metadata=REQUIRE_LEADER)
         try:
             create = rpc.WatchCreateRequest(
                 key=key, start_revision=since, filters=[rpc.WatchCreateRequest.NOPUT]
@@ -207,19 +201,23 @@ class Election:
                 log.warning("could not renew the lease of %s within its TTL", self.name)
                 return
             try:
-                call = self._lease.LeaseKeepAlive(
-                    iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=left
+                call = self.etcd.lease.LeaseKeepAlive(
+                    iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]),
+                    timeout=min(left, self.ttl_s / 3),  # then another member, while it holds
                 )
-                reply = await call.read()
-                call.cancel()
+                try:
+                    reply = await call.read()
+                finally:
+                    call.cancel()
                 if reply is grpc.aio.EOF or reply.TTL <= 0:
                     log.warning("the lease of %s lapsed", self.name)
                     return
                 self._deadline = sent + reply.TTL
                 pause = self.ttl_s / 3
             except grpc.aio.AioRpcError as e:
-                log.info("renewing the lease of %s: %s", self.name, e.code().name)
-                pause = self.retry_s
+                log.info("renewing the lease of %s: %s", self.name, self.etcd.explain(e))
+                # the next member soon, while the lease holds; the same one after a pause
+                pause = 0.1 if self.etcd.failed(e) else self.retry_s
             await asyncio.sleep(max(0.0, min(pause, self._deadline - time.monotonic())))
 
     async def resign(self) -> None:
@@ -230,9 +228,10 @@ class Election:
         if not lease:
             return
         try:
-            await self._lease.LeaseRevoke(self._rpc.LeaseRevokeRequest(ID=lease), timeout=5)
+            revoke = self._rpc.LeaseRevokeRequest(ID=lease)
+            await self.etcd.call(lambda: self.etcd.lease.LeaseRevoke(revoke, timeout=5))
         except grpc.aio.AioRpcError as e:  # lapsed already, or etcd away: it lapses by itself
             log.info("revoking lease %x: %s", lease, e.code().name)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self.etcd.close()

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
+from services.common.errors import InvalidRequest
+from services.common.etcd_client import add_etcd_args, etcd_config
 from services.common.gen.distserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.hub import refuse_at_start, with_local_model
 from services.common.metrics import StatsCollector, add_metrics_args, worker_registry
@@ -46,11 +48,7 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
         help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
     )
     p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
-    p.add_argument(
-        "--etcd",
-        metavar="URL",
-        help="the mesh's etcd (http://host:port): join the mesh there (none: standalone)",
-    )
+    add_etcd_args(p.add_argument_group("etcd"), "join the mesh there (none: standalone)")
     p.add_argument("--role", choices=ROLES, default="decode")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -81,13 +79,17 @@ def parse(argv: list[str] | None = None) -> tuple[DecodeConfig, argparse.Namespa
     add_engine_args(p)
     clock.add_args(p)
     args = p.parse_args(argv)
+    try:
+        etcd = etcd_config(args)
+    except InvalidRequest as e:
+        p.error(str(e))
     if args.model is None:
         from services.engine.presets import default_model
 
         args.model = default_model("tiny")
     config = DecodeConfig(
         model=Path(args.model),
-        etcd=args.etcd,
+        etcd=etcd,
         role=args.role,
         host=args.host,
         port=args.port,

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.etcd_client import EtcdConfig
 from services.engine.config import EngineConfig
 from services.kvtransfer.puller import PullPolicy
 
@@ -15,7 +16,7 @@ ROLES = ("decode", "colocated")
 @dataclass(frozen=True)
 class DecodeConfig:
     model: Path
-    etcd: str | None  # the mesh's etcd (http://host:port) to join; None runs standalone
+    etcd: EtcdConfig | None  # the mesh's etcd to join; None runs standalone
     role: str = "decode"  # decode | colocated
     host: str = "127.0.0.1"
     port: int = 0

@@ -13,7 +13,9 @@ from pathlib import Path
 from aiohttp import web
 
 from services.common import clock, mesh_tls, telemetry
-from services.common.discovery import EtcdDiscovery, etcd_target
+from services.common.discovery import EtcdDiscovery
+from services.common.errors import InvalidRequest
+from services.common.etcd_client import EtcdConfig, add_etcd_args, etcd_config
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.generation_defaults import GenerationDefaults
 from services.common.hub import refuse_at_start, resolve_model
@@ -56,7 +58,8 @@ class GatewayConfig:
     revision: str | None = None  # with a Hub id: its branch, tag or commit
     host: str = "127.0.0.1"
     port: int = 50051
-    etcd: str = "http://127.0.0.1:2379"  # the mesh's etcd: its members (discovery.py)
+    # the mesh's etcd: its workers (discovery.py)
+    etcd: EtcdConfig = field(default_factory=lambda: EtcdConfig(("http://127.0.0.1:2379",)))
     # A worker whose load feed is silent this long is not routed to (a dead one sooner: its
     # feed breaks, and etcd drops it when its lease lapses); long enough for a starved host.
     worker_lease_s: float = 6.0
@@ -115,11 +118,10 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    p.add_argument(
-        "--etcd",
-        metavar="URL",
+    add_etcd_args(
+        p.add_argument_group("etcd"),
+        "workers are found there (default: etcd's own default address)",
         default="http://127.0.0.1:2379",
-        help="the mesh's etcd: workers are found there (default: etcd's own default address)",
     )
     p.add_argument(
         "--worker-lease-s",
@@ -214,8 +216,8 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
     clock.add_args(p)
     a = p.parse_args(argv)
     try:
-        etcd_target(a.etcd)
-    except ValueError as e:
+        etcd = etcd_config(a)
+    except InvalidRequest as e:
         p.error(str(e))
     if a.max_body_bytes < 1:
         p.error("--max-body-bytes must be >= 1")
@@ -231,7 +233,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         tool_call_parser=a.tool_call_parser,
         host=a.host,
         port=a.port,
-        etcd=a.etcd,
+        etcd=etcd,
         worker_lease_s=a.worker_lease_s,
         max_tokens=a.max_tokens,
         max_n=a.max_n,

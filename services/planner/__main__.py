@@ -11,6 +11,7 @@ from pathlib import Path
 from services.common import clock, telemetry
 from services.common.election import Election
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import add_etcd_args, etcd_config
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.common.metrics import add_metrics_args, worker_registry
 from services.common.metrics import serve as serve_metrics
@@ -59,7 +60,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     e = p.add_argument_group(
         "election", "several replicas: one decides and acts, the others stand by (etcd)"
     )
-    e.add_argument("--etcd", help="etcd's client URL (http://HOST:PORT): elect a leader there")
+    add_etcd_args(e, "elect a leader there (none: this planner alone, always leading)")
     e.add_argument("--election-key", default="planner", help="replicas of one planner share it")
     e.add_argument(
         "--election-ttl-s",
@@ -142,7 +143,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         metrics_port=a.metrics_port,
         health_port=a.health_port,
         autoscale=autoscale,
-        etcd=a.etcd,
+        etcd=etcd_config(a),
         election_key=a.election_key,
         election_ttl_s=a.election_ttl_s,
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.discovery import etcd_target
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import EtcdConfig
 from services.planner.autoscale import AutoscaleConfig
 from services.planner.drift import DriftConfig
 
@@ -64,9 +64,9 @@ class PlannerConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: any free port, -1: off
     health_port: int | None = None  # plaintext grpc.health.v1 alone (probes); None: off
     autoscale: Autoscale | None = None  # resize the running mesh (None: recommend only)
-    # etcd's client URL: several replicas elect one to decide and act (services/common/
+    # the mesh's etcd: several replicas elect one to decide and act (services/common/
     # election.py); None: this planner alone, always leading
-    etcd: str | None = None
+    etcd: EtcdConfig | None = None
     election_key: str = "planner"  # replicas campaigning under the same key elect one leader
     election_ttl_s: float = 5.0  # a dead leader is replaced within this (etcd: >= 2 s)
 
@@ -75,11 +75,6 @@ class PlannerConfig:
             raise InvalidRequest("workers: 0 (a cluster) or at least 2 (one prefill, one decode)")
         if self.max_num_seqs < 1 or self.num_requests < 10:
             raise InvalidRequest("max_num_seqs >= 1 and num_requests >= 10")
-        if self.etcd is not None:
-            try:
-                etcd_target(self.etcd)
-            except ValueError as e:
-                raise InvalidRequest(str(e)) from None
         if self.election_ttl_s < 2:
             raise InvalidRequest("--election-ttl-s: at least 2 (etcd's shortest lease)")
         if not self.election_key or "/" in self.election_key:

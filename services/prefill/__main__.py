@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 from services.common import clock, telemetry
+from services.common.errors import InvalidRequest
+from services.common.etcd_client import add_etcd_args, etcd_config
 from services.common.gen.distserve.v1 import (
     common_pb2,
     kvtransfer_pb2,
@@ -52,11 +54,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
         help="model folder or Hugging Face Hub id (default: the embedded tiny model)",
     )
     p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
-    p.add_argument(
-        "--etcd",
-        metavar="URL",
-        help="the mesh's etcd (http://host:port): join the mesh there (none: standalone)",
-    )
+    add_etcd_args(p.add_argument_group("etcd"), "join the mesh there (none: standalone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument(
@@ -76,6 +74,10 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     add_engine_args(p)
     clock.add_args(p)
     args = p.parse_args(argv)
+    try:
+        etcd = etcd_config(args)
+    except InvalidRequest as e:
+        p.error(str(e))
     if args.model is None:
         from services.engine.presets import default_model
 
@@ -83,7 +85,7 @@ def parse(argv: list[str] | None = None) -> tuple[PrefillConfig, argparse.Namesp
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     config = PrefillConfig(
         model=Path(args.model),
-        etcd=args.etcd,
+        etcd=etcd,
         host=args.host,
         port=args.port,
         ucx_port=args.ucx_port,

@@ -6,13 +6,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.etcd_client import EtcdConfig
 from services.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     model: Path
-    etcd: str | None  # the mesh's etcd (http://host:port) to join; None runs standalone
+    etcd: EtcdConfig | None  # the mesh's etcd to join; None runs standalone
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     ucx_port: int = 0

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from services.common.discovery import DEFAULT_TTL_S, ROLE_NAMES, EtcdDiscovery, Member
+from services.common.etcd_client import EtcdConfig
 from services.common.gen.distserve.v1 import common_pb2, gateway_pb2
 from services.worker.prefix_log import PrefixCacheLog
 
@@ -101,7 +102,7 @@ class Announcer:
     `ttl_s` and renews it every third of that until stopped (registering again when the lease
     lapsed: the process was stopped, or etcd lost its data); `stop` deregisters it."""
 
-    def __init__(self, etcd: str, member: Member, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, etcd: EtcdConfig, member: Member, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.member = member
         self.discovery = EtcdDiscovery(etcd, ttl_s)
         self.interval_s = ttl_s / 3
@@ -115,7 +116,8 @@ class Announcer:
                 break
             except grpc.aio.AioRpcError as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"cannot register with etcd at {self.discovery.url}") from e
+                    why = self.discovery.etcd.explain(e)
+                    raise RuntimeError(f"cannot register with the mesh's etcd: {why}") from e
                 await asyncio.sleep(0.2)
         self._task = asyncio.create_task(self._renew())
 
@@ -134,8 +136,7 @@ class Announcer:
             try:
                 await self.discovery.renew()
             except grpc.aio.AioRpcError as e:
-                url, code = self.discovery.url, e.code().name
-                log.warning("renewing the lease at %s failed: %s", url, code)
+                log.warning("renewing the lease failed: %s", self.discovery.etcd.explain(e))
 
 
 DRAIN_TIMEOUT_S = 30.0
@@ -166,7 +167,7 @@ async def serve_as_worker(
     *,
     server: grpc.aio.Server,
     health,
-    etcd: str | None,
+    etcd: EtcdConfig | None,
     feed: LoadFeed,
     worker_id: str,
     role: int,

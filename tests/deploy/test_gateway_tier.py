@@ -1,5 +1,7 @@
 """`deploy render --gateway-replicas N` and the mesh's etcd: several gateways behind Envoy,
-rolled out without a gap, and a 3-member etcd StatefulSet (or an existing cluster's URL)."""
+rolled out without a gap, and a 3-member etcd StatefulSet (or an existing cluster's URLs) that
+every worker and gateway reaches by all three members' names, over TLS with its own mesh
+certificate under mesh TLS."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import yaml
 from distserve.deploy.etcd_cluster import etcd_cluster
 from distserve.deploy.options import DEFAULT_ETCD_IMAGE, RenderOptions
 from distserve.deploy.render import render
+from distserve.deploy.secrets import MeshSecrets
 from distserve.etcd import etcd_binary
 from services.common.errors import InvalidRequest
 from tests.deploy.test_render import (
@@ -26,8 +29,9 @@ from tests.deploy.test_render import (
     run_cli,
 )
 
-ETCD_URL = "http://distserve-etcd.distserve.svc.cluster.local:2379"
 PEERS = "distserve-etcd-peers.distserve.svc.cluster.local"
+ETCD_URL = ",".join(f"https://distserve-etcd-{i}.{PEERS}:2379" for i in range(3))
+TLS = "/etc/distserve/mesh-tls"  # where a pod mounts its mesh certificate
 
 
 def _render(**options) -> dict[str, list[dict]]:
@@ -78,6 +82,16 @@ def test_the_etcd_is_a_three_member_statefulset_behind_a_peer_and_a_client_servi
     assert {"name": claim["metadata"]["name"], "mountPath": "/var/lib/etcd"} in c["volumeMounts"]
     flags = dict(a.split("=", 1) for a in c["args"])
     assert flags["--data-dir"] == "/var/lib/etcd"
+    # Clients speak TLS with a certificate of the mesh's CA; the member's is the etcd's own.
+    assert flags["--listen-client-urls"] == "https://0.0.0.0:2379"
+    assert flags["--advertise-client-urls"] == f"https://$(POD_NAME).{PEERS}:2379"
+    assert (flags["--cert-file"], flags["--key-file"]) == (f"{TLS}/tls.crt", f"{TLS}/tls.key")
+    assert (flags["--trusted-ca-file"], flags["--client-cert-auth"]) == (f"{TLS}/ca.crt", "true")
+    (volume,) = spec["template"]["spec"]["volumes"]
+    assert volume["secret"]["secretName"] == "distserve-mesh-tls-etcd"
+    assert {"name": volume["name"], "mountPath": TLS, "readOnly": True} in c["volumeMounts"]
+    secrets = [o["metadata"]["name"] for o in manifests["secrets.yaml"]]
+    assert "distserve-mesh-tls-etcd" in secrets
     # Every member's peer URL is its StatefulSet pod's name under the headless peer Service.
     members = [f"distserve-etcd-{i}" for i in range(3)]
     assert flags["--initial-cluster"] == ",".join(f"{m}=http://{m}.{PEERS}:2380" for m in members)
@@ -99,15 +113,36 @@ def test_the_etcd_is_a_three_member_statefulset_behind_a_peer_and_a_client_servi
     # asks for the quorum's answer.
     assert c["livenessProbe"]["httpGet"]["path"] == "/health?serializable=true"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    # Every worker and gateway joins the client Service.
-    assert args(deployments(manifests, "gateway")[0], manifests)["--etcd"] == ETCD_URL
-    for role in ("prefill", "decode"):
-        assert args(deployments(manifests, role)[0], manifests)["--etcd"] == ETCD_URL
+    # Every worker and gateway is given all three members (it fails over between them) and
+    # presents its own mesh certificate, checking the name every mesh certificate carries.
+    for component in ("gateway", "prefill", "decode"):
+        flags = args(deployments(manifests, component)[0], manifests)
+        assert flags["--etcd"] == ETCD_URL
+        assert (flags["--etcd-ca"], flags["--etcd-cert"], flags["--etcd-key"]) == (
+            f"{TLS}/ca.crt",
+            f"{TLS}/tls.crt",
+            f"{TLS}/tls.key",
+        )
+        assert flags["--etcd-server-name"] == "distserve.internal"
+
+
+def test_without_mesh_tls_the_etcd_and_its_clients_speak_plaintext():
+    manifests = _render(mesh_tls=False)
+    (c,) = find(manifests, "StatefulSet", "distserve-etcd")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    flags = dict(a.split("=", 1) for a in c["args"])
+    assert flags["--listen-client-urls"] == "http://0.0.0.0:2379"
+    assert not {"--cert-file", "--client-cert-auth"} & flags.keys()
+    for component in ("gateway", "prefill", "decode"):
+        flags = args(deployments(manifests, component)[0], manifests)
+        assert flags["--etcd"] == ETCD_URL.replace("https://", "http://")
+        assert "--etcd-ca" not in flags
 
 
 def test_the_etcd_binary_of_its_minor_takes_every_rendered_flag():
     """The rendered flags are etcd 3.5's: the local etcd (the same minor) lists each one."""
-    (sts, *_) = etcd_cluster(RenderOptions())
+    (sts, *_) = etcd_cluster(RenderOptions(), MeshSecrets(mesh_tls="distserve-mesh-tls"))
     (c,) = sts["spec"]["template"]["spec"]["containers"]
     usage = subprocess.run(
         [str(etcd_binary()), "--help"], capture_output=True, text=True, timeout=30
@@ -119,19 +154,21 @@ def test_the_etcd_binary_of_its_minor_takes_every_rendered_flag():
 
 
 def test_an_existing_etcd_renders_none_and_every_process_joins_it():
-    manifests = _render(etcd_url="http://etcd.infra.svc:2379")
+    members = "http://etcd-0.infra.svc:2379,http://etcd-1.infra.svc:2379"
+    manifests = _render(etcd_url=members)
     assert "etcd.yaml" not in manifests
     assert not [o for o in objects(manifests) if o["kind"] == "StatefulSet"]
     for component in ("gateway", "prefill", "decode"):
         flags = args(deployments(manifests, component)[0], manifests)
-        assert flags["--etcd"] == "http://etcd.infra.svc:2379"
+        assert flags["--etcd"] == members and "--etcd-ca" not in flags
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"etcd_url": "https://etcd:2379"}, "--etcd takes http://HOST:PORT"),
-        ({"etcd_url": "http://etcd:2379/v3"}, "--etcd takes http://HOST:PORT"),
+        ({"etcd_url": "https://etcd:2379"}, "an existing etcd over TLS is not rendered"),
+        ({"etcd_url": "http://etcd:2379/v3"}, "--etcd takes http(s)://HOST:PORT"),
+        ({"etcd_url": "http://a:2379,ftp://b:2379"}, "--etcd takes http(s)://HOST:PORT"),
         ({"gateway_replicas": 0}, "--gateway-replicas must be >= 1"),
     ],
 )
@@ -157,4 +194,4 @@ def test_cli_renders_gateway_replicas_and_the_etcd_image(tmp_path):
         "--placement", str(HERE / "plan_high_affinity.json"), "--out", str(tmp_path / "x"),
         "--etcd", "https://etcd:2379",
     )  # fmt: skip
-    assert done.returncode != 0 and "--etcd takes http://HOST:PORT" in done.stderr
+    assert done.returncode != 0 and "an existing etcd over TLS is not rendered" in done.stderr

@@ -171,7 +171,8 @@ def test_low_affinity_pins_each_pool_to_the_node_the_plan_gave_it(low):
 
 
 def test_workers_and_the_gateway_join_the_mesh_etcd_and_workers_advertise_their_pod_ip(high, low):
-    etcd = "http://distserve-etcd.distserve.svc.cluster.local:2379"
+    peers = "distserve-etcd-peers.distserve.svc.cluster.local"
+    etcd = ",".join(f"https://distserve-etcd-{i}.{peers}:2379" for i in range(3))  # each member
     for manifests in (high, low):
         assert args(deployments(manifests, "gateway")[0], manifests)["--etcd"] == etcd
         for role in ("prefill", "decode"):
@@ -365,7 +366,7 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
         "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 8, "PodDisruptionBudget": 3,
-        "StatefulSet": 1, "NetworkPolicy": 7, "Secret": 5,  # the generated mesh certificates
+        "StatefulSet": 1, "NetworkPolicy": 7, "Secret": 6,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]

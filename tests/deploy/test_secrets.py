@@ -221,7 +221,7 @@ def test_cli_writes_the_secrets_file_for_its_owner_only_and_says_not_to_commit_i
     assert "secrets.yaml holds the secrets themselves: do not commit it" in done.stdout
     assert (out / "secrets.yaml").stat().st_mode & 0o777 == 0o600
     kinds = [o["kind"] for o in yaml.safe_load_all((out / "secrets.yaml").read_text())]
-    assert kinds == ["Secret"] * (3 + 5)  # given, and a mesh certificate per component
+    assert kinds == ["Secret"] * (3 + 6)  # given, and a mesh certificate per component (etcd too)
     missing = run_cli(
         "--placement", str(HERE / "plan_high_affinity.json"), "--out", str(tmp_path / "k"),
         "--tls-cert", str(files.tls_cert), "--tls-key", str(tmp_path / "nope.pem"),

@@ -16,6 +16,7 @@ import pytest
 
 from distserve.etcd import Etcd
 from services.common.discovery import EtcdDiscovery, Member
+from services.common.etcd_client import EtcdConfig
 from services.common.gen.distserve.v1 import common_pb2
 from services.common.prefix_hash import block_hashes, cache_salt
 from services.gateway.membership import Membership
@@ -37,6 +38,7 @@ import asyncio, sys
 import grpc
 from services.common.discovery import Member
 from services.common.gen.distserve.v1 import common_pb2
+from services.common.etcd_client import EtcdConfig
 from services.worker.announcer import Announcer, LoadFeed
 
 async def main():
@@ -47,7 +49,7 @@ async def main():
     await server.start()
     feed.start()
     member = Member("w", "decode", f"127.0.0.1:{port}", total_kv_blocks=8)
-    await Announcer(sys.argv[1], member, ttl_s=float(sys.argv[2])).start()
+    await Announcer(EtcdConfig.parse(sys.argv[1]), member, ttl_s=float(sys.argv[2])).start()
     print("ready", flush=True)
     await asyncio.sleep(3600)
 
@@ -68,7 +70,8 @@ def _gateway(url: str) -> tuple[Registry, Membership]:
     def channel(address: str) -> grpc.aio.Channel:
         return channels.setdefault(address, grpc.aio.insecure_channel(address))
 
-    return registry, Membership(registry, EtcdDiscovery(url), channel, retry_s=0.1)
+    discovery = EtcdDiscovery(EtcdConfig.parse(url))
+    return registry, Membership(registry, discovery, channel, retry_s=0.1)
 
 
 async def _until(check, timeout_s: float = 10.0, what: str = "") -> float:
@@ -109,7 +112,7 @@ async def _same_view(url: str) -> None:
             member = Member(
                 name, "prefill", f"127.0.0.1:{port}", kv_block_size=BS, prefix_cache_salt=SALT
             )
-            announcer = Announcer(url, member)
+            announcer = Announcer(EtcdConfig.parse(url), member)
             await announcer.start()
             announcers.append(announcer)
 
@@ -193,7 +196,7 @@ async def _etcd_gone(etcd: Etcd) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     feed.start()
-    announcer = Announcer(etcd.url, Member("d", "decode", f"127.0.0.1:{port}"))
+    announcer = Announcer(etcd.config, Member("d", "decode", f"127.0.0.1:{port}"))
     await announcer.start()
     registry, membership = _gateway(etcd.url)
     membership.start()

@@ -57,7 +57,7 @@ async def _stop(task: asyncio.Task) -> None:
 
 def test_one_of_three_leads_and_a_resigning_leader_hands_over_at_once(etcd):
     async def main() -> None:
-        elections = [Election(etcd.url, "planner", f"replica-{i}", TTL_S) for i in range(3)]
+        elections = [Election(etcd.config, "planner", f"replica-{i}", TTL_S) for i in range(3)]
         tasks = [asyncio.create_task(e.run()) for e in elections]
         try:
             await _until(lambda: any(e.leading for e in elections), 10, "a leader")
@@ -86,7 +86,7 @@ def test_one_of_three_leads_and_a_resigning_leader_hands_over_at_once(etcd):
 
 def test_a_leader_cut_off_from_etcd_stops_leading_within_its_ttl(etcd):
     async def main() -> None:
-        election = Election(etcd.url, "planner", "alone", TTL_S, retry_s=0.1)
+        election = Election(etcd.config, "planner", "alone", TTL_S, retry_s=0.1)
         task = asyncio.create_task(election.run())
         try:
             await _until(lambda: election.leading, 10, "leading")
