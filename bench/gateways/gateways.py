@@ -19,11 +19,12 @@ Four parts (`--parts`, default all):
   retryable reset) and the requests Envoy retried (the client saw nothing) are counted apart.
   `gateway_kill_leaked_blocks` (target 0): KV blocks in use and handles held on every worker
   once a lease and 10 s have passed after the run.
-* `etcd` (engine: **real**, `tiny`, 1P1D, one gateway): a 3-member etcd; the mesh uses member 0's
-  URL (the launcher takes one); the leader is moved to member 1, which is SIGKILLed (not
-  restarted) a third into `--etcd-seconds` of 8 closed-loop streams:
-  `etcd_member_kill_lost_requests` (target 0), and whether every worker was still in etcd and in
-  the gateway's view at the end (past a worker's lease TTL: its lease renewed through the rest).
+* `etcd` (engine: **real**, `tiny`, 1P1D, one gateway): a 3-member etcd, every process given all
+  three members (member 0 first); the leader is moved to member 0, which is SIGKILLed (not
+  restarted: the clients fail over to another member) a third into `--etcd-seconds` of 8
+  closed-loop streams: `etcd_member_kill_lost_requests` (target 0), and whether every worker
+  was still in etcd and in the gateway's view at the end (past a worker's lease TTL: its lease
+  renewed through the rest).
 * `routing` (engine: **emulated**, as bench/prefix/prefix.py's routing part, its workload):
   8P2D, `--routing prefix`, behind Envoy with 1 and with 4 gateways:
   `gateway_routing_hit_fraction_ratio_4_vs_1` (prompt tokens reused / the most any prefill

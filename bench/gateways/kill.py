@@ -24,6 +24,7 @@ from bench.gateways.faults import (
 )
 from distserve.loadgen.report import log
 from distserve.local_mesh import Mesh, MeshSpec
+from services.common.etcd_client import EtcdConfig
 from services.common.model_config import ModelConfig
 from services.engine.presets import default_model
 
@@ -126,8 +127,8 @@ async def _etcd_kill_under_load(mesh: Mesh, cluster: EtcdCluster, vocab: int, se
     stop = asyncio.Event()
     running = asyncio.create_task(ClosedLoop(mesh.gateway_address, vocab).run(stop))
     await asyncio.sleep(seconds / 3)
-    await asyncio.to_thread(cluster.kill, 1)
-    log("etcd: member 1 (the leader) SIGKILLed")
+    await asyncio.to_thread(cluster.kill, 0)
+    log("etcd: member 0 (the leader, the one every process talks to first) SIGKILLed")
     await asyncio.sleep(seconds * 2 / 3)
     stop.set()
     return await running
@@ -143,14 +144,14 @@ def etcd_part(seconds: float) -> dict:
             spec = MeshSpec(
                 model=model,
                 gateway_port=0,
-                etcd=cluster.clients[0],
+                etcd=EtcdConfig.parse(",".join(cluster.clients)),
                 prefill_args=("--lease-s", str(LEASE_S)),
             )
             log(f"etcd: 1P1D ({REAL}) on a 3-member etcd; its leader killed under load")
             with Mesh(spec) as mesh:
-                cluster.make_leader(1)
+                cluster.make_leader(0)
                 outcomes = asyncio.run(_etcd_kill_under_load(mesh, cluster, vocab, seconds))
-                alive = cluster.clients[0::2]
+                alive = cluster.clients[1:]
                 cluster.wait_led(alive, 15)
                 keys = cluster.ctl("get", "--prefix", "--keys-only", "/distserve/", endpoints=alive)
                 names = {p.name for p in mesh.workers}
@@ -164,7 +165,7 @@ def etcd_part(seconds: float) -> dict:
         "etcd_member_kill_lost_requests": len(lost),
         "etcd_member_kill": {
             "engine": f"{REAL}, 1P1D, one gateway",
-            "killed": "member 1, made the leader first; not restarted (the mesh uses member 0)",
+            "killed": "member 0 (the clients' first), made the leader first; not restarted",
             "requests": len(outcomes),
             "lost": [dataclasses.asdict(o) for o in lost[:5]],
             "workers_in_etcd_after": in_etcd,
