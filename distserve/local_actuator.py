@@ -24,7 +24,7 @@ import grpc
 from services.common import mesh_tls
 from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
-from services.common.server import status_code
+from services.common.server import Undecodable, status_code
 from services.planner.actuator import ActuatorStatus, Instance, common_degree
 from services.planner.transition import transition
 
@@ -260,6 +260,32 @@ def _busy(load) -> int:
     return load.running_seqs + load.waiting_seqs + load.pending_pulls + load.held_kv_handles
 
 
+class _Lenient(grpc.ServerInterceptor):
+    """A request that is no valid message gets INVALID_ARGUMENT, as on the mesh's own servers
+    (services/common/server.py; grpc's answer would be INTERNAL)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        behavior, parse = handler.unary_unary, handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+                return Undecodable(e)
+
+        def run(request, context):
+            if isinstance(request, Undecodable):
+                context.abort(*request.abort_args())
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            run, request_deserializer=deserialize, response_serializer=handler.response_serializer
+        )
+
+
 def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
     """Serve `actuator` as the `Actuator` gRPC service (a synchronous server on threads, as the
     launcher is); returns (server, address). Stop with `server.stop(grace)`."""
@@ -284,7 +310,7 @@ def serve(actuator: LocalActuator, host: str = "127.0.0.1"):
         def Status(self, request, context):
             return actuator.status().to_pb()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[_Lenient()])
     planner_pb2_grpc.add_ActuatorServicer_to_server(Servicer(), server)
     port = mesh_tls.add_port(server, f"{host}:0")
     server.start()

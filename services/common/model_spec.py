@@ -133,7 +133,11 @@ def model_spec(name_or_dir: str | Path) -> ModelSpec:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(name_or_dir)
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # e.g. a name too long for a path: no folder either
+        is_dir = False
+    if not is_dir:
         raise InvalidRequest(
             f"unknown model {name_or_dir!r}: give one of {', '.join(PRESETS)} or a model folder "
             "with a config.json",

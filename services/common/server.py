@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import mesh_tls
-from services.common.errors import DistServeError
+from services.common.errors import DistServeError, InvalidRequest
 
 log = logging.getLogger("distserve")
 
@@ -62,7 +62,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The one place where exceptions become gRPC statuses.
 
     A DistServeError becomes its status with its message; anything else is logged with its
-    traceback and becomes INTERNAL; a request that is no valid message gets INVALID_ARGUMENT.
+    traceback and becomes INTERNAL; a request that is no valid message gets INVALID_ARGUMENT
+    (one of a client's stream too). Unary, server-streaming and client-streaming methods.
     Cancellation passes through untouched.
     """
 
@@ -80,6 +81,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _stream(handler.unary_stream, method),
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _client_stream(handler.stream_unary, method),
                 request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -118,6 +125,27 @@ def _stream(behavior, method: str):
         try:
             async for response in behavior(request, context):
                 yield response
+        except DistServeError as e:
+            await _abort(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+    return wrapper
+
+
+def _client_stream(behavior, method: str):
+    async def requests(request_iterator):
+        async for request in request_iterator:
+            if isinstance(request, Undecodable):
+                raise InvalidRequest(request.abort_args()[1])
+            yield request
+
+    async def wrapper(request_iterator, context):
+        try:
+            return await behavior(requests(request_iterator), context)
         except DistServeError as e:
             await _abort(context, e)
         except grpc.aio.AbortError:

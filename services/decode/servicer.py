@@ -18,6 +18,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker = worker
 
     async def Decode(self, request, context):
+        if not request.request_id:
+            # The engine would name the request itself, and its tokens reach nobody.
+            raise InvalidRequest("request_id is empty: name the request")
         handle = KvHandle.from_pb(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
         choices = tuple((c.index, c.first_token_id) for c in request.choices)

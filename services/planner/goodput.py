@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from services.common.errors import InvalidRequest
 from services.common.latency import LatencyModel
 from services.common.slo import Slo
 from services.planner.estimate import Crossing, GoodputEstimate
@@ -65,6 +66,11 @@ def bracket(
         last = side
         if hi == math.inf:
             rate, step = lo * step, step * step
+            if not math.isfinite(rate):  # met at every rate a float holds: it bounds nothing
+                raise InvalidRequest(
+                    f"attainment {alpha} is met at every rate up to {lo:.3g} requests/s: the "
+                    "SLO bounds nothing; give latencies a placement can miss"
+                )
         elif lo == 0.0:
             if hi <= floor:
                 return 0.0, hi

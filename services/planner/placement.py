@@ -76,8 +76,14 @@ class PlanSpec:
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1:
             raise InvalidRequest(f"attainment must be in (0, 1], got {self.alpha}", "attainment")
-        if self.rate is not None and self.rate <= 0:
-            raise InvalidRequest(f"rate must be positive, got {self.rate}", param="rate")
+        if self.rate is not None and not 0 < self.rate < math.inf:
+            raise InvalidRequest(f"rate must be positive and finite, got {self.rate}", "rate")
+        if not (0 < self.slo.ttft_s < math.inf and 0 < self.slo.tpot_s < math.inf):
+            raise InvalidRequest(
+                f"the SLO's latencies must be positive and finite, got TTFT {self.slo.ttft_s} s "
+                f"and TPOT {self.slo.tpot_s} s",
+                param="slo",
+            )
         if self.affinity not in AFFINITIES:
             raise InvalidRequest(f"affinity must be one of {AFFINITIES}", param="affinity")
         if self.max_pp is not None and self.max_pp < 1:

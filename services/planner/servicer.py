@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 from services.common import telemetry
 from services.common.election import Election
-from services.common.errors import DistServeError, FailedPrecondition, InvalidRequest, NotFound
+from services.common.errors import FailedPrecondition, InvalidRequest, NotFound
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
-from services.common.server import status_code
 from services.planner.config import PlannerConfig
 from services.planner.control import ControlLoop
 from services.planner.drift import Drift, Sample
@@ -69,11 +69,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return self.control.latest_pb()
 
     async def ReportWorkload(self, request_iterator, context):
-        # Client streaming is not covered by the shared ErrorInterceptor: map errors here.
-        try:
-            return await self._report(request_iterator, telemetry.incoming(context))
-        except DistServeError as e:
-            await context.abort(status_code(e), str(e))
+        return await self._report(request_iterator, telemetry.incoming(context))
 
     async def _report(self, request_iterator, trace) -> planner_pb2.ReportWorkloadResponse:
         samples, reasons, replans = 0, [], []
@@ -153,8 +149,8 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
 
     if not request.model_spec:
         raise InvalidRequest("model_spec is required", param="model_spec")
-    if request.ttft_slo_ms <= 0 or request.tpot_slo_ms <= 0:
-        raise InvalidRequest("ttft_slo_ms and tpot_slo_ms must be positive", param="slo")
+    if not (0 < request.ttft_slo_ms < math.inf and 0 < request.tpot_slo_ms < math.inf):
+        raise InvalidRequest("ttft_slo_ms and tpot_slo_ms must be positive and finite", "slo")
     model = model_spec(request.model_spec)
     if config.workers:
         cluster = ClusterSpec(1, config.workers)

@@ -11,6 +11,7 @@ from services.common.convert import (
     logprobs_to_pb,
     sampling_from_pb,
 )
+from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
 from services.worker.prefix_log import prefix_cache_stats
@@ -21,6 +22,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker = worker
 
     async def Prefill(self, request, context):
+        if not request.request_id:
+            # The engine would name the request itself, and its result reach nobody.
+            raise InvalidRequest("request_id is empty: name the request (it names its KV)")
         layerwise = None  # gets the layer-wise handle once the prompt is scheduled
         if request.layerwise and not request.discard_kv:
             layerwise = asyncio.get_running_loop().create_future()
