@@ -79,9 +79,8 @@ def test_each_replica_has_a_stable_name_and_every_gateway_feeds_them_all(n):
     assert "publishNotReadyAddresses" not in service  # fed once Ready, not before
     assert service["selector"].items() <= sts["template"]["metadata"]["labels"].items()
     assert _gateway_flags(manifests)["--planner"] == ",".join(f"{h}:50052" for h in _hosts(n))
-    assert not [o for o in objects(manifests) if o["metadata"]["name"] == NAME and (
-        o["kind"] == "Deployment"
-    )]  # fmt: skip
+    kinds = {o["kind"] for o in objects(manifests) if o["metadata"]["name"] == NAME}
+    assert "Deployment" not in kinds  # replaced by the StatefulSet, not beside it
 
 
 def test_several_replicas_campaign_under_one_key_with_the_etcd_every_client_joins():
