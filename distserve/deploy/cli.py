@@ -104,12 +104,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="deploy the plan's colocated baseline instead of its placement",
     )
-    r.add_argument("--no-planner", action="store_true", help="no planner Deployment")
+    r.add_argument("--no-planner", action="store_true", help="no planner")
     r.add_argument(
         "--planner-acts",
         action="store_true",
         help="the planner scales and drains the worker Deployments itself (a ServiceAccount "
         "and a least-privilege Role; docs/kubernetes.md#the-planner-acting)",
+    )
+    r.add_argument(
+        "--planner-replicas",
+        type=int,
+        default=d.planner_replicas,
+        help="planner replicas: with several, one leads (elected on the mesh's etcd) and the "
+        "others stand by, taking over within the election's lease when it dies",
     )
     r.add_argument(
         "--gateway-replicas",
@@ -219,6 +226,7 @@ def render_command(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         planner=not args.no_planner,
         planner_acts=args.planner_acts,
+        planner_replicas=args.planner_replicas,
         mesh_tls=not args.no_mesh_tls,
         cert_manager=args.cert_manager,
         network_policies=not args.no_network_policies,

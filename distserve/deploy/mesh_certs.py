@@ -15,9 +15,10 @@ every process, as before) or `--no-mesh-tls` turns mesh TLS off, `deploy render`
 
 Each certificate's subjectAltNames are SERVER_NAME (distserve.internal: what every channel of
 the mesh checks, whatever address it dialled, services/common/mesh_tls.py) and its Service's DNS
-names (`distserve-<component>`, `.<namespace>`, `.svc`, `.svc.<cluster domain>`), so a client
-checking a Service's name also succeeds. Every server of the mesh requires a client certificate
-of the CA, so a pod holding none (any other workload) is refused at the handshake.
+names (`distserve-<component>`, `.<namespace>`, `.svc`, `.svc.<cluster domain>`), and the
+planner's also each replica's own name (`distserve-planner-<i>.distserve-planner...`), so a
+client checking the name it dialled also succeeds. Every server of the mesh requires a client
+certificate of the CA, so a pod holding none (any other workload) is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import replace
 
 from distserve.deploy import objects as k8s
 from distserve.deploy.options import RenderOptions
+from distserve.deploy.planner import replica_hosts
 from distserve.deploy.secrets import MeshSecrets
 from services.common.mesh_tls import SERVER_NAME
 
@@ -44,10 +46,10 @@ def with_mesh_certs(
     if secrets.mesh_tls is not None or not o.mesh_tls:
         return secrets, []
     mine = replace(secrets, mesh_tls=SECRET_PREFIX, mesh_tls_by_component=True)
+    names = {component: dns_names(component, o) for component in components}
     if o.cert_manager:
-        return mine, cert_manager_objects(components, o.namespace, o.cluster_domain)
-    labels = k8s.labels("secrets")
-    generated = generated_secrets(components, o.namespace, o.cluster_domain, labels)
+        return mine, cert_manager_objects(names, o.namespace)
+    generated = generated_secrets(names, o.namespace, k8s.labels("secrets"))
     return replace(mine, objects=[*secrets.objects, *generated]), []
 
 
@@ -55,19 +57,22 @@ def secret_name(component: str) -> str:
     return f"{SECRET_PREFIX}-{component}"
 
 
-def dns_names(component: str, namespace: str, cluster_domain: str) -> list[str]:
-    """The names a component's certificate carries: SERVER_NAME and its Service's."""
-    service = f"distserve-{component}"
-    return [
-        SERVER_NAME, service, f"{service}.{namespace}", f"{service}.{namespace}.svc",
-        f"{service}.{namespace}.svc.{cluster_domain}",
+def dns_names(component: str, o: RenderOptions) -> list[str]:
+    """The names a component's certificate carries: SERVER_NAME and its Service's; the
+    planner's also each replica's own (planner.py), the addresses the gateways dial."""
+    service, ns = f"distserve-{component}", o.namespace
+    names = [
+        SERVER_NAME, service, f"{service}.{ns}", f"{service}.{ns}.svc",
+        f"{service}.{ns}.svc.{o.cluster_domain}",
     ]  # fmt: skip
+    return names + (replica_hosts(o) if component == "planner" else [])
 
 
 def generated_secrets(
-    components: list[str], namespace: str, cluster_domain: str, labels: dict[str, str]
+    names: dict[str, list[str]], namespace: str, labels: dict[str, str]
 ) -> list[dict]:
-    """A fresh CA and one certificate per component, as Secret objects (data base64)."""
+    """A fresh CA and one certificate per component (`names`: component -> its DNS names), as
+    Secret objects (data base64)."""
     import base64
 
     from cryptography import x509
@@ -103,14 +108,13 @@ def generated_secrets(
     )  # fmt: skip
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)
     secrets = []
-    for component in components:
+    for component, dns in names.items():
         key = ec.generate_private_key(ec.SECP256R1())
-        names = dns_names(component, namespace, cluster_domain)
         usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
         cert = certificate(
             f"distserve-{component}", key, ca.subject, ca_key, CERT_DAYS,
             [
-                (x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), False),
+                (x509.SubjectAlternativeName([x509.DNSName(n) for n in dns]), False),
                 (x509.BasicConstraints(ca=False, path_length=None), True),
                 (x509.ExtendedKeyUsage(usages), False),
             ],
@@ -137,10 +141,11 @@ def generated_secrets(
     return secrets
 
 
-def cert_manager_objects(components: list[str], namespace: str, cluster_domain: str) -> list[dict]:
+def cert_manager_objects(names: dict[str, list[str]], namespace: str) -> list[dict]:
     """cert-manager (cert-manager.io/v1) resources writing the same Secrets: a self-signed
     Issuer that signs the CA, the CA's Certificate, an Issuer of that CA, one Certificate per
-    component. The CA's Secret holds its key: cert-manager signs renewals with it."""
+    component (`names`: component -> its DNS names). The CA's Secret holds its key:
+    cert-manager signs renewals with it."""
 
     def obj(kind: str, name: str, spec: dict) -> dict:
         meta = k8s.meta(name, "mesh-tls", namespace)
@@ -159,11 +164,11 @@ def cert_manager_objects(components: list[str], namespace: str, cluster_domain: 
         ),
         obj("Issuer", CA_ISSUER, {"ca": {"secretName": CA_ISSUER}}),
     ]  # fmt: skip
-    for component in components:
+    for component, dns in names.items():
         spec = {
             "secretName": secret_name(component),
             "commonName": f"distserve-{component}",
-            "dnsNames": dns_names(component, namespace, cluster_domain),
+            "dnsNames": dns,
             "duration": f"{CERT_DAYS * 24}h",
             "renewBefore": "720h",
             "usages": ["server auth", "client auth"],

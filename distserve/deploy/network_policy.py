@@ -15,8 +15,11 @@ off), ingress only:
   prefill pods' KV ports (each rank's UCX listener, UCX_PORT + rank, and UCX's TCP transport,
   UCX_TCP_PORTS) from decode pods only; the decode pods' UCX TCP ports from prefill pods (UCX's
   TCP transport may connect back to the endpoint that called it); the rendered etcd's client
-  port from the gateway and the workers (membership: they join and watch it), its peer port from
-  its own members (etcd_cluster.py; an etcd given by `--etcd URL` is the cluster's own affair).
+  port from the gateway and the workers (membership: they join and watch it), and from the
+  planner when its replicas elect a leader there (`--planner-replicas` > 1: `allowed`), its peer
+  port from its own members (etcd_cluster.py; an etcd given by `--etcd URL` is the cluster's own
+  affair). The gateway reaches each planner replica's own pod: the planner's policy selects
+  every replica.
 - every `metrics` port from the namespaces matching `monitoring` (a label selector: Prometheus'
   namespace).
 
@@ -65,6 +68,21 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
 }
 for _ports in ALLOWED.values():
     _ports["metrics"] = frozenset({MONITORING})
+# callers added when the planner's replicas elect their leader on the etcd (planner.py)
+ELECTING: dict[str, dict[str, frozenset[str]]] = {"etcd": {"client": frozenset({"planner"})}}
+
+
+def allowed(o: RenderOptions) -> dict[str, dict[str, frozenset[str]]]:
+    """ALLOWED for these options: with ELECTING's callers when the planner's replicas elect."""
+    if o.planner_replicas < 2:
+        return ALLOWED
+    return {
+        component: {
+            name: callers | ELECTING.get(component, {}).get(name, frozenset())
+            for name, callers in ports.items()
+        }
+        for component, ports in ALLOWED.items()
+    }
 
 
 def network_policies(
@@ -80,10 +98,10 @@ def network_policies(
         "metadata": k8s.meta("distserve-default-deny", "network", namespace),
         "spec": {**everyone, "policyTypes": ["Ingress"]},
     }
-    policies = [deny]
+    policies, table = [deny], allowed(o)
     for component in components:
         rules = []
-        for name, callers in ALLOWED[component].items():
+        for name, callers in table[component].items():
             port, end = _port(component, name, o.edge_port, tp)
             where = {"protocol": "TCP", "port": port} | ({"endPort": end} if end else {})
             rule: dict = {"ports": [where]}

@@ -72,6 +72,36 @@ def deployment(
     }
 
 
+def stateful_set(
+    name: str,
+    component: str,
+    namespace: str,
+    pod: dict,
+    *,
+    service: str,
+    replicas: int,
+    annotations: dict[str, str] | None = None,
+) -> dict:
+    """Pods with stable names, `<name>-<i>.<service>...` (`service`: a headless Service), all
+    started at once (Parallel: none waits for another to be Ready) and replaced one at a time."""
+    template: dict = {"labels": labels(component)}
+    if annotations:
+        template["annotations"] = annotations
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(name, component, namespace),
+        "spec": {
+            "serviceName": service,
+            "replicas": replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(component)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {"metadata": template, "spec": pod},
+        },
+    }
+
+
 def service(
     name: str, component: str, namespace: str, ports: Ports, headless: bool = False
 ) -> dict:

@@ -51,6 +51,9 @@ class RenderOptions:
     # the planner scales and drains the worker Deployments itself (its ServiceAccount and Role:
     # planner_rbac.py); False: it recommends only
     planner_acts: bool = False
+    # planner replicas: with several, one leads (an election on the mesh's etcd) and the others
+    # stand by (planner.py)
+    planner_replicas: int = 1
     # mesh mTLS (mesh_certs.py): generated certificates unless the secrets name the mesh's own
     mesh_tls: bool = True
     cert_manager: bool = False  # cert-manager Certificates instead of generated ones
@@ -84,6 +87,13 @@ class RenderOptions:
             raise InvalidRequest(f"--device must be one of {DEVICES}, not {self.device!r}")
         if self.planner_acts and not self.planner:
             raise InvalidRequest("--planner-acts needs the planner: drop --no-planner")
+        if self.planner_replicas < 1:
+            raise InvalidRequest("--planner-replicas must be >= 1", "planner_replicas")
+        if self.planner_replicas > 1 and not self.planner:
+            raise InvalidRequest(
+                f"--planner-replicas {self.planner_replicas} needs the planner: drop --no-planner",
+                "planner_replicas",
+            )
         if self.edge_replicas < 1 or self.termination_grace_s < 1 or self.rate_limit_rps < 0:
             raise InvalidRequest("edge replicas and the grace period must be >= 1, rps >= 0")
         if self.gateway_replicas < 1:

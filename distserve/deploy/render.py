@@ -16,8 +16,8 @@ affinity (only "together") cannot express. High affinity leaves placement to the
 The pieces live beside this file: options.py (RenderOptions), objects.py (the object builders),
 pod.py (what every pod shares: probes, the model volume, mesh TLS), secrets.py, resources.py
 (requests and limits), model_volume.py (the model and its staging), edge.py (Envoy),
-etcd_cluster.py (the mesh's etcd), monitoring.py, network_policy.py (who may reach which port),
-mesh_certs.py (mesh mTLS).
+etcd_cluster.py (the mesh's etcd), planner.py (the planner's replicas), monitoring.py,
+network_policy.py (who may reach which port), mesh_certs.py (mesh mTLS).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from distserve.deploy import objects as k8s
 from distserve.deploy.edge import envoy
 from distserve.deploy.etcd_cluster import etcd_client_args, etcd_cluster, etcd_url
 from distserve.deploy.mesh_certs import with_mesh_certs
-from distserve.deploy.monitoring import scrape_annotations, service_monitor
+from distserve.deploy.monitoring import service_monitor
 from distserve.deploy.network_policy import network_policies
 from distserve.deploy.objects import (
     GATEWAY_GRPC_PORT,
@@ -38,18 +38,17 @@ from distserve.deploy.objects import (
     MESH_CONFIG,
     METRICS_PORT,
     NODE_GROUP,
-    PLANNER_PORT,
     UCX_PORT,
     UCX_TCP_PORTS,
     WORKER_PORT,
 )
 from distserve.deploy.options import RenderOptions, gpus_per_node
-from distserve.deploy.planner_rbac import ACTING_ENV, SERVICE_ACCOUNT, acting_args, planner_rbac
+from distserve.deploy.planner import planner, planner_address
+from distserve.deploy.planner_rbac import planner_rbac
 from distserve.deploy.pod import MeshPods
 from distserve.deploy.pools import WORKER_ROLES, WorkerPool, select_placement, worker_pools
 from distserve.deploy.resources import (
     GATEWAY,
-    PLANNER,
     SHM_BYTES,
     fixed,
     quantity,
@@ -87,7 +86,7 @@ def render(plan: dict, options: RenderOptions | None = None) -> dict[str, list[d
     if o.planner_acts:
         files["planner-rbac.yaml"] = planner_rbac(o.namespace)
     if o.planner:
-        files["planner.yaml"] = _planner(mesh, plan, pools, config["data"])
+        files["planner.yaml"] = planner(mesh, plan, pools, config["data"])
     files["envoy.yaml"] = envoy(mesh)
     for role in WORKER_ROLES:
         mine = [p for p in pools if p.role == role]
@@ -175,7 +174,7 @@ def _mesh_config(plan: dict, o: RenderOptions) -> dict:
         "ETCD_URL": etcd_url(o),
     }
     if o.planner:
-        data["PLANNER_ADDRESS"] = o.service_address("distserve-planner", PLANNER_PORT)
+        data["PLANNER_ADDRESS"] = planner_address(o)  # every replica's
     for key, value in (
         ("SLO_TTFT_MS", o.slo_ttft_ms if o.slo_ttft_ms is not None else slo.get("ttft")),
         ("SLO_TPOT_MS", o.slo_tpot_ms if o.slo_tpot_ms is not None else slo.get("tpot")),
@@ -228,43 +227,6 @@ def _gateway(m: MeshPods, config: dict[str, str]) -> list[dict]:
     if n > 1:
         objects.append(k8s.disruption_budget("gateway", ns, min_available=n - 1))
     return objects
-
-
-def _planner(m: MeshPods, plan: dict, pools: list[WorkerPool], config: dict) -> list[dict]:
-    """The planner; acting (--planner-acts, planner_rbac.py): as its ServiceAccount, with its
-    control loop's flags and the model's config, else it only recommends."""
-    args = ["--host", "0.0.0.0", "--port", str(PLANNER_PORT), "--metrics-port", str(METRICS_PORT)]
-    cluster, acts = plan.get("cluster"), m.o.planner_acts
-    if isinstance(cluster, dict) and {"nodes", "gpus_per_node"} <= cluster.keys():
-        spec = f"{cluster['nodes']}x{cluster['gpus_per_node']}"
-        if "intra_node_gb_s" in cluster and "inter_node_gb_s" in cluster:
-            spec += f",{cluster['intra_node_gb_s']:g},{cluster['inter_node_gb_s']:g}"
-        args += ["--cluster", spec]
-    args += acting_args(plan, pools, config) if acts else []
-    health_args, health_ports, probes = m.health(PLANNER_PORT)
-    ports = [("grpc", PLANNER_PORT), ("metrics", METRICS_PORT)]
-    volumes, mounts = (
-        ([], []) if acts else m.secrets.mesh_tls_volumes("planner")
-    )  # model_pod's if acts
-    env = [k8s.from_config(key) for key in ACTING_ENV] if acts else m.secrets.mesh_tls_env()
-    planner = m.container(
-        "planner", ["python", "-m", "services.planner"], args + health_args,
-        env=env, ports=ports + health_ports, probes=probes,
-        resources=fixed(PLANNER), mounts=mounts,
-    )  # fmt: skip
-    pod = {"containers": [planner]} | ({"volumes": volumes} if volumes else {})
-    if acts:
-        pod = {"serviceAccountName": SERVICE_ACCOUNT} | m.model_pod(
-            [planner], [], tokenizer_only=True
-        )
-    name, ns = "distserve-planner", m.o.namespace
-    recreate = {"type": "Recreate"}
-    return [
-        k8s.deployment(
-            name, "planner", ns, pod, annotations=scrape_annotations(), strategy=recreate
-        ),
-        k8s.service(name, "planner", ns, ports),
-    ]
 
 
 def _worker(pool: WorkerPool, m: MeshPods) -> dict:

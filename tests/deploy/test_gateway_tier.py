@@ -157,7 +157,7 @@ def test_an_existing_etcd_renders_none_and_every_process_joins_it():
     members = "http://etcd-0.infra.svc:2379,http://etcd-1.infra.svc:2379"
     manifests = _render(etcd_url=members)
     assert "etcd.yaml" not in manifests
-    assert not [o for o in objects(manifests) if o["kind"] == "StatefulSet"]
+    assert not [o for o in objects(manifests) if o["metadata"]["name"].startswith("distserve-etcd")]
     for component in ("gateway", "prefill", "decode"):
         flags = args(deployments(manifests, component)[0], manifests)
         assert flags["--etcd"] == members and "--etcd-ca" not in flags

@@ -1,9 +1,9 @@
 """`kubectl apply --dry-run=client -k` and `kubectl kustomize` on what `distserve deploy render`
-writes: the 1x8 and 2x4 placements with every Secret given as files, the planner acting and the
-ServiceMonitor. kubectl's client dry-run still asks a server which kinds it serves (its REST
-mapping) and whether it validates fields; tests/deploy/api_server.py stands in for a cluster's
-API server there: the built-in API of the installed Kubernetes client and the vendored
-ServiceMonitor CRD, no object (every object is created).
+writes: the 1x8 and 2x4 placements with every Secret given as files, the planner acting (two
+replicas for 2x4) and the ServiceMonitor. kubectl's client dry-run still asks a server which
+kinds it serves (its REST mapping) and whether it validates fields; tests/deploy/api_server.py
+stands in for a cluster's API server there: the built-in API of the installed Kubernetes client
+and the vendored ServiceMonitor CRD, no object (every object is created).
 
 The fixtures are `distserve plan` output:
   plan_1x8.json  --model-spec opt-13b --cluster 1x8 --workload chat --slo 250,100 --num-requests 300
@@ -83,8 +83,13 @@ def render_cli(out: Path, plan: str, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, Path]:
+    """Each plan rendered; the 2x4 one with two planner replicas (a StatefulSet, a budget)."""
     root = tmp_path_factory.mktemp("render")
-    return {plan: render_cli(root / plan.removesuffix(".json"), plan) for plan in PLANS}
+    extra = {"plan_2x4.json": ("--planner-replicas", "2")}
+    return {
+        plan: render_cli(root / plan.removesuffix(".json"), plan, *extra.get(plan, ()))
+        for plan in PLANS
+    }
 
 
 def kubectl(api: ApiServer, home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -125,6 +130,9 @@ def test_client_dry_run_creates_every_rendered_object(api, rendered, tmp_path, p
     assert created == expected
     kinds = {k for _, k, _ in map(key, file_objects(rendered[plan]))}
     assert {"Secret", "Role", "RoleBinding", "ServiceAccount", "ServiceMonitor"} <= kinds
+    if plan == "plan_2x4.json":  # the planner's replicas and their budget
+        assert ("statefulset.apps", "distserve-planner") in created
+        assert ("poddisruptionbudget.policy", "distserve-planner") in created
 
 
 @pytest.mark.parametrize("plan", PLANS)

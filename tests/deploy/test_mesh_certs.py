@@ -25,9 +25,16 @@ from distserve.deploy.secrets import SecretFiles
 from services.common import mesh_tls
 from services.common.errors import InvalidRequest
 from tests.certs import mesh_pki
-from tests.deploy.test_render import K8S_VERSIONS, ROOT, edge_bootstrap, load, objects
+from tests.deploy.test_render import (
+    K8S_VERSIONS,
+    ROOT,
+    WORKLOADS,
+    edge_bootstrap,
+    load,
+    objects,
+)
 
-COMPONENTS = ("gateway", "envoy", "planner", "prefill", "decode")
+COMPONENTS = ("gateway", "envoy", "planner", "prefill", "decode", "etcd")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +52,7 @@ def pods(manifests) -> list[tuple[str, dict]]:
     return [
         (d["metadata"]["labels"]["app.kubernetes.io/component"], d["spec"]["template"]["spec"])
         for d in objects(manifests)
-        if d["kind"] == "Deployment"
+        if d["kind"] in WORKLOADS
     ]
 
 
@@ -64,9 +71,12 @@ def test_each_pods_grpc_ports_are_covered_by_a_certificate_naming_its_service(me
         dns = set(names.get_values_for_type(x509.DNSName))
         service = f"distserve-{component}"
         assert service in services  # the Service whose names the certificate carries
+        # the planner's also each replica's own name, the address the gateways dial
+        replica = f"distserve-planner-0.{service}.llm.svc.cluster.local"
+        replicas = [replica] if component == "planner" else []
         assert {
             mesh_tls.SERVER_NAME, service, f"{service}.llm", f"{service}.llm.svc",
-            f"{service}.llm.svc.cluster.local",
+            f"{service}.llm.svc.cluster.local", *replicas,
         } == dns  # fmt: skip
         cas.add(files["ca.crt"])
         keys.add(files["tls.key"])

@@ -16,7 +16,16 @@ from distserve.deploy.model_volume import ModelSource
 from distserve.deploy.options import RenderOptions
 from distserve.deploy.render import render
 from services.common.errors import InvalidRequest
-from tests.deploy.test_render import HERE, K8S_VERSIONS, container, deployments, load, objects
+from tests.deploy.test_render import (
+    HERE,
+    K8S_VERSIONS,
+    WORKLOADS,
+    container,
+    deployments,
+    load,
+    objects,
+    workloads,
+)
 
 CRD = HERE / "crds" / "monitoring.coreos.com_servicemonitors.yaml"
 
@@ -94,7 +103,7 @@ def test_the_service_monitor_selects_exactly_the_services_that_serve_metrics(mon
 
 
 def test_pods_serving_metrics_carry_the_prometheus_annotations_of_their_metrics_port(monitored):
-    for d in (o for o in objects(monitored) if o["kind"] == "Deployment"):
+    for d in (o for o in objects(monitored) if o["kind"] in WORKLOADS):
         template = d["spec"]["template"]
         annotations = template["metadata"].get("annotations", {})
         ports = {p["name"]: p["containerPort"] for p in container(d).get("ports", [])}
@@ -125,7 +134,7 @@ def test_a_hub_model_is_staged_by_an_init_container_into_each_pods_volume():
         # opt-66b: 123 GiB of fp16, +10%; the gateway's tokenizer and configs: the least, 1 GiB
         assert volume["emptyDir"] == {"sizeLimit": "1Gi" if gateway else "136Gi"}
     for component in ("planner", "envoy"):
-        spec = deployments(m, component)[0]["spec"]["template"]["spec"]
+        spec = workloads(m, component)[0]["spec"]["template"]["spec"]
         assert all(c["name"] != "stage-model" for c in spec.get("initContainers", []))
     for obj in objects(m):
         kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)

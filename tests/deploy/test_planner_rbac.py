@@ -81,14 +81,14 @@ def test_the_planner_runs_as_its_service_account_bound_in_its_namespace(high):
         {"kind": "ServiceAccount", "name": "distserve-planner", "namespace": "distserve"}
     ]
     find(high, "ServiceAccount", "distserve-planner")
-    planner = find(high, "Deployment", "distserve-planner")
+    planner = find(high, "StatefulSet", "distserve-planner")
     assert planner["spec"]["template"]["spec"]["serviceAccountName"] == "distserve-planner"
     (kustomization,) = high["kustomization.yaml"]
     assert "planner-rbac.yaml" in kustomization["resources"]
 
 
 def test_the_planners_flags_turn_its_control_loop_on_with_the_kubernetes_actuator(high):
-    flags = args(find(high, "Deployment", "distserve-planner"), high)
+    flags = args(find(high, "StatefulSet", "distserve-planner"), high)
     assert flags["--actuator"] == "kubernetes"
     assert flags["--gateway"] == "distserve-gateway.distserve.svc.cluster.local:50051"
     assert flags["--budget"] == "16"  # the plan's 2x8 cluster
@@ -96,7 +96,7 @@ def test_the_planners_flags_turn_its_control_loop_on_with_the_kubernetes_actuato
     assert flags["--tp"] == "prefill=4,decode=4"
     model_dir = find(high, "ConfigMap", "distserve-mesh")["data"]["MODEL_DIR"]
     assert flags["--model-spec"] == model_dir
-    pod = find(high, "Deployment", "distserve-planner")["spec"]["template"]["spec"]
+    pod = find(high, "StatefulSet", "distserve-planner")["spec"]["template"]["spec"]
     (mount,) = [v for v in pod["containers"][0]["volumeMounts"] if v["name"] == "model"]
     assert model_dir.startswith(mount["mountPath"])
     from services.planner.__main__ import parse
@@ -109,7 +109,7 @@ def test_without_planner_acts_nothing_grants_the_planner_anything():
     manifests = render(load("plan_high_affinity.json"))
     kinds = {o["kind"] for o in objects(manifests)}
     assert not kinds & {"ServiceAccount", "Role", "RoleBinding"}
-    planner = find(manifests, "Deployment", "distserve-planner")
+    planner = find(manifests, "StatefulSet", "distserve-planner")
     assert "serviceAccountName" not in planner["spec"]["template"]["spec"]
     assert "--actuator" not in planner["spec"]["template"]["spec"]["containers"][0]["args"]
 

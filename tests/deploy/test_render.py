@@ -35,6 +35,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 PART_OF = "app.kubernetes.io/part-of"
+WORKLOADS = ("Deployment", "StatefulSet")  # the kinds of pod controllers rendered
 
 
 def load(name: str) -> dict:
@@ -55,6 +56,16 @@ def deployments(manifests: dict[str, list[dict]], component: str) -> list[dict]:
         o
         for o in objects(manifests)
         if o["kind"] == "Deployment"
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+
+
+def workloads(manifests: dict[str, list[dict]], component: str) -> list[dict]:
+    """The component's pod controllers: its Deployments, or its StatefulSet (the planner's)."""
+    return [
+        o
+        for o in objects(manifests)
+        if o["kind"] in WORKLOADS
         and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
     ]
 
@@ -186,7 +197,8 @@ def test_workers_and_the_gateway_join_the_mesh_etcd_and_workers_advertise_their_
 
 def test_every_grpc_server_has_native_grpc_probes_on_its_grpc_port(plain):
     for component in ("gateway", "planner", "prefill", "decode"):
-        for d in deployments(plain, component):
+        assert workloads(plain, component), component
+        for d in workloads(plain, component):
             c = container(d)
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -293,8 +305,10 @@ def test_envoy_bootstrap_is_valid_and_points_at_the_gateway_service(plain, tmp_p
 def test_the_gateway_takes_the_plans_slos_and_feeds_the_planner(high):
     flags = args(deployments(high, "gateway")[0], high)
     assert (flags["--slo-ttft-ms"], flags["--slo-tpot-ms"]) == ("400", "100")
-    assert flags["--planner"] == "distserve-planner.distserve.svc.cluster.local:50052"
-    planner = args(deployments(high, "planner")[0], high)
+    # the one planner replica, by its StatefulSet pod's own name (tests/deploy/test_planner.py)
+    host = "distserve-planner-0.distserve-planner.distserve.svc.cluster.local"
+    assert flags["--planner"] == f"{host}:50052"
+    planner = args(find(high, "StatefulSet", "distserve-planner"), high)
     assert planner["--cluster"] == "2x8,300,3.125"
     mesh = find(high, "ConfigMap", "distserve-mesh")["data"]
     assert json.loads(mesh["plan.json"]) == load("plan_high_affinity.json")
@@ -362,11 +376,11 @@ def test_cli_writes_the_kustomization_and_its_resources(tmp_path):
             kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
             assert obj["metadata"].get("namespace", "llm") == "llm"
             kinds[obj["kind"]] += 1
-            if obj["kind"] == "Deployment":
+            if obj["kind"] in WORKLOADS and obj["metadata"]["name"] != "distserve-etcd":
                 assert container(obj)["image"] == "reg.example/ds:1"
     assert kinds == {
-        "Namespace": 1, "ConfigMap": 1, "Deployment": 7, "Service": 8, "PodDisruptionBudget": 3,
-        "StatefulSet": 1, "NetworkPolicy": 7, "Secret": 6,  # the generated mesh certificates
+        "Namespace": 1, "ConfigMap": 1, "Deployment": 6, "Service": 8, "PodDisruptionBudget": 3,
+        "StatefulSet": 2, "NetworkPolicy": 7, "Secret": 6,  # the generated mesh certificates
     }  # fmt: skip
     decode = yaml.safe_load_all((out / "decode.yaml").read_text())
     volumes = next(decode)["spec"]["template"]["spec"]["volumes"]
@@ -445,7 +459,9 @@ def test_the_default_image_is_tagged_with_this_packages_version(high):
     import importlib.metadata
 
     version = importlib.metadata.version("distserve-mesh")  # pyproject.toml's
-    for d in (o for o in objects(high) if o["kind"] == "Deployment"):
+    for d in (o for o in objects(high) if o["kind"] in WORKLOADS):
+        if d["metadata"]["name"] == "distserve-etcd":
+            continue  # etcd's own image
         spec = d["spec"]["template"]["spec"]
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
             assert c["image"] == f"distserve-mesh:{version}"

@@ -18,7 +18,16 @@ from distserve.deploy.options import RenderOptions
 from distserve.deploy.render import render
 from distserve.role_args import RoleArgs
 from services.common.errors import InvalidRequest
-from tests.deploy.test_render import K8S_VERSIONS, ROOT, args, container, deployments, load, objects
+from tests.deploy.test_render import (
+    K8S_VERSIONS,
+    ROOT,
+    WORKLOADS,
+    args,
+    container,
+    deployments,
+    load,
+    objects,
+)
 
 GIB, MIB = 2**30, 2**20
 
@@ -34,7 +43,7 @@ def resources(manifests, role: str) -> dict:
 
 def test_every_container_has_requests_equal_to_its_limits():
     m = render(load("plan_low_affinity.json"))
-    for d in (o for o in objects(m) if o["kind"] == "Deployment"):
+    for d in (o for o in objects(m) if o["kind"] in WORKLOADS):
         spec = d["spec"]["template"]["spec"]
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
             r = c["resources"]

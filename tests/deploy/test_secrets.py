@@ -23,11 +23,11 @@ from tests.deploy.test_render import (
     HERE,
     K8S_VERSIONS,
     container,
-    deployments,
     edge_bootstrap,
     load,
     objects,
     run_cli,
+    workloads,
 )  # fmt: skip
 
 KEYS = ("sk-first-7f3a9c", "sk-second-02be11")
@@ -55,7 +55,8 @@ def with_secrets(secrets: SecretFiles) -> dict[str, list[dict]]:
 
 
 def pod(manifests, component: str) -> dict:
-    return deployments(manifests, component)[0]["spec"]["template"]["spec"]
+    (w,) = workloads(manifests, component)
+    return w["spec"]["template"]["spec"]
 
 
 def test_secrets_from_files_are_rendered_in_their_own_file_and_valid(files):
@@ -153,7 +154,7 @@ def test_under_mesh_tls_the_probes_use_the_plaintext_health_port_of_the_same_pro
     statuses as its mTLS server), and the probes go there."""
     m = with_secrets(files)
     for component in ("gateway", "planner", "prefill", "decode"):
-        c = container(deployments(m, component)[0])
+        c = container(workloads(m, component)[0])
         declared = {p["name"]: p["containerPort"] for p in c["ports"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": declared["health"]}, component
