@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole Kubernetes path on a live cluster, each step timed: render with --planner-acts,
-# apply, wait until every Deployment is available, one completion through the edge (Envoy,
-# reached by `kubectl port-forward`), the planner's RBAC checked (`kubectl auth can-i` as its
-# ServiceAccount), scale decode up by one and drain one decode pod through the planner's
+# apply, wait until every Deployment and StatefulSet is ready, one completion through the edge
+# (Envoy, reached by `kubectl port-forward`), the planner's RBAC checked (`kubectl auth can-i`
+# as its ServiceAccount), scale decode up by one and drain one decode pod through the planner's
 # actuator (`distserve deploy act`: the same calls the acting planner makes in the cluster,
 # here from this machine's kubeconfig), then delete the namespace.
 #
@@ -59,7 +59,10 @@ JSON
 }
 
 ready() {
-  kubectl -n "$NS" wait --for=condition=Available deployment --all --timeout="$READY_TIMEOUT"
+  kubectl -n "$NS" wait --for=condition=Available deployment --all --timeout="$READY_TIMEOUT" &&
+    for sts in distserve-etcd distserve-planner; do
+      kubectl -n "$NS" rollout status "statefulset/$sts" --timeout="$READY_TIMEOUT" || return 1
+    done
 }
 
 complete() {
