@@ -71,7 +71,10 @@ def planner(m: MeshPods, plan: dict, pools: list[WorkerPool], config: dict[str, 
     if electing:
         args += ["--etcd", "$(ETCD_URL)", *etcd_client_args(o, m.secrets)]
         args += ["--election-key", ELECTION_KEY, "--election-ttl-s", f"{DEFAULT_TTL_S:g}"]
-        env.append(k8s.from_config("ETCD_URL"))
+        # the leader as standbys name it: this pod's own DNS name, not the 0.0.0.0 it binds
+        host = f"$(POD_NAME).{NAME}.{o.namespace}.svc.{o.cluster_domain}"
+        args += ["--advertise", f"{host}:{PLANNER_PORT}"]
+        env += [k8s.from_config("ETCD_URL"), k8s.from_field("POD_NAME", "metadata.name")]
     health_args, health_ports, probes = m.health(PLANNER_PORT)
     ports = [("grpc", PLANNER_PORT), ("metrics", METRICS_PORT)]
     # the mesh certificate; acting, model_pod mounts it with the model

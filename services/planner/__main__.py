@@ -63,6 +63,12 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     add_etcd_args(e, "elect a leader there (none: this planner alone, always leading)")
     e.add_argument("--election-key", default="planner", help="replicas of one planner share it")
     e.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the address the other replicas name as this one's when it leads (default: --host "
+        "and the port it listens on; on Kubernetes the pod's own DNS name)",
+    )
+    e.add_argument(
         "--election-ttl-s",
         type=float,
         default=5.0,
@@ -146,6 +152,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         etcd=etcd_config(a),
         election_key=a.election_key,
         election_ttl_s=a.election_ttl_s,
+        advertise=a.advertise,
     )
 
 
@@ -208,7 +215,7 @@ async def serve(config: PlannerConfig) -> None:
         **({"health_address": probe.address} if probe is not None else {}),
     )
     if config.etcd:
-        address = f"{config.host}:{port}"
+        address = config.advertise or f"{config.host}:{port}"
         election = Election(config.etcd, config.election_key, address, config.election_ttl_s)
         servicer.election = election  # known once the server listens: its value is the address
         tasks = [asyncio.create_task(election.run())]

@@ -69,6 +69,7 @@ class PlannerConfig:
     etcd: EtcdConfig | None = None
     election_key: str = "planner"  # replicas campaigning under the same key elect one leader
     election_ttl_s: float = 5.0  # a dead leader is replaced within this (etcd: >= 2 s)
+    advertise: str | None = None  # the address standbys name as the leader's (None: host:port)
 
     def __post_init__(self) -> None:
         if self.workers == 1 or self.workers < 0:
@@ -77,5 +78,14 @@ class PlannerConfig:
             raise InvalidRequest("max_num_seqs >= 1 and num_requests >= 10")
         if self.election_ttl_s < 2:
             raise InvalidRequest("--election-ttl-s: at least 2 (etcd's shortest lease)")
+        if self.advertise is not None and self.etcd is None:
+            raise InvalidRequest("--advertise names this replica in an election: give --etcd too")
+        if self.advertise is not None and not _host_port(self.advertise):
+            raise InvalidRequest(f"--advertise takes HOST:PORT, not {self.advertise!r}")
         if not self.election_key or "/" in self.election_key:
             raise InvalidRequest("--election-key: a name without '/', e.g. planner")
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -8,6 +8,7 @@ leader is SIGKILLed."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -28,7 +29,9 @@ from distserve.deploy.options import RenderOptions
 from distserve.deploy.render import render
 from distserve.etcd import Etcd
 from services.common import mesh_tls
+from services.common.discovery import DEFAULT_PREFIX
 from services.common.errors import InvalidRequest
+from services.common.etcd_client import EtcdClient
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.planner.__main__ import parse
 from tests.deploy.test_render import HERE, K8S_VERSIONS, ROOT, args, find, load, objects, run_cli
@@ -94,6 +97,8 @@ def test_several_replicas_campaign_under_one_key_with_the_etcd_every_client_join
         "distserve.internal",
     )
     assert (planner["--election-key"], planner["--election-ttl-s"]) == ("planner", "5")
+    # the leader as the others name it: the pod's own DNS name (POD_NAME from its metadata)
+    assert planner["--advertise"] == f"<metadata.name>.{NAME}.distserve.svc.cluster.local:50052"
     config = parse([a for pair in planner.items() for a in pair])  # the planner takes them
     assert config.etcd.endpoints == tuple(gateway["--etcd"].split(","))
     assert config.etcd.cert == Path(f"{TLS}/tls.crt")
@@ -195,13 +200,15 @@ def _secret_folder(manifests, component: str, folder: Path) -> Path:
     return folder
 
 
-def _replica(manifests, certs: Path, etcd_url: str) -> tuple[subprocess.Popen, dict]:
-    """The rendered planner container's command line and environment, with the mount moved to
-    `certs`, $(ETCD_URL) to the local etcd and the fixed ports to free ones (two replicas share
-    this host)."""
+def _replica(manifests, certs: Path, etcd_url: str, i: int) -> tuple[subprocess.Popen, dict]:
+    """The rendered planner container's command line and environment (replica `i`), with the
+    mount moved to `certs`, $(ETCD_URL) to the local etcd and the fixed ports to free ones (two
+    replicas share this host)."""
     (c,) = find(manifests, "StatefulSet", NAME)["spec"]["template"]["spec"]["containers"]
     flags = {
-        k: v.replace(TLS, str(certs)).replace("$(ETCD_URL)", etcd_url)
+        k: v.replace(TLS, str(certs))
+        .replace("$(ETCD_URL)", etcd_url)
+        .replace("$(POD_NAME)", f"{NAME}-{i}")
         for k, v in zip(c["args"][0::2], c["args"][1::2], strict=True)
     }
     flags |= {"--host": "127.0.0.1", "--port": "0", "--metrics-port": "0", "--health-port": "0"}
@@ -245,6 +252,24 @@ def _feed(ready: dict, gateway: Path, name: str) -> planner_pb2.ReportWorkloadRe
         return planner_pb2_grpc.PlannerStub(channel).ReportWorkload(iter([sample]), timeout=10)
 
 
+async def _elected(config) -> str:
+    """The value the election's leader campaigns with: its key, the oldest under the name."""
+    client = EtcdClient(config)
+    try:
+        prefix = f"{DEFAULT_PREFIX}election/planner/".encode()
+        request = client.rpc.RangeRequest(
+            key=prefix,
+            range_end=prefix[:-1] + b"0",  # "/" + 1
+            limit=1,
+            sort_order=client.rpc.RangeRequest.ASCEND,
+            sort_target=client.rpc.RangeRequest.CREATE,
+        )
+        (kv,) = (await client.call(lambda: client.kv.Range(request, timeout=5))).kvs
+        return kv.value.decode()
+    finally:
+        await client.close()
+
+
 def test_the_rendered_replicas_elect_one_leader_over_etcd_tls_and_a_standby_takes_over(tmp_path):
     manifests = _render(planner_replicas=2)
     etcd_certs = _secret_folder(manifests, "etcd", tmp_path / "etcd")
@@ -258,8 +283,8 @@ def test_the_rendered_replicas_elect_one_leader_over_etcd_tls_and_a_standby_take
     replicas = []
     with Etcd(tls=mesh_tls.MeshTls.from_env(env)) as etcd:  # the rendered etcd's certificate
         try:
-            for _ in range(2):
-                replicas.append(_replica(manifests, planner_certs, etcd.url))
+            for i in range(2):
+                replicas.append(_replica(manifests, planner_certs, etcd.url, i))
             deadline = time.monotonic() + 30
             while sorted(_leader(r) for _, r in replicas) != [0.0, 1.0]:
                 assert time.monotonic() < deadline, "no single leader"
@@ -270,6 +295,8 @@ def test_the_rendered_replicas_elect_one_leader_over_etcd_tls_and_a_standby_take
             assert _probe(standby) == _probe(replicas[lead][1]) == serving  # both Ready
             for ready, host in zip((r for _, r in replicas), _hosts(2), strict=True):
                 assert _feed(ready, gateway_certs, host).samples == 1  # each takes the feed
+            # the leader as the others see it: the address a client in the cluster can dial
+            assert asyncio.run(_elected(etcd.config)) == f"{_hosts(2)[lead]}:50052"
             replicas[lead][0].send_signal(signal.SIGKILL)
             killed = time.monotonic()
             while _leader(standby) != 1.0:

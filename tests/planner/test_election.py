@@ -258,6 +258,8 @@ def test_the_planners_workload_sums_two_gateways_and_counts_each_sample_once():
         (["--etcd", "https://etcd:2379"], "--etcd"),
         (["--etcd", "http://etcd:2379", "--election-ttl-s", "1"], "--election-ttl-s"),
         (["--etcd", "http://etcd:2379", "--election-key", "a/b"], "--election-key"),
+        (["--advertise", "planner-0.planner:50052"], "--advertise .*give --etcd"),
+        (["--etcd", "http://etcd:2379", "--advertise", "planner-0"], "--advertise takes HOST:PORT"),
     ],
 )
 def test_bad_election_flags_are_refused_by_name(argv, named):
