@@ -239,13 +239,15 @@ def test_the_planners_workload_sums_two_gateways_and_counts_each_sample_once():
             for feed in feeds:
                 await feed.stop()
             await server.stop(0)
-        assert sorted(control.arrivals) == sorted(sent[0] + sent[1])
+        assert sorted(a.arrival_s for a in control.arrivals) == sorted(sent[0] + sent[1])
+        assert {a.prompt_tokens for a in control.arrivals} == {100}  # the length at arrival
         assert len(control.samples) == sum(finishes.values())
         assert metrics.samples._value.get() == sum(finishes.values())
         now = clock.time_s()
         window = config.autoscale.config.window_s
         surge = config.autoscale.config.surge
-        measured, _ = arrival_rate(control.arrivals, now, since, window, surge)
+        times = [a.arrival_s for a in control.arrivals]
+        measured, _ = arrival_rate(times, now, since, window, surge)
         each = [arrival_rate(sent[g], now, since, window, surge)[0] for g in arrivals]
         assert measured == pytest.approx(sum(each), rel=1e-9)
 
