@@ -26,6 +26,7 @@ from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.gateway.planner_feed import PlannerFeed
 from services.planner.__main__ import control_loop, parse
+from services.planner.drift import Arrival
 from services.planner.metrics import PlannerMetrics
 from services.planner.replanner import Replanner
 from services.planner.servicer import PlannerServicer
@@ -309,7 +310,7 @@ def test_one_gateway_reports_every_sample_to_each_planner_replica():
             for server in servers:
                 await server.stop(0)
         for c in controls:
-            assert sorted(c.arrivals) == sorted(sent)
+            assert sorted(c.arrivals) == sorted(Arrival(t, 100) for t in sent)
             assert len(c.samples) == 10
         value = registry.get_sample_value("distserve_planner_samples_total", {"outcome": "sent"})
         assert value == 2 * (len(sent) + 10)  # each sample, once to each replica
