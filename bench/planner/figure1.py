@@ -15,15 +15,29 @@ engine, colocated or split), the planner's simulator predicts the other two: one
 instance, and 2P1D, per GPU, each as a refined goodput with its interval. Gap: (predicted -
 paper) / paper. Target: both within 5%.
 
+The colocated instance is the paper's: vLLM as its evaluation starts it
+(`evaluation/2-benchmark-serving/2-start-api-server.py` in LLMServe/DistServe:
+`--max-num-batched-tokens 16384 --max-num-seqs 1024`). vLLM's 2023 scheduler runs every
+waiting prompt that fits those caps and memory as one prompt-only batch before any decode step
+(prefill first), so a prefill batch is capped at 16,384 tokens there, not at the saturation
+point L_m our colocated worker uses; its paged KV admits on the prompt's blocks and preempts
+when it runs out, which one GPU's 66,144 tokens of KV never reaches at ~1.6 req/s of 576-token
+requests (a handful running), so admission is modelled as ours.
+
+Two readings of each prediction: the planner's goodput (a request counts when it meets both
+SLOs, the paper's definition of goodput), and Figure 1's own (the figure plots P90 TTFT and
+P90 TPOT against the rate, each curve apart, and reads the rate where each crosses its SLO).
+
 Prints the factors, a table, then one JSON line (`paper_figure1_colocated_gap_pct`,
-`paper_figure1_2p1d_gap_pct`), and the same two judged as DistServe's simulator judges (each SLO at
-its own P90), as a diagnostic. A few minutes on 2 cores.
+`paper_figure1_2p1d_gap_pct`, and the same two read as the figure reads them,
+`..._p90_apart_gap_pct`). A few minutes on 2 cores.
 Run: .venv/bin/python bench/planner/figure1.py [--precision 0.01] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +60,10 @@ from services.planner.workload import parse_workload
 
 PAPER = {"prefill": 5.6, "decode": 10.0, "colocated": 1.6, "2p1d": 3.3}  # req/s per GPU
 SLO = Slo(0.4, 0.04)
+# The paper's vLLM run (evaluation/2-benchmark-serving/2-start-api-server.py): the prompt
+# batch's token cap and the running sequences' cap.
+VLLM_MAX_NUM_BATCHED_TOKENS = 16384
+VLLM_MAX_NUM_SEQS = 1024
 WORKLOAD = "prompt=fixed:512,output=fixed:64"
 TARGET_GAP_PCT = 5.0
 CALIBRATION_REQUESTS = 4000  # per goodput probe while fitting a factor
@@ -68,6 +86,19 @@ def spec_with(latency: LatencyModel, gpus: int, seed: int) -> PlanSpec:
         colocated_latency=latency,
         seed=seed,
     )
+
+
+def instances(spec: PlanSpec, roles: list[str]):
+    """One instance per role, tp 1; a colocated one as the paper's vLLM run caps it."""
+    out = []
+    for role in roles:
+        inst = sim_instance(spec, role, 1)
+        if role == "colocated":
+            inst = dataclasses.replace(
+                inst, max_batch_tokens=VLLM_MAX_NUM_BATCHED_TOKENS, max_num_seqs=VLLM_MAX_NUM_SEQS
+            )
+        out.append(inst)
+    return out
 
 
 def phase_goodput(latency: LatencyModel, role: str, seed: int) -> float:
@@ -97,7 +128,7 @@ def fit_factor(base: LatencyModel, role: str, target: float, seed: int) -> float
 def predicted(latency: LatencyModel, roles: list[str], precision: float, seed: int):
     """The refined goodput of these instances on len(roles) GPUs, per GPU."""
     spec = spec_with(latency, len(roles), seed)
-    cluster = sim_cluster(spec, [sim_instance(spec, r, 1) for r in roles])
+    cluster = sim_cluster(spec, instances(spec, roles))
     quick = goodput(
         cluster, spec.workload, SLO, 0.9, min_requests=spec.num_requests * len(roles), seed=seed
     )
@@ -107,11 +138,11 @@ def predicted(latency: LatencyModel, roles: list[str], precision: float, seed: i
     return estimate, len(roles)
 
 
-def apart(latency: LatencyModel, roles: list[str], seed: int, n: int = 100_000) -> float:
-    """A diagnostic, not the figure: the goodput per GPU when TTFT and TPOT are judged apart,
-    each at its own 90th percentile, as DistServe's simulator judges (`simulate_dist.py`)."""
+def apart(latency: LatencyModel, roles: list[str], seed: int, n: int = 200_000) -> float:
+    """The rate per GPU as Figure 1 reads it: TTFT and TPOT judged apart, each at its own 90th
+    percentile (as DistServe's simulator judges too, `simulate_dist.py`)."""
     spec = spec_with(latency, len(roles), seed)
-    cluster = sim_cluster(spec, [sim_instance(spec, r, 1) for r in roles])
+    cluster = sim_cluster(spec, instances(spec, roles))
     requests = spec.workload.sample(n, seed)
     edge = n // 4
 
@@ -156,17 +187,21 @@ def main() -> None:
             f"{name:<10} {PAPER[name]:>6.2f} {per_gpu:>10.3f} {interval:>18} {gaps[name]:>+6.1f}%"
             f"  ({estimate.requests:,} requests per probe)"
         )
+    read = {}
     for name, roles in (("colocated", ["colocated"]), ("2p1d", ["prefill", "prefill", "decode"])):
         g = apart(calibrated, roles, a.seed)
-        print(f"  diagnostic, {name} with the two SLOs judged apart (P90 each): {g:.3f} req/s")
+        read[name] = 100 * (g - PAPER[name]) / PAPER[name]
+        print(f"  {name} as Figure 1 reads it (P90s apart): {g:.3f} ({read[name]:+.1f}%)")
     met = all(abs(g) <= TARGET_GAP_PCT for g in gaps.values())
-    print(f"target: both gaps within {TARGET_GAP_PCT}%: {'met' if met else 'not met'}")
+    print(f"target: both gaps within {TARGET_GAP_PCT}% (goodput): {'met' if met else 'not met'}")
     print(f"simulated on {cpu_model()} ({os.cpu_count()} CPUs)")
     print(
         json.dumps(
             {
                 "paper_figure1_colocated_gap_pct": round(gaps["colocated"], 2),
                 "paper_figure1_2p1d_gap_pct": round(gaps["2p1d"], 2),
+                "paper_figure1_colocated_p90_apart_gap_pct": round(read["colocated"], 2),
+                "paper_figure1_2p1d_p90_apart_gap_pct": round(read["2p1d"], 2),
                 "prefill_factor": round(k_p, 4),
                 "decode_factor": round(k_d, 4),
             }

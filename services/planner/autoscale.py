@@ -16,11 +16,17 @@ rules, each against a fault users of other planners report:
   decision.py: more instances of a role and none fewer, no re-shard), judged on the predicted
   attainment and what was observed since the change only, so a phase that needs more than one
   step is not made to wait one cool-down per step.
-* **A new phase is judged from its own requests.** When the window's prompt lengths changed
-  (`latest_shift`, drift.py: a split of the window whose mean log prompt lengths differ past
-  chance), the decision waits for MIN_SAMPLES of the new phase's requests and then
-  takes them alone, at their own arrival rate since the change: the first step aims at the
-  placement the new phase needs, not at one fitted to a mix of the two.
+* **A new phase is judged from its own requests, seen as they arrive.** When the window's
+  arrivals changed prompt lengths (`latest_shift`, drift.py: a split whose mean log prompt
+  lengths differ past chance; the gateway reports a prompt's length when it accepts the
+  request), the decision holds until MIN_SAMPLES of the new phase's requests have arrived and
+  PHASE_MIN_FINISHED have finished (output lengths come only with a finish), then takes them
+  alone, at their own arrival rate since the change: the first step aims at the placement the
+  new phase needs, not at one fitted to a mix of the two.
+* **Requests still running count.** What is replayed is every request that arrived in the
+  window (or the phase), not only those that finished: a finished one as measured, a running
+  one with its prompt and an output length taken in turn from the finished ones (`_judged`).
+  Finished requests alone under-weight the long ones, which are the ones still running.
 * **Up when the SLO is at risk.** The measured window (its requests' arrival gaps and lengths,
   replayed by the simulator at the measured rate) is predicted to miss the attainment target on
   the current placement, or missed it as observed. The new placement is the smallest within
@@ -60,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -69,7 +76,7 @@ from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.latency import LatencyModel
 from services.planner.cluster import kv_capacity
 from services.planner.decision import Decision, View, direction
-from services.planner.drift import Sample, latest_shift
+from services.planner.drift import Arrival, Sample, latest_shift
 from services.planner.placement import PlanSpec, sim_cluster, sim_instance
 from services.planner.simulator import simulate
 from services.planner.surge import SurgeConfig, arrival_rate
@@ -77,6 +84,9 @@ from services.planner.transition import transition
 from services.planner.workload import Requests
 
 MIN_SAMPLES = 20  # a window with fewer finished requests decides nothing
+# a new phase is decided on once MIN_SAMPLES of its requests arrived and this many finished:
+# their output lengths stand in for those of its requests still running
+PHASE_MIN_FINISHED = 5
 
 
 @dataclass(frozen=True)
@@ -286,16 +296,23 @@ class Autoscaler:
                 return decision("scale", why, smallest)
             return decision("hold", f"{len(window)} requests measured: too few to decide")
         # A new phase of the workload is judged from its own requests, once there are enough.
-        shift = latest_shift(window)
+        horizon = view.now_s - self.config.window_s
+        arrivals = [a for a in view.arrivals if horizon <= a.arrival_s <= view.now_s]
+        shift = latest_shift(arrivals or window)
         phase = ""
         if shift is not None:
             window = [s for s in window if s.arrival_s >= shift.since_s]
+            arrivals = [a for a in arrivals if a.arrival_s >= shift.since_s]
+            arrived = max(len(arrivals), len(window))
             phase = f"the workload changed {view.now_s - shift.since_s:.3g} s ago ({shift.reason})"
-            if len(window) < MIN_SAMPLES:
-                why = f"{phase}: {len(window)} of its requests measured, too few to decide"
+            if arrived < MIN_SAMPLES or len(window) < PHASE_MIN_FINISHED:
+                why = (
+                    f"{phase}: {arrived} of its requests arrived, {len(window)} finished; "
+                    "too few to decide"
+                )
                 return decision("hold", why)
             phase += ": judged from its requests; "
-        rate, requests = _replay(window, self.config.replay)
+        rate, requests = _replay(_judged(window, arrivals), self.config.replay)
         rate, surge = self._arrival_rate(view, rate, shift.since_s if shift else -math.inf)
         settled = [s for s in window if s.arrival_s >= view.last_change_s]  # on `current`
         if len(settled) >= MIN_SAMPLES:
@@ -396,7 +413,7 @@ class Autoscaler:
         else `finished_rate`; in a surge, the surge's own), and "" or what makes it a surge."""
         config = self.config
         measured = arrival_rate(
-            view.arrivals,
+            (a.arrival_s for a in view.arrivals),
             view.now_s,
             max(view.arrivals_since_s, since_s),
             config.window_s,
@@ -412,6 +429,31 @@ class Autoscaler:
             f"{rate:.3g} req/s before): "
         )
         return surge.rate, why
+
+
+def _judged(finished: list[Sample], arrivals: list[Arrival]) -> list[Sample]:
+    """The requests to judge a window by: every finished one, and every arrival not among
+    them (still running, or its finish not yet reported) with its own prompt and an output
+    length from the finished ones, taken in turn in arrival order. Which arrival is which
+    finish: the gateway reports both with the same arrival time and prompt length."""
+    if not finished:
+        return []
+    unmatched = Counter((s.arrival_s, s.prompt_tokens) for s in finished)
+    running = []
+    for a in arrivals:
+        key = (a.arrival_s, a.prompt_tokens)
+        if unmatched[key]:
+            unmatched[key] -= 1
+        else:
+            running.append(a)
+    outputs = [s.output_tokens for s in sorted(finished, key=lambda s: s.arrival_s)]
+    return [
+        *finished,
+        *(
+            Sample(a.arrival_s, a.prompt_tokens, outputs[i % len(outputs)])
+            for i, a in enumerate(running)
+        ),
+    ]
 
 
 def _replay(window: list[Sample], n: int) -> tuple[float, Requests]:

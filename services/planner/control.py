@@ -29,7 +29,7 @@ from services.common.errors import FailedPrecondition
 from services.planner.actuator import Actuator
 from services.planner.autoscale import Autoscaler
 from services.planner.decision import Decision, View, direction
-from services.planner.drift import Sample
+from services.planner.drift import Arrival, Sample
 from services.planner.surge import arrival_rate
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class ControlLoop:
         self.autoscaler, self.actuator = autoscaler, actuator
         self.interval_s, self.pool, self.advisory = interval_s, pool, advisory
         self.samples: collections.deque[Sample] = collections.deque()  # finished requests
-        self.arrivals: collections.deque[float] = collections.deque()  # when each arrived
+        self.arrivals: collections.deque[Arrival] = collections.deque()  # accepted requests
         self._since_s = clock.time_s()  # arrivals are counted from here
         self.latest: Decision | None = None
         self.latest_at_s = math.nan
@@ -94,14 +94,15 @@ class ControlLoop:
         while self.samples and self.samples[0].arrival_s < horizon:
             self.samples.popleft()
 
-    def arrived(self, arrival_s: float) -> None:
-        """A request the gateway accepted (at `arrival_s`, the mesh's clock). If the arrivals
-        now show a surge, and a decision could act on it (no change in flight, none cooling
-        down), the loop ticks at once."""
-        self.arrivals.append(arrival_s)
+    def arrived(self, arrival_s: float, prompt_tokens: int) -> None:
+        """A request the gateway accepted (at `arrival_s`, the mesh's clock; its prompt's
+        length, so a new phase is seen from its arrivals). If the arrivals now show a surge,
+        and a decision could act on it (no change in flight, none cooling down), the loop
+        ticks at once."""
+        self.arrivals.append(Arrival(arrival_s, prompt_tokens))
         now = clock.time_s()
         config = self.autoscaler.config
-        while self.arrivals and self.arrivals[0] < now - config.window_s:
+        while self.arrivals and self.arrivals[0].arrival_s < now - config.window_s:
             self.arrivals.popleft()
         if (
             self._was_changing
@@ -111,7 +112,8 @@ class ControlLoop:
         ):
             return
         self._surge_checked_s = now
-        measured = arrival_rate(self.arrivals, now, self._since_s, config.window_s, config.surge)
+        times = (a.arrival_s for a in self.arrivals)
+        measured = arrival_rate(times, now, self._since_s, config.window_s, config.surge)
         if measured is not None and measured[1] is not None:
             self._wake.set()
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.planner.drift import Sample
+from services.planner.drift import Arrival, Sample
 
 if TYPE_CHECKING:
     from services.common.gen.distserve.v1 import common_pb2, planner_pb2
@@ -29,9 +29,10 @@ class View:
     in_flight: bool = False  # a change is being applied
     last_change_s: float = -math.inf  # when the last change landed
     last_change: str = ""  # its `direction` ("up", "down", "reshape"; "": none, or the start)
-    # when requests arrived (the gateway reports each as it is accepted), counted since
-    # `arrivals_since_s`; none reported: the rate is measured from the finished requests
-    arrivals: tuple[float, ...] = ()
+    # the requests the gateway accepted (when, and their prompt lengths; it reports each as it
+    # is accepted), counted since `arrivals_since_s`; none reported: the rate and the lengths
+    # are measured from the finished requests alone
+    arrivals: tuple[Arrival, ...] = ()
     arrivals_since_s: float = -math.inf
 
 

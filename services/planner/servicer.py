@@ -75,9 +75,14 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         samples, reasons, replans = 0, [], []
         async for pb in request_iterator:
             samples += 1
-            if pb.arrival:  # only the resizing loop uses arrivals (its rate, now)
+            if pb.arrival:  # only the resizing loop uses arrivals (its rate and prompts, now)
+                if pb.prompt_tokens < 1 or not math.isfinite(pb.arrival_unix_s):
+                    raise InvalidRequest(
+                        "an arrival sample needs a finite arrival_unix_s and prompt_tokens >= 1, "
+                        f"got {pb.arrival_unix_s}, {pb.prompt_tokens}"
+                    )
                 if self.control is not None:
-                    self.control.arrived(pb.arrival_unix_s)
+                    self.control.arrived(pb.arrival_unix_s, pb.prompt_tokens)
                 continue
             sample = Sample(
                 pb.arrival_unix_s, pb.prompt_tokens, pb.output_tokens, pb.ttft_ms, pb.tpot_ms

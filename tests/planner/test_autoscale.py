@@ -16,7 +16,7 @@ from services.common.errors import InvalidRequest
 from services.common.slo import Slo
 from services.planner.autoscale import AutoscaleConfig, Autoscaler, _replay, _scaled
 from services.planner.decision import View
-from services.planner.drift import Sample
+from services.planner.drift import Arrival, Sample
 from services.planner.placement import PlanSpec, sim_cluster
 from services.planner.simulator import simulate
 from services.planner.workload import PRESETS
@@ -240,7 +240,8 @@ def test_a_surge_of_arrivals_is_seen_at_once_and_poisson_noise_never_looks_like_
     arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * 1900)))
     window = autoscaler.config.window_s
     for now in np.arange(60.0, 1800.0, tick):
-        view = View(now, (), {}, arrivals=tuple(arrivals[arrivals <= now]), arrivals_since_s=0.0)
+        seen = tuple(Arrival(t, 500) for t in arrivals[arrivals <= now])
+        view = View(now, (), {}, arrivals=seen, arrivals_since_s=0.0)
         measured, surge = autoscaler._arrival_rate(view, 0.0)
         assert surge == "", (now, surge)
         assert abs(measured - rate) < 4 * np.sqrt(rate * window) / window, (now, measured)
@@ -249,7 +250,7 @@ def test_a_surge_of_arrivals_is_seen_at_once_and_poisson_noise_never_looks_like_
     now = 1800.0 + tick
     both = np.concatenate([before, burst[burst <= now]])
     measured, surge = autoscaler._arrival_rate(
-        View(now, (), {}, arrivals=tuple(both), arrivals_since_s=0.0), 0.0
+        View(now, (), {}, arrivals=tuple(Arrival(t, 500) for t in both), arrivals_since_s=0.0), 0.0
     )
     assert surge and 2 * rate < measured < 4 * rate, (measured, surge)
     # No arrivals reported (an older gateway): the finished requests' rate stands

@@ -106,7 +106,7 @@ def test_a_burst_is_decided_within_a_tick_and_no_decision_is_taken_while_one_is_
     for tick in range(1, int((BURST_AT + BURST_S) / TICK_S) + 1):
         now[0] = tick * TICK_S
         while arrived < len(samples) and samples[arrived].arrival_s <= now[0]:
-            loop.arrived(samples[arrived].arrival_s)
+            loop.arrived(samples[arrived].arrival_s, samples[arrived].prompt_tokens)
             arrived += 1
         while finished < len(finishing) and ends(finishing[finished]) <= now[0]:
             loop.observe(finishing[finished])
@@ -152,7 +152,7 @@ def test_a_surge_is_decided_on_between_ticks_as_its_arrivals_come(autoscaler, mo
             while finished < len(finishing) and ends(finishing[finished]) <= now[0]:
                 loop.observe(finishing[finished])
                 finished += 1
-            loop.arrived(s.arrival_s)
+            loop.arrived(s.arrival_s, s.prompt_tokens)
             if loop._wake.is_set():
                 for _ in range(2000):
                     await asyncio.sleep(0.005)

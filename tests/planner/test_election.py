@@ -26,6 +26,7 @@ from services.common.errors import InvalidRequest
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.gateway.planner_feed import PlannerFeed
 from services.planner.__main__ import control_loop, parse
+from services.planner.drift import Arrival
 from services.planner.metrics import PlannerMetrics
 from services.planner.replanner import Replanner
 from services.planner.servicer import PlannerServicer
@@ -239,13 +240,15 @@ def test_the_planners_workload_sums_two_gateways_and_counts_each_sample_once():
             for feed in feeds:
                 await feed.stop()
             await server.stop(0)
-        assert sorted(control.arrivals) == sorted(sent[0] + sent[1])
+        assert sorted(a.arrival_s for a in control.arrivals) == sorted(sent[0] + sent[1])
+        assert {a.prompt_tokens for a in control.arrivals} == {100}  # the length at arrival
         assert len(control.samples) == sum(finishes.values())
         assert metrics.samples._value.get() == sum(finishes.values())
         now = clock.time_s()
         window = config.autoscale.config.window_s
         surge = config.autoscale.config.surge
-        measured, _ = arrival_rate(control.arrivals, now, since, window, surge)
+        times = [a.arrival_s for a in control.arrivals]
+        measured, _ = arrival_rate(times, now, since, window, surge)
         each = [arrival_rate(sent[g], now, since, window, surge)[0] for g in arrivals]
         assert measured == pytest.approx(sum(each), rel=1e-9)
 
@@ -309,7 +312,7 @@ def test_one_gateway_reports_every_sample_to_each_planner_replica():
             for server in servers:
                 await server.stop(0)
         for c in controls:
-            assert sorted(c.arrivals) == sorted(sent)
+            assert sorted(c.arrivals) == sorted(Arrival(t, 100) for t in sent)
             assert len(c.samples) == 10
         value = registry.get_sample_value("distserve_planner_samples_total", {"outcome": "sent"})
         assert value == 2 * (len(sent) + 10)  # each sample, once to each replica

@@ -131,6 +131,11 @@ def test_bad_requests_get_invalid_argument(planner):
     with pytest.raises(grpc.RpcError) as e:
         planner.ReportWorkload(iter(bad))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    arrival = [planner_pb2.WorkloadSample(arrival_unix_s=1.0, prompt_tokens=0, arrival=True)]
+    with pytest.raises(grpc.RpcError) as e:
+        planner.ReportWorkload(iter(arrival))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_tokens >= 1" in e.value.details()
 
 
 def split_for(workload: str) -> tuple[int, int]:
