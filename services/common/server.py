@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -101,19 +102,27 @@ async def _abort(context, e: DistServeError) -> None:
     await context.abort(status_code(e), str(e), trailing_metadata=trailing)
 
 
+@contextlib.asynccontextmanager
+async def _answered(context, method: str):
+    """A handler's errors as statuses: ours (DistServeError) by their kind, an abort as it is,
+    anything else INTERNAL, logged with its traceback (the client sees only the type)."""
+    try:
+        yield
+    except DistServeError as e:
+        await _abort(context, e)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:
+        log.exception("%s failed", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+
 def _unary(behavior, method: str):
     async def wrapper(request, context):
         if isinstance(request, Undecodable):
             await context.abort(*request.abort_args())
-        try:
+        async with _answered(context, method):
             return await behavior(request, context)
-        except DistServeError as e:
-            await _abort(context, e)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     return wrapper
 
@@ -122,16 +131,9 @@ def _stream(behavior, method: str):
     async def wrapper(request, context):
         if isinstance(request, Undecodable):
             await context.abort(*request.abort_args())
-        try:
+        async with _answered(context, method):
             async for response in behavior(request, context):
                 yield response
-        except DistServeError as e:
-            await _abort(context, e)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     return wrapper
 
@@ -144,15 +146,8 @@ def _client_stream(behavior, method: str):
             yield request
 
     async def wrapper(request_iterator, context):
-        try:
+        async with _answered(context, method):
             return await behavior(requests(request_iterator), context)
-        except DistServeError as e:
-            await _abort(context, e)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     return wrapper
 

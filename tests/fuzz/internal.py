@@ -221,7 +221,7 @@ def mutated(draw, base: Message, max_fields: int = 3) -> Message:
 def raw_bytes(draw, base: Message | None = None) -> bytes:
     """Random bytes, or `base`'s bytes truncated, bit-flipped or with junk added."""
     if base is None or draw(st.booleans()):
-        return draw(st.binary(max_size=200))
+        return draw(st.binary(max_size=300))
     data = bytearray(base.SerializeToString())
     for _ in range(draw(st.integers(1, 3))):
         how = draw(st.sampled_from(["truncate", "flip", "append", "insert"]))

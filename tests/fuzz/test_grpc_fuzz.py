@@ -45,6 +45,7 @@ from tests.fuzz.conftest import (
     fuzz_settings,
     leases_expired,
 )
+from tests.fuzz.internal import raw_bytes
 from tests.test_mesh import addresses, kv_all_free, stats, wait_until
 
 SEED = 20240611
@@ -214,22 +215,7 @@ def requests(draw) -> tuple[gateway_pb2.GenerateRequest, int | None]:
 @st.composite
 def raw_messages(draw) -> bytes:
     """Random bytes, or a valid request's bytes truncated, bit-flipped or with junk added."""
-    if draw(st.booleans()):
-        return draw(st.binary(max_size=300))
-    data = bytearray(draw(requests())[0].SerializeToString())
-    for _ in range(draw(st.integers(1, 3))):
-        how = draw(st.sampled_from(["truncate", "flip", "append", "insert"]))
-        if how == "truncate" and data:
-            del data[draw(st.integers(0, len(data) - 1)) :]
-        elif how == "flip" and data:
-            i = draw(st.integers(0, len(data) - 1))
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        elif how == "append":
-            data += draw(st.binary(min_size=1, max_size=20))
-        elif how == "insert":
-            i = draw(st.integers(0, len(data)))
-            data[i:i] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
+    return draw(raw_bytes(draw(requests())[0]))
 
 
 # Checks -----------------------------------------------------------------------------------
