@@ -22,6 +22,7 @@ import ctypes
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -182,3 +183,84 @@ def keep(folder: Path, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(keep(Path(sys.argv[1]), sys.argv[2:]))
+
+
+class EtcdCluster:
+    """Three etcd members on 127.0.0.1 in plaintext, each in its own folder under `root` (the
+    caller's; kept): what the failover tests and bench/gateways/gateways.py run the mesh on.
+    `clients` are the members' client URLs (`--etcd` takes them joined by commas); `kill(i)`
+    SIGKILLs member i; `ctl` runs etcdctl against them. Each member dies with this process."""
+
+    def __init__(self, root: Path, members: int = 3) -> None:
+        ports = _free_ports(2 * members)
+        self.clients = [f"http://127.0.0.1:{p}" for p in ports[:members]]
+        peers = [f"http://127.0.0.1:{p}" for p in ports[members:]]
+        initial = ",".join(f"m{i}={url}" for i, url in enumerate(peers))
+        self.members: list[subprocess.Popen] = []
+        for i in range(members):
+            argv = [
+                str(etcd_binary()), "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
+                "--listen-client-urls", self.clients[i], "--advertise-client-urls", self.clients[i],
+                "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--enable-grpc-gateway=false", "--unsafe-no-fsync", "--log-level", "warn",
+            ]  # fmt: skip
+            with open(root / f"m{i}.log", "wb") as log:
+                self.members.append(
+                    orphan_guard.popen(orphan_guard.command(argv), stdout=log, stderr=log)
+                )
+
+    def ctl(self, *args: str, endpoints: list[str] | None = None) -> str:
+        """etcdctl's output; RuntimeError with its message when it fails."""
+        ctl = etcd_binary().parent / "etcdctl"
+        done = subprocess.run(
+            [str(ctl), "--endpoints", ",".join(endpoints or self.clients), *args],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def status(self, endpoints: list[str]) -> list[dict]:
+        return json.loads(self.ctl("endpoint", "status", "-w", "json", endpoints=endpoints))
+
+    def led(self, endpoints: list[str]) -> bool:
+        """Whether each of these members answers and knows a leader."""
+        try:
+            return all(s["Status"]["leader"] for s in self.status(endpoints))
+        except (RuntimeError, KeyError, json.JSONDecodeError):
+            return False
+
+    def wait_led(self, endpoints: list[str], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.led(endpoints):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no etcd leader within {timeout_s} s")
+            time.sleep(0.2)
+
+    def make_leader(self, i: int) -> None:
+        (status,) = self.status([self.clients[i]])
+        member = status["Status"]["header"]["member_id"]
+        self.ctl("move-leader", f"{member:x}")
+        if self.status([self.clients[i]])[0]["Status"]["leader"] != member:
+            raise RuntimeError(f"etcd member {i} did not become the leader")
+
+    def kill(self, i: int) -> None:
+        self.members[i].kill()
+        self.members[i].wait()
+
+    def stop(self) -> None:
+        for p in self.members:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

@@ -1,6 +1,6 @@
 """Several etcd members per process, and several planners (issue 49: the etcd client side).
 
-A real 3-member etcd (tests/test_etcd_quorum.py's `Cluster`) under a 1P1D mesh on the tiny
+A real 3-member etcd (distserve/etcd.py's `EtcdCluster`) under a 1P1D mesh on the tiny
 model whose processes are given all three members (`--etcd A,B,C`). The member they all use
 (the first listed), made the cluster's leader, is SIGKILLed: every worker's lease is renewed
 through another member (the same lease, its entry kept past its TTL) and neither worker ever
@@ -19,7 +19,7 @@ import urllib.request
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.etcd_client import EtcdConfig
 from tests.conftest import MESH_WORKER_ARGS, stop_now
-from tests.test_etcd_quorum import WORKER_TTL_S, _led, _listed, cluster  # noqa: F401 (fixture)
+from tests.test_etcd_quorum import WORKER_TTL_S, _listed, cluster  # noqa: F401 (fixture)
 from tests.test_mesh import PROMPTS, expected, generate, wait_until
 
 
@@ -52,7 +52,7 @@ def test_a_mesh_given_every_member_keeps_its_leases_and_view_when_its_member_die
         cluster.ctl("move-leader", f"{member_0:x}")
     cluster.kill(0)
     alive = cluster.clients[1:]
-    wait_until(lambda: _led(cluster, alive), timeout=15, what="a new leader")
+    cluster.wait_led(alive, 15)
     # Past a TTL and more, polled all along: nobody ever left the gateway's view ...
     deadline = time.monotonic() + WORKER_TTL_S * 1.5
     while time.monotonic() < deadline:

@@ -11,15 +11,12 @@ still served."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import subprocess
 import time
 
 import grpc
 import pytest
 
-from distserve.etcd import etcd_binary
+from distserve.etcd import EtcdCluster
 from services.common.etcd_client import EtcdConfig
 from services.common.gen.distserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.test_mesh import PROMPTS, expected, generate, kv_all_free, wait_until
@@ -27,76 +24,14 @@ from tests.test_mesh import PROMPTS, expected, generate, kv_all_free, wait_until
 WORKER_TTL_S = 6.0  # a worker's etcd lease (docs/deployment.md, "Membership lives in etcd")
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-class Cluster:
-    """Three etcd members on 127.0.0.1, each in its own folder."""
-
-    def __init__(self, root) -> None:
-        ports = _free_ports(6)
-        self.clients = [f"http://127.0.0.1:{p}" for p in ports[:3]]
-        self.peers = [f"http://127.0.0.1:{p}" for p in ports[3:]]
-        initial = ",".join(f"m{i}={url}" for i, url in enumerate(self.peers))
-        self.members = []
-        for i in range(3):
-            argv = [
-                str(etcd_binary()), "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
-                "--listen-client-urls", self.clients[i], "--advertise-client-urls", self.clients[i],
-                "--listen-peer-urls", self.peers[i], "--initial-advertise-peer-urls", self.peers[i],
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--enable-grpc-gateway=false", "--unsafe-no-fsync", "--log-level", "warn",
-            ]  # fmt: skip
-            log = open(root / f"m{i}.log", "wb")  # noqa: SIM115 (the child writes it)
-            self.members.append(subprocess.Popen(argv, stdout=log, stderr=log))
-            log.close()
-
-    def ctl(self, *args: str, endpoints: list[str] | None = None) -> str:
-        ctl = etcd_binary().parent / "etcdctl"
-        done = subprocess.run(
-            [str(ctl), "--endpoints", ",".join(endpoints or self.clients), *args],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    def status(self, endpoints: list[str]) -> list[dict]:
-        return json.loads(self.ctl("endpoint", "status", "-w", "json", endpoints=endpoints))
-
-    def kill(self, i: int) -> None:
-        self.members[i].kill()
-        self.members[i].wait()
-
-    def stop(self) -> None:
-        for p in self.members:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(tmp_path)
+    c = EtcdCluster(tmp_path)
     try:
-        wait_until(lambda: _led(c, c.clients), timeout=30, what="a 3-member etcd with a leader")
+        c.wait_led(c.clients)
         yield c
     finally:
         c.stop()
-
-
-def _led(c: Cluster, endpoints: list[str]) -> bool:
-    """Whether each of these members answers and knows a leader."""
-    try:
-        return all(s["Status"]["leader"] for s in c.status(endpoints))
-    except (AssertionError, KeyError, json.JSONDecodeError):
-        return False
 
 
 def _listed(address: str) -> set[str]:
@@ -127,7 +62,7 @@ def test_routing_survives_the_etcd_leaders_death_and_then_the_quorums(
     assert cluster.status([cluster.clients[1]])[0]["Status"]["leader"] == member_1
     assert asyncio.run(load_and(lambda: cluster.kill(1))) == want
     alive = cluster.clients[0::2]
-    wait_until(lambda: _led(cluster, alive), timeout=15, what="a new leader")
+    cluster.wait_led(alive, 15)
     # Past a worker's TTL its entry is still there: its lease was renewed through the new leader.
     time.sleep(WORKER_TTL_S + 1)
     keys = cluster.ctl("get", "--prefix", "--keys-only", "/distserve/", endpoints=alive).split()

