@@ -31,6 +31,7 @@ from services.planner.metrics import PlannerMetrics
 from services.planner.replanner import Replanner
 from services.planner.servicer import PlannerServicer
 from services.planner.surge import arrival_rate
+from tests.gateway.test_membership import _until
 
 TTL_S = 2.0  # etcd's shortest lease at its default election timeout
 EXPIRY_SLACK_S = 0.6  # etcd looks for lapsed leases every 500 ms; then the watch's delivery
@@ -40,15 +41,6 @@ EXPIRY_SLACK_S = 0.6  # etcd looks for lapsed leases every 500 ms; then the watc
 def etcd():
     with Etcd() as e:
         yield e
-
-
-async def _until(check, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 async def _stop(task: asyncio.Task) -> None:
