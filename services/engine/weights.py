@@ -147,7 +147,7 @@ def load_model(
     entries = checkpoint_index(path)
     with torch.device("meta"):
         model = models.build(cfg, tp).to(dtype)
-    model.to_empty(device=device)
+    _materialize(model, device)
     model.init_buffers(device)
     for ours, shared in model.tied():
         _set_param(model, ours, model.get_parameter(shared))
@@ -170,6 +170,22 @@ def load_model(
                 _read_into(src, buf)
                 dest.copy_(buf if columns is None else buf.narrow(*columns))
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer built on the meta device uninitialised storage on
+    `device` (what `Module.to_empty` does, without its `empty_like` on meta tensors, whose
+    first call imports torch's Python reference decompositions: ~1 s of a worker's start)."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in module.named_buffers(recurse=False):
+            module.register_buffer(
+                name,
+                torch.empty(b.shape, dtype=b.dtype, device=device),
+                persistent=name not in module._non_persistent_buffers_set,
+            )
 
 
 def _pieces(
