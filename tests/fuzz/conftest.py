@@ -33,8 +33,17 @@ def fuzz_mesh(tiny_model):
         tiny_model,
         prefill=1,
         decode=1,
-        # A long worker lease: a loaded host delays heartbeats, and the fuzzing is about input.
-        gateway_args=("--max-tokens", str(MAX_TOKENS), "--worker-lease-s", "30"),
+        # The fuzzing is about input, not load: a long worker lease (a loaded host delays
+        # heartbeats) and no admission rules (on a loaded host the decode steps of the short-
+        # deadline test pass the TPOT watermark, and the gateway rightly sheds with a 429).
+        gateway_args=(
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--worker-lease-s",
+            "30",
+            "--admission-ttft-factor",
+            "0",
+        ),
         prefill_args=("--lease-s", str(LEASE_S)),
         decode_args=("--kv-transport", "grpc") if UCX_FIRST_TOKEN_CRASH else (),
         edge=EdgeConfig(port=0, access_log="", rate_limit_rps=0),  # fuzzing is no load test
