@@ -43,9 +43,11 @@ from tests.fuzz.conftest import (
     fuzz_settings,
 )
 
-SEED = 20240611
-MAX_EXAMPLES = 75
-TARGETS = ("gateway", "edge")
+# Each port its own seed: the edge forwards to the same gateway, so the two ports together
+# send the gateway 2 x MAX_EXAMPLES different inputs, and Envoy MAX_EXAMPLES of them.
+SEEDS = {"gateway": 20240611, "edge": 20240612}
+MAX_EXAMPLES = 40
+TARGETS = tuple(SEEDS)
 MAX_BODY_BYTES = 8 * 2**20  # the default of the gateway and of Envoy (docs/api.md)
 CHECKS = [
     "not_a_server_error",
@@ -103,7 +105,7 @@ def test_every_operation_answers_as_its_document_says(schemas, target, label, mo
     assert operation is not None, f"the served document lacks {label}"
     session = requests.Session()
 
-    @hypothesis.seed(SEED)
+    @hypothesis.seed(SEEDS[target])
     @_settings()
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
@@ -422,7 +424,7 @@ def test_raw_bodies_never_get_a_server_error(fuzz_mesh, target, path):
     url = f"http://{_address(fuzz_mesh, target)}{path}"
     session = requests.Session()
 
-    @hypothesis.seed(SEED)
+    @hypothesis.seed(SEEDS[target])
     @_settings(max_examples=2 * MAX_EXAMPLES)
     @hypothesis.given(
         body=st.one_of(bodies(path), bodies(path), json_values, st.sampled_from(RAW_BODIES)),
