@@ -28,12 +28,14 @@ def traceparent(trace_id: str, span_id: str = "00f067aa0ba902b7") -> str:
 @dataclass
 class Streamed:
     """What the client saw of one streamed request: its tokens, and when the messages carrying
-    the first, the second and the last token arrived (s after the request left)."""
+    the first, the second and the last token arrived (s after the request left), and when it
+    left (Unix time, ns: the spans' clock)."""
 
     ids: list[int]
     first: float
     second: float
     last: float
+    sent_unix_nano: int
 
     @property
     def first_itl_ms(self) -> float:
@@ -55,6 +57,7 @@ def generate_timed(
             return generate_timed(address, prompt, max_tokens, trace_id, channel)
     stub = gateway_pb2_grpc.GatewayStub(channel)
     params = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sent_unix_nano = time.time_ns()
     start = time.monotonic()
     ids: list[int] = []
     arrived: list[tuple[int, float]] = []  # (tokens so far, when) per message with tokens
@@ -67,7 +70,7 @@ def generate_timed(
             ids += r.token_ids
             arrived.append((len(ids), time.monotonic() - start))
     second = next((t for n, t in arrived if n >= 2), arrived[-1][1])
-    return Streamed(ids, arrived[0][1], second, arrived[-1][1])
+    return Streamed(ids, arrived[0][1], second, arrived[-1][1], sent_unix_nano)
 
 
 def duration_ms(spans: list[dict], *names: str) -> float:
@@ -199,14 +202,20 @@ def test_one_request_is_one_trace_from_the_client_through_envoy_to_decode(traced
         assert lease["attributes"]["kv.outcome"] == "released"
         # (a send whose bytes arrived may be cancelled by the release before it counts)
         assert 0 < lease["attributes"]["kv.bytes_sent"] <= h["kv.bytes"]
-        # The span's TTFT is the client's, less the hops in between (Envoy, gRPC).
+        # The span's TTFT is the client's, less the hops in between (Envoy, gRPC): the request
+        # reached the gateway after it left the client, and the span's first token left the
+        # gateway before the client had it (one host, one clock: to within 1 ms).
+        sent_ms = seen.sent_unix_nano / 1e6
+        root_ms = root["start_unix_nano"] / 1e6
+        assert sent_ms <= root_ms + 1
+        assert root_ms + a["distserve.ttft_ms"] <= sent_ms + seen.first * 1000 + 1
         gaps.append(seen.first * 1000 - a["distserve.ttft_ms"])
         # The gaps between tokens: the gateway's, seen one hop later by the client.
         itl_errors.append(seen.first_itl_ms - a["distserve.first_itl_ms"])
         tpot_errors.append(seen.tpot_ms - a["distserve.tpot_ms"])
-    # The client's TTFT is the span's plus Envoy and the client's own gRPC: never less,
-    # a few ms more (more when the two cores are busy with other work: the median then).
-    assert min(gaps) >= 0 and min(gaps) < 5 and statistics.median(gaps) < 10, gaps
+    # The client's TTFT is the span's plus Envoy and the client's own gRPC: never less. (What
+    # the hops add is a figure of bench/mesh/mesh.py, `ttft_added_ms_p50`, not a test's.)
+    assert min(gaps) >= 0, gaps
     # A gap between two messages is measured at both ends of the same hops (gateway -> Envoy
     # -> client), so it differs only by how much those hops' delay varies between the two
     # messages: well under the hops' whole delay (the TTFT gap above), either way. The TPOT
