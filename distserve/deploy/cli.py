@@ -132,6 +132,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "StatefulSet (TLS under mesh TLS)",
     )
     r.add_argument("--etcd-image", default=d.etcd_image, help="the rendered etcd's image")
+    r.add_argument(
+        "--etcd-prefix",
+        metavar="/PREFIX/",
+        help="where under etcd's keys the mesh keeps its membership and elections (default "
+        "/distserve/): each mesh sharing one existing etcd (--etcd) its own",
+    )
     n = r.add_argument_group("the network (docs/kubernetes.md#security)")
     n.add_argument(
         "--no-network-policies",
@@ -235,6 +241,7 @@ def render_command(args: argparse.Namespace) -> int:
         gateway_replicas=args.gateway_replicas,
         etcd_url=args.etcd,
         etcd_image=args.etcd_image,
+        etcd_prefix=args.etcd_prefix,
         edge_replicas=args.edge_replicas,
         edge_service_type=args.edge_service_type,
         rate_limit_rps=args.rate_limit,

@@ -55,14 +55,16 @@ def _tls_files(secrets: MeshSecrets) -> dict[str, str]:
 
 
 def etcd_client_args(o: RenderOptions, secrets: MeshSecrets) -> list[str]:
-    """The etcd TLS options of a pod that joins the rendered etcd (it mounts its mesh
-    certificate): none for an existing etcd, or without mesh TLS."""
+    """The etcd options of a pod that joins the mesh's etcd beside `--etcd`: `--etcd-prefix`
+    when given, and for the rendered etcd under mesh TLS its TLS options (the pod mounts its
+    mesh certificate)."""
+    prefix = ["--etcd-prefix", o.etcd_prefix] if o.etcd_prefix else []
     if o.etcd_url or secrets.mesh_tls is None:
-        return []
+        return prefix
     files = _tls_files(secrets)
     return [
         "--etcd-ca", files[ENV_CA], "--etcd-cert", files[ENV_CERT], "--etcd-key", files[ENV_KEY],
-        "--etcd-server-name", SERVER_NAME,
+        "--etcd-server-name", SERVER_NAME, *prefix,
     ]  # fmt: skip
 
 

@@ -66,6 +66,9 @@ class RenderOptions:
     # render a 3-member etcd StatefulSet (etcd_cluster.py) from etcd_image
     etcd_url: str | None = None
     etcd_image: str = DEFAULT_ETCD_IMAGE
+    # where under etcd's keys this mesh keeps its membership and elections (None: the default,
+    # /distserve/): meshes sharing one existing etcd each need their own
+    etcd_prefix: str | None = None
     edge_port: int = 8080
     edge_replicas: int = 1
     edge_service_type: str = "ClusterIP"
@@ -105,8 +108,8 @@ class RenderOptions:
                 "drop --etcd: the rendered etcd speaks TLS with the mesh's certificates",
                 "etcd",
             )
-        if self.etcd_url is not None:
-            EtcdConfig.parse(self.etcd_url)  # InvalidRequest naming --etcd
+        # InvalidRequest naming --etcd or --etcd-prefix
+        EtcdConfig.parse(self.etcd_url or "http://etcd:2379", prefix=self.etcd_prefix)
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
         s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert

@@ -41,7 +41,6 @@ ROLE_NAMES = {
 ROLE_VALUES = {v: k for k, v in ROLE_NAMES.items()}
 
 DEFAULT_TTL_S = 6.0  # long enough for a renewal on a starved host; a dead worker leaves by then
-DEFAULT_PREFIX = "/distserve/"
 
 
 @dataclass(frozen=True)
@@ -136,9 +135,11 @@ class EtcdDiscovery(Discovery):
         self,
         etcd: EtcdConfig,
         ttl_s: float = DEFAULT_TTL_S,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str | None = None,
         retry_s: float = 0.5,
     ) -> None:
+        """`prefix`: default the configuration's (`--etcd-prefix`)."""
+        prefix = prefix or etcd.prefix
         self.etcd = EtcdClient(etcd)
         self._rpc = self.etcd.rpc
         self.ttl_s = ttl_s

@@ -26,7 +26,6 @@ import time
 
 import grpc
 
-from services.common.discovery import DEFAULT_PREFIX
 from services.common.etcd_client import REQUIRE_LEADER, EtcdClient, EtcdConfig
 
 log = logging.getLogger("distserve.election")
@@ -45,9 +44,11 @@ class Election:
         name: str,
         value: str,
         ttl_s: float = DEFAULT_TTL_S,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str | None = None,
         retry_s: float = 0.5,
     ) -> None:
+        """`prefix`: default the configuration's (`--etcd-prefix`)."""
+        prefix = prefix or etcd.prefix
         if ttl_s < 2:
             raise ValueError(f"an election's lease TTL is at least 2 s (etcd's minimum): {ttl_s}")
         self.etcd = EtcdClient(etcd)

@@ -58,21 +58,34 @@ def etcd_target(url: str) -> str:
     return f"{host}:{port}"
 
 
+DEFAULT_PREFIX = "/distserve/"  # of the keys of one mesh
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """How to reach the mesh's etcd: its members' client URLs (all http:// or all https://) and,
     for https, the CA, this client's certificate and key, and the name etcd's certificate carries
-    (None: each URL's host)."""
+    (None: each URL's host); `prefix`: where under etcd's keys this mesh keeps its membership
+    and elections (meshes sharing one etcd each take their own)."""
 
     endpoints: tuple[str, ...]
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None
     server_name: str | None = None
+    prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise InvalidRequest("--etcd: give at least one client URL", "etcd")
+        p = self.prefix
+        if not (p.startswith("/") and p.endswith("/") and 2 < len(p) <= 128 and p.isprintable()):
+            raise InvalidRequest(
+                f"--etcd-prefix {p!r}: a key prefix between slashes, e.g. /distserve/chat/ "
+                "(printable, at most 128 characters)",
+                "etcd_prefix",
+            )
+        if " " in p or "//" in p:
+            raise InvalidRequest(f"--etcd-prefix {p!r}: no spaces or empty segments", "etcd_prefix")
         for url in self.endpoints:
             etcd_target(url)
         schemes = {urlsplit(u).scheme if "://" in u else "http" for u in self.endpoints}
@@ -109,10 +122,11 @@ class EtcdConfig:
         cert: Path | None = None,
         key: Path | None = None,
         server_name: str | None = None,
+        prefix: str | None = None,
     ) -> EtcdConfig:
-        """From `--etcd`'s text (URLs, comma-separated) and the TLS options."""
+        """From `--etcd`'s text (URLs, comma-separated), the TLS options and `--etcd-prefix`."""
         endpoints = tuple(u.strip() for u in urls.split(",") if u.strip())
-        return cls(endpoints, ca, cert, key, server_name)
+        return cls(endpoints, ca, cert, key, server_name, prefix or DEFAULT_PREFIX)
 
     @property
     def tls(self) -> bool:
@@ -137,6 +151,8 @@ class EtcdConfig:
         ):
             if value is not None:
                 out += [flag, str(value)]
+        if self.prefix != DEFAULT_PREFIX:
+            out += ["--etcd-prefix", self.prefix]
         return out
 
     def channel(self, url: str) -> grpc.aio.Channel:
@@ -185,6 +201,12 @@ def add_etcd_args(
     )
     p.add_argument("--etcd-key", type=Path, metavar="FILE", help="its private key (PEM)")
     p.add_argument(
+        "--etcd-prefix",
+        metavar="/PREFIX/",
+        help=f"where under etcd's keys the mesh keeps its membership and elections (default "
+        f"{DEFAULT_PREFIX}): every process of one mesh the same, each mesh sharing an etcd its own",
+    )
+    p.add_argument(
         "--etcd-server-name",
         metavar="NAME",
         help="the name etcd's certificate carries, when not the URL's host (the mesh's "
@@ -198,14 +220,19 @@ def etcd_config(args: argparse.Namespace) -> EtcdConfig | None:
     if args.etcd is None:
         given = [
             f"--{name.replace('_', '-')}"
-            for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_server_name")
+            for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_prefix")
             if getattr(args, name) is not None
         ]
         if given:
             raise InvalidRequest(f"{', '.join(given)}: options of --etcd, which is not given")
         return None
     return EtcdConfig.parse(
-        args.etcd, args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_server_name
+        args.etcd,
+        args.etcd_ca,
+        args.etcd_cert,
+        args.etcd_key,
+        args.etcd_server_name,
+        args.etcd_prefix,
     )
 
 

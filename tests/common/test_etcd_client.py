@@ -5,6 +5,7 @@ mesh's CA) a client holding one joins, and one without is refused with an error 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,10 @@ CA, CERT, KEY = Path("/ca.pem"), Path("/cert.pem"), Path("/key.pem")
         ("http://a:2379/v3", {}, "--etcd"),
         ("http://a:port", {}, "--etcd"),
         (" , ", {}, "--etcd"),
+        ("http://a:2379", {"prefix": "distserve/"}, "--etcd-prefix"),
+        ("http://a:2379", {"prefix": "/a b/"}, "--etcd-prefix"),
+        ("http://a:2379", {"prefix": "/a//b/"}, "--etcd-prefix"),
+        ("http://a:2379", {"prefix": "/"}, "--etcd-prefix"),
     ],
 )
 def test_etcd_options_that_cannot_take_effect_are_refused_by_name(urls, tls, named):
@@ -41,7 +46,7 @@ def test_etcd_options_that_cannot_take_effect_are_refused_by_name(urls, tls, nam
 
 
 def test_several_members_and_their_tls_round_trip_through_the_command_line():
-    config = EtcdConfig.parse(" https://a:2379, https://b:2380 ", CA, CERT, KEY, "x")
+    config = EtcdConfig.parse(" https://a:2379, https://b:2380 ", CA, CERT, KEY, "x", "/m/1/")
     assert config.endpoints == ("https://a:2379", "https://b:2380")
     argv = config.args()
     assert argv[:2] == ["--etcd", "https://a:2379,https://b:2380"]
@@ -50,7 +55,9 @@ def test_several_members_and_their_tls_round_trip_through_the_command_line():
         "--etcd-cert": "/cert.pem",
         "--etcd-key": "/key.pem",
         "--etcd-server-name": "x",
+        "--etcd-prefix": "/m/1/",
     }
+    assert "--etcd-prefix" not in EtcdConfig.parse("http://a:2379").args()  # the default
 
 
 def test_the_gateway_and_workers_refuse_an_etcd_option_they_cannot_honour(capsys):
@@ -60,11 +67,53 @@ def test_the_gateway_and_workers_refuse_an_etcd_option_they_cannot_honour(capsys
     for parse, argv in (
         (gateway, ["--model", "/m", "--etcd", "https://a:2379"]),
         (prefill, ["--etcd-cert", "/c.pem", "--etcd-key", "/k.pem"]),
+        (prefill, ["--etcd-prefix", "/m/"]),
     ):
         with pytest.raises(SystemExit):
             parse(argv)
         err = capsys.readouterr().err
         assert "--etcd-ca" in err or "--etcd, which is not given" in err, err
+
+
+def test_two_meshes_with_their_own_prefixes_share_one_etcd_apart(tls_etcd):
+    """Each mesh's membership and its planners' election under its own --etcd-prefix: a watcher
+    of one sees only its own workers, and each mesh elects its own leader under one name."""
+    from services.common.election import Election
+
+    a = dataclasses.replace(tls_etcd.config, prefix="/distserve/a/")
+    b = dataclasses.replace(tls_etcd.config, prefix="/distserve/b/")
+
+    async def main() -> tuple[set[str], set[str], list[bool]]:
+        workers = [EtcdDiscovery(a, ttl_s=2), EtcdDiscovery(b, ttl_s=2)]
+        watchers = [EtcdDiscovery(a), EtcdDiscovery(b)]
+        elections = [Election(a, "planner", "pa", ttl_s=2), Election(b, "planner", "pb", ttl_s=2)]
+        runs = [asyncio.create_task(e.run()) for e in elections]
+        try:
+            await workers[0].register(Member("wa", "decode", "127.0.0.1:1"))
+            await workers[1].register(Member("wb", "prefill", "127.0.0.1:2"))
+            seen = []
+            for w in watchers:
+                first = await anext(w.watch())
+                assert isinstance(first, Snapshot)
+                seen.append(set(first.members))
+            await asyncio.wait_for(
+                asyncio.gather(*(e.wait(leading=True) for e in elections)), timeout=10
+            )
+            return seen[0], seen[1], [e.leading for e in elections]
+        finally:
+            for t in runs:
+                t.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            for e in elections:
+                await e.close()
+            for d in (*workers, *watchers):
+                if d in workers:
+                    await d.deregister()
+                await d.close()
+
+    seen_a, seen_b, leading = asyncio.run(main())
+    assert (seen_a, seen_b) == ({"wa"}, {"wb"})
+    assert leading == [True, True]
 
 
 @pytest.fixture(scope="module")

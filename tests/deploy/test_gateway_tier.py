@@ -161,6 +161,19 @@ def test_an_existing_etcd_renders_none_and_every_process_joins_it():
     for component in ("gateway", "prefill", "decode"):
         flags = args(deployments(manifests, component)[0], manifests)
         assert flags["--etcd"] == members and "--etcd-ca" not in flags
+        assert "--etcd-prefix" not in flags  # the default: /distserve/
+
+
+@pytest.mark.parametrize("etcd_url", ["http://etcd.infra.svc:2379", None])
+def test_an_etcd_prefix_reaches_every_process_that_joins_the_etcd(etcd_url):
+    manifests = _render(etcd_url=etcd_url, etcd_prefix="/distserve/chat/", planner_replicas=2)
+    for component in ("gateway", "prefill", "decode"):
+        flags = args(deployments(manifests, component)[0], manifests)
+        assert flags["--etcd-prefix"] == "/distserve/chat/", component
+    [planner] = [o for o in objects(manifests) if o["kind"] == "StatefulSet" and "planner" in
+                 o["metadata"]["name"]]  # fmt: skip
+    planner_args = planner["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert planner_args[planner_args.index("--etcd-prefix") + 1] == "/distserve/chat/"
 
 
 @pytest.mark.parametrize(
@@ -170,6 +183,7 @@ def test_an_existing_etcd_renders_none_and_every_process_joins_it():
         ({"etcd_url": "http://etcd:2379/v3"}, "--etcd takes http(s)://HOST:PORT"),
         ({"etcd_url": "http://a:2379,ftp://b:2379"}, "--etcd takes http(s)://HOST:PORT"),
         ({"gateway_replicas": 0}, "--gateway-replicas must be >= 1"),
+        ({"etcd_prefix": "distserve"}, "--etcd-prefix 'distserve': a key prefix between slashes"),
     ],
 )
 def test_an_unusable_gateway_count_or_etcd_url_is_refused_by_name(options, message):

@@ -29,9 +29,8 @@ from distserve.deploy.options import RenderOptions
 from distserve.deploy.render import render
 from distserve.etcd import Etcd
 from services.common import mesh_tls
-from services.common.discovery import DEFAULT_PREFIX
 from services.common.errors import InvalidRequest
-from services.common.etcd_client import EtcdClient
+from services.common.etcd_client import DEFAULT_PREFIX, EtcdClient
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
 from services.planner.__main__ import parse
 from tests.deploy.test_render import HERE, K8S_VERSIONS, ROOT, args, find, load, objects, run_cli
