@@ -60,6 +60,7 @@ def etcd_target(url: str) -> str:
 
 DEFAULT_PREFIX = "/distserve/"  # of the keys of one mesh
 
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """How to reach the mesh's etcd: its members' client URLs (all http:// or all https://) and,

@@ -42,6 +42,13 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--profile", type=Path, help="latency profile (default: published A100)")
     p.add_argument("--colocated-profile", type=Path)
+    p.add_argument(
+        "--plan-files",
+        type=Path,
+        metavar="DIR",
+        help="a Plan request may name model folders (model_spec) and traces (workload "
+        "trace:FILE) under this folder on this host; default: none (presets only)",
+    )
     p.add_argument("--cluster", default="1x8", help="NODESxGPUS[,INTRA_GBS,INTER_GBS]")
     p.add_argument("--workers", type=int, default=0, help="single host: split this many workers")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -139,6 +146,7 @@ def parse(argv: list[str] | None = None) -> PlannerConfig:
         port=a.port,
         profile=a.profile,
         colocated_profile=a.colocated_profile,
+        plan_files=a.plan_files,
         cluster=a.cluster,
         workers=a.workers,
         max_num_seqs=a.max_num_seqs,

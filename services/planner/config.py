@@ -52,6 +52,9 @@ class PlannerConfig:
     port: int = 0  # 0: any free port
     profile: Path | None = None  # latency profile (default: DistServe's published A100 one)
     colocated_profile: Path | None = None
+    # the folder under which a Plan request may name model folders and trace files on this host
+    # (None: it may name none; presets and length distributions only)
+    plan_files: Path | None = None
     cluster: str = "1x8"  # NODESxGPUS[,INTRA_GBS,INTER_GBS], when a request names none
     workers: int = 0
     max_num_seqs: int = 256  # running requests per decode or colocated instance

@@ -7,11 +7,13 @@ import json
 import logging
 import math
 import time
+from pathlib import Path
 
 from services.common import telemetry
 from services.common.election import Election
 from services.common.errors import FailedPrecondition, InvalidRequest, NotFound
 from services.common.gen.distserve.v1 import planner_pb2, planner_pb2_grpc
+from services.common.model_spec import PRESETS
 from services.planner.config import PlannerConfig
 from services.planner.control import ControlLoop
 from services.planner.drift import Drift, Sample
@@ -144,6 +146,28 @@ class _searching:
         self.span.end()
 
 
+def _allowed_file(name: str, field: str, root: Path | None) -> None:
+    """A Plan request reads a file or folder of this host only under --plan-files: anyone who
+    reaches the planner's port would otherwise learn which paths exist here, and parts of what
+    they hold from the parse errors."""
+    what = (
+        f"unknown model {name!r}: give one of {', '.join(PRESETS)}, or a model folder"
+        if field == "model_spec"
+        else f"workload trace {name!r}: a trace file"
+    )
+    if root is None:
+        raise InvalidRequest(
+            f"{what} is read only under the planner's --plan-files DIR, and this planner has none",
+            param=field,
+        )
+    try:  # as it would be opened (a relative name: from the planner's folder), links followed
+        inside = Path(name).resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError):
+        inside = False
+    if not inside:
+        raise InvalidRequest(f"{what} is read only under --plan-files {root}", param=field)
+
+
 def plan_spec(request, config: PlannerConfig) -> PlanSpec:
     """The PlanSpec of a PlanRequest, with the service's defaults for what it leaves out."""
     from services.common.latency import colocated_for_model, for_model
@@ -156,6 +180,11 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
         raise InvalidRequest("model_spec is required", param="model_spec")
     if not (0 < request.ttft_slo_ms < math.inf and 0 < request.tpot_slo_ms < math.inf):
         raise InvalidRequest("ttft_slo_ms and tpot_slo_ms must be positive and finite", "slo")
+    workload = request.workload or "chat"
+    if workload.startswith("trace:"):
+        _allowed_file(workload.removeprefix("trace:"), "workload", config.plan_files)
+    if request.model_spec.lower().removeprefix("facebook/") not in PRESETS:
+        _allowed_file(request.model_spec, "model_spec", config.plan_files)
     model = model_spec(request.model_spec)
     if config.workers:
         cluster = ClusterSpec(1, config.workers)
@@ -164,7 +193,7 @@ def plan_spec(request, config: PlannerConfig) -> PlanSpec:
     return PlanSpec(
         model=model,
         cluster=cluster,
-        workload=parse_workload(request.workload or "chat"),
+        workload=parse_workload(workload),
         slo=Slo(request.ttft_slo_ms / 1000, request.tpot_slo_ms / 1000),
         latency=for_model(model, config.profile),
         colocated_latency=colocated_for_model(model, config.colocated_profile, config.profile),

@@ -159,3 +159,38 @@ def test_single_host_split_follows_the_workload():
     long_prompts = split_for("prompt=fixed:1500,output=fixed:20")
     long_outputs = split_for("prompt=fixed:100,output=fixed:400")
     assert long_prompts[0] > long_outputs[0]  # more prefill workers for prefill-heavy work
+
+
+def test_a_plan_request_reads_files_only_under_plan_files(tiny_model, tmp_path):
+    """A model folder or trace named by a Plan request is read only under --plan-files: without
+    it every path is refused by name, with it those under it are read and others refused (a
+    `..` or a link leading out included)."""
+    import shutil
+
+    from services.common.errors import InvalidRequest
+    from services.planner.config import PlannerConfig
+    from services.planner.servicer import plan_spec
+
+    def request(model: str, workload: str = "chat") -> planner_pb2.PlanRequest:
+        return planner_pb2.PlanRequest(
+            model_spec=model, workload=workload, ttft_slo_ms=400, tpot_slo_ms=40
+        )
+
+    root = tmp_path / "plans"
+    (root / "tiny").mkdir(parents=True)
+    shutil.copy(tiny_model / "config.json", root / "tiny")
+    (root / "link").symlink_to(tiny_model)  # inside, leading out
+    none, inside = PlannerConfig(), PlannerConfig(plan_files=root)
+    for bad in (request(str(root / "tiny")), request("opt-13b", "trace:/etc/hostname")):
+        with pytest.raises(InvalidRequest, match="--plan-files DIR, and this planner has none"):
+            plan_spec(bad, none)
+    assert plan_spec(request("facebook/OPT-13B"), none).model == PRESETS["opt-13b"]
+    assert plan_spec(request(str(root / "tiny")), inside).model.num_layers > 0
+    for outside in (
+        request(str(root / "link")),
+        request(f"{root}/tiny/../../{tiny_model}"),
+        request(str(tiny_model)),
+        request("opt-13b", "trace:/etc/hostname"),
+    ):
+        with pytest.raises(InvalidRequest, match=f"is read only under --plan-files {root}"):
+            plan_spec(outside, inside)
