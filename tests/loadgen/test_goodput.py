@@ -80,17 +80,19 @@ def test_bisection_on_the_mesh_finds_a_passing_rate_below_a_failing_one(shared_m
     assert slo.ttft_s == pytest.approx(g.TTFT_SLO_FACTOR * alone.ttft_s)
     assert slo.tpot_s == pytest.approx(g.TPOT_SLO_FACTOR * alone.tpot_s)
     # Judged by 2.5x the unloaded TTFT: a burst of 20 long prompts (5,000 req/s) must fail it.
+    # The range starts at 2 req/s, where the requests (~0.1 s each) hardly overlap: at 10 the
+    # 2-core host's other work sometimes made more than a tenth miss, and nothing passed.
     slo = Slo(slo.ttft_s / 2, slo.tpot_s)
     s = g.search_goodput(
         lambda r: g.measure(target, base, r, slo, vocab),
         alpha=0.9,
-        rate_lo=10.0,
+        rate_lo=2.0,
         rate_hi=5000.0,
         max_probes=5,
     )
     assert len(s.probes) <= 5
     good = s.at(s.goodput)
-    assert good is not None and good.attainment >= 0.9 and good.errors == 0
+    assert good is not None and good.attainment >= 0.9 and good.errors == 0, s.to_json()
     assert any(p.rate > s.goodput and p.attainment < 0.9 for p in s.probes), s.to_json()
     # An explicit SLO nothing can meet: attainment 0 at the rate that passed.
     assert g.measure(target, base, s.goodput, Slo(1e-6, 1e-6), vocab).attainment == 0.0
