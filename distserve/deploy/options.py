@@ -12,7 +12,7 @@ from distserve.deploy.resources import DEVICES
 from distserve.deploy.secrets import SecretFiles
 from distserve.role_args import RoleArgs
 from services.common.errors import InvalidRequest
-from services.common.etcd_client import EtcdConfig
+from services.common.etcd_client import EtcdConfig, check_prefix
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -108,8 +108,10 @@ class RenderOptions:
                 "drop --etcd: the rendered etcd speaks TLS with the mesh's certificates",
                 "etcd",
             )
-        # InvalidRequest naming --etcd or --etcd-prefix
-        EtcdConfig.parse(self.etcd_url or "http://etcd:2379", prefix=self.etcd_prefix)
+        if self.etcd_url is not None:
+            EtcdConfig.parse(self.etcd_url)  # InvalidRequest naming --etcd
+        if self.etcd_prefix is not None:
+            check_prefix(self.etcd_prefix)
         if not 0 < self.edge_port < 65536:
             raise InvalidRequest(f"edge port {self.edge_port} is not a port", "edge_port")
         s, given = self.secrets, self.secrets.mesh_tls_secret or self.secrets.mesh_tls_cert

@@ -61,6 +61,18 @@ def etcd_target(url: str) -> str:
 DEFAULT_PREFIX = "/distserve/"  # of the keys of one mesh
 
 
+def check_prefix(p: str) -> None:
+    """InvalidRequest naming --etcd-prefix unless `p` is a key prefix between slashes."""
+    if not (p.startswith("/") and p.endswith("/") and 2 < len(p) <= 128 and p.isprintable()):
+        raise InvalidRequest(
+            f"--etcd-prefix {p!r}: a key prefix between slashes, e.g. /distserve/chat/ "
+            "(printable, at most 128 characters)",
+            "etcd_prefix",
+        )
+    if " " in p or "//" in p:
+        raise InvalidRequest(f"--etcd-prefix {p!r}: no spaces or empty segments", "etcd_prefix")
+
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """How to reach the mesh's etcd: its members' client URLs (all http:// or all https://) and,
@@ -78,15 +90,7 @@ class EtcdConfig:
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise InvalidRequest("--etcd: give at least one client URL", "etcd")
-        p = self.prefix
-        if not (p.startswith("/") and p.endswith("/") and 2 < len(p) <= 128 and p.isprintable()):
-            raise InvalidRequest(
-                f"--etcd-prefix {p!r}: a key prefix between slashes, e.g. /distserve/chat/ "
-                "(printable, at most 128 characters)",
-                "etcd_prefix",
-            )
-        if " " in p or "//" in p:
-            raise InvalidRequest(f"--etcd-prefix {p!r}: no spaces or empty segments", "etcd_prefix")
+        check_prefix(self.prefix)
         for url in self.endpoints:
             etcd_target(url)
         schemes = {urlsplit(u).scheme if "://" in u else "http" for u in self.endpoints}
